@@ -1,0 +1,43 @@
+# The verbs of the README. `make serve` and `make test` work from a fresh clone.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install serve test test-deps bench lint format clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints-dev.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints-dev.txt -e '.[dev]'
+	touch $(STAMP)
+
+serve: install
+	$(BIN)/advantage-service serve
+
+# Real services the tests start themselves (on free ports, in temporary directories).
+test-deps:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "installing redis-server (OS package)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
+
+test: install test-deps
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: install
+	$(BIN)/python bench/bench_estimators.py
+
+lint: install
+	$(BIN)/ruff check service tests bench
+	$(BIN)/ruff format --check service tests bench
+	$(BIN)/mypy
+
+format: install
+	$(BIN)/ruff format service tests bench
+	$(BIN)/ruff check --fix service tests bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

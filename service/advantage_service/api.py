@@ -1,0 +1,63 @@
+"""The in-process Python API: the same numbers as the server, without a server."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .estimators import AdvantageResult, TermContext, compute_batch, resolve_device
+from .request import ComputeRequest, parse_request
+from .response import build_response
+
+
+def compute_request(
+    req: ComputeRequest, device: str | torch.device = "auto", context: TermContext | None = None
+) -> AdvantageResult:
+    """Run a decoded request's estimator on ``device``."""
+    return compute_batch(
+        req.batch,
+        req.estimator,
+        device,
+        diagnostics=req.returns,
+        ignore_token_ids=req.ignore_token_ids or None,
+        vocab_size=req.vocab_size,
+        context=context,
+    )
+
+
+def summarize(
+    req: ComputeRequest, device: torch.device, compute_ms: float, history: str = "none"
+) -> dict[str, Any]:
+    batch = req.batch
+    return {
+        "tokens": batch.num_tokens,
+        "rollouts": batch.num_rollouts,
+        "groups": batch.num_groups,
+        "zero_signal_groups": int(batch.zero_signal.sum()) if batch.num_groups else 0,
+        "device": device.type,
+        "compute_ms": round(compute_ms, 3),
+        "history": history,
+    }
+
+
+def compute(request: Mapping[str, Any], device: str = "auto") -> dict[str, Any]:
+    """The HTTP JSON request in, the JSON response out (numpy float32 arrays for lists).
+
+    Raises :class:`advantage_service.RequestError` for a request the service would answer 422.
+    """
+    req = parse_request(request)
+    if req.estimator.terms.get("ktae", {}).get("history", "none") != "none":
+        # History lives in the service's stats store; in-process there is none to read.
+        history = "unavailable"
+    else:
+        history = "none"
+    dev = resolve_device(device)
+    start = time.perf_counter()
+    result = compute_request(req, dev)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    elapsed = (time.perf_counter() - start) * 1000.0
+    return build_response(req, result, summarize(req, dev, elapsed, history))

@@ -1,0 +1,288 @@
+"""The flat ragged batch every layer below the transports works on.
+
+Layout (the one varlen attention kernels use): all rollouts' tokens concatenated into ``tokens``
+(N,), rollout ``i`` owning ``tokens[offsets[i]:offsets[i + 1]]``; ``group_index`` (B,) gives each
+rollout's dense group number into ``group_ids``. No padding anywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import RequestError
+
+# A log-probability may exceed 0 by float rounding in the client's softmax; more is a bug there.
+LOGPROB_TOLERANCE = 1e-4
+# Token ids travel as int32 (as tokenizers and varlen kernels store them).
+INT32_LIMIT = 2**31
+
+
+def _to_tensor(value: Any, dtype: torch.dtype, name: str) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        tensor = value
+    else:
+        try:
+            tensor = torch.as_tensor(np.asarray(value))
+        except (TypeError, ValueError) as exc:
+            raise RequestError(
+                "invalid_type", f"{name} is not a numeric array: {exc}", field=name
+            ) from exc
+    if tensor.dim() != 1:
+        raise RequestError(
+            "invalid_shape",
+            f"{name} must be one-dimensional, got shape {tuple(tensor.shape)}",
+            field=name,
+        )
+    if dtype in (torch.int32, torch.int64) and tensor.is_floating_point():
+        raise RequestError("invalid_type", f"{name} must hold integers", field=name)
+    if tensor.dtype == torch.bool:
+        raise RequestError("invalid_type", f"{name} must be numeric, not boolean", field=name)
+    return tensor.to(dtype)
+
+
+@dataclass(eq=False)
+class RolloutBatch:
+    """Groups of rollouts as flat tensors.
+
+    tokens: int32 (N,); offsets: int64 (B+1,); group_index: int64 (B,) in [0, G);
+    group_ids: G distinct strings; rewards: float32 (B,); logprobs: float32 (N,) or None;
+    teacher_logprobs: condition name -> float32 (N,).
+    """
+
+    tokens: torch.Tensor
+    offsets: torch.Tensor
+    group_index: torch.Tensor
+    group_ids: list[str]
+    rewards: torch.Tensor
+    logprobs: torch.Tensor | None = None
+    teacher_logprobs: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Prompt ids for KTAE history; defaults to the group ids.
+    prompt_ids: list[str] | None = None
+
+    @classmethod
+    def from_flat(
+        cls,
+        tokens: Any,
+        offsets: Any,
+        group_ids: Sequence[str],
+        group_index: Any,
+        rewards: Any,
+        logprobs: Any = None,
+        teacher_logprobs: Mapping[str, Any] | None = None,
+        *,
+        vocab_size: int | None = None,
+    ) -> RolloutBatch:
+        """Build and validate a batch from flat arrays (numpy, torch or lists).
+
+        Raises :class:`RequestError` naming the group, rollout and field of the first problem.
+        """
+        batch = cls(
+            tokens=_to_tensor(tokens, torch.int64, "tokens"),
+            offsets=_to_tensor(offsets, torch.int64, "offsets"),
+            group_index=_to_tensor(group_index, torch.int64, "group_index"),
+            group_ids=[str(g) for g in group_ids],
+            rewards=_to_tensor(rewards, torch.float32, "reward"),
+            logprobs=None if logprobs is None else _to_tensor(logprobs, torch.float32, "logprobs"),
+            teacher_logprobs={
+                str(k): _to_tensor(v, torch.float32, f"teacher_logprobs.{k}")
+                for k, v in (teacher_logprobs or {}).items()
+            },
+        )
+        batch.validate(vocab_size=vocab_size)
+        batch.tokens = batch.tokens.to(torch.int32)
+        return batch
+
+    # ---- sizes -------------------------------------------------------------------------------
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.numel())
+
+    @property
+    def num_rollouts(self) -> int:
+        return int(self.rewards.numel())
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_ids)
+
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
+
+    # ---- derived index tensors (computed once per batch, on its device) ------------------------
+
+    @cached_property
+    def lengths(self) -> torch.Tensor:
+        """int64 (B,): tokens per rollout."""
+        return self.offsets[1:] - self.offsets[:-1]
+
+    @cached_property
+    def rollout_of_token(self) -> torch.Tensor:
+        """int64 (N,): the rollout each token belongs to."""
+        return torch.repeat_interleave(
+            torch.arange(self.num_rollouts, device=self.device),
+            self.lengths,
+            output_size=self.num_tokens,
+        )
+
+    @cached_property
+    def group_sizes(self) -> torch.Tensor:
+        """int64 (G,): rollouts per group."""
+        return torch.bincount(self.group_index, minlength=self.num_groups)
+
+    @cached_property
+    def rank_in_group(self) -> torch.Tensor:
+        """int64 (B,): the rollout's position among its group's rollouts, in batch order."""
+        order = torch.sort(self.group_index, stable=True).indices
+        starts = torch.cumsum(self.group_sizes, 0) - self.group_sizes
+        rank = torch.empty_like(self.group_index)
+        rank[order] = (
+            torch.arange(self.num_rollouts, device=self.device) - starts[self.group_index[order]]
+        )
+        return rank
+
+    @cached_property
+    def zero_signal(self) -> torch.Tensor:
+        """bool (G,): every rollout of the group has the same reward, so GRPO-style estimators
+        give it no signal."""
+        lo = torch.full((self.num_groups,), torch.inf, device=self.device)
+        hi = torch.full((self.num_groups,), -torch.inf, device=self.device)
+        lo = lo.scatter_reduce(0, self.group_index, self.rewards.float(), "amin")
+        hi = hi.scatter_reduce(0, self.group_index, self.rewards.float(), "amax")
+        return lo == hi
+
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        """The same batch on ``device`` (derived tensors are recomputed there lazily)."""
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        return RolloutBatch(
+            tokens=self.tokens.to(device, non_blocking=True),
+            offsets=self.offsets.to(device, non_blocking=True),
+            group_index=self.group_index.to(device, non_blocking=True),
+            group_ids=self.group_ids,
+            rewards=self.rewards.to(device, non_blocking=True),
+            logprobs=None if self.logprobs is None else self.logprobs.to(device, non_blocking=True),
+            teacher_logprobs={
+                k: v.to(device, non_blocking=True) for k, v in self.teacher_logprobs.items()
+            },
+            prompt_ids=self.prompt_ids,
+        )
+
+    # ---- validation ----------------------------------------------------------------------------
+
+    def locate_rollout(self, rollout: int, field: str) -> dict[str, Any]:
+        """Keyword arguments for a RequestError about rollout ``rollout`` (batch index)."""
+        return {
+            "group_id": self.group_ids[int(self.group_index[rollout])],
+            "rollout_index": int(self.rank_in_group[rollout]),
+            "field": field,
+        }
+
+    def token_position(self, position: int) -> tuple[int, int]:
+        """(rollout, index within that rollout) of flat token ``position``."""
+        rollout = int(torch.searchsorted(self.offsets, position, right=True)) - 1
+        return rollout, position - int(self.offsets[rollout])
+
+    def locate_token(self, position: int, field: str) -> dict[str, Any]:
+        return self.locate_rollout(self.token_position(position)[0], field)
+
+    def validate(self, *, vocab_size: int | None = None) -> None:
+        """Check shapes and values; raise RequestError for the first problem found."""
+        n, b, g = self.num_tokens, self.num_rollouts, self.num_groups
+        if self.offsets.numel() != b + 1:
+            raise RequestError(
+                "invalid_shape",
+                f"offsets must have {b + 1} entries (rollouts + 1), got {self.offsets.numel()}",
+                field="offsets",
+            )
+        if self.group_index.numel() != b:
+            raise RequestError(
+                "invalid_shape",
+                f"group_index must have {b} entries, got {self.group_index.numel()}",
+                field="group_index",
+            )
+        if int(self.offsets[0]) != 0 or int(self.offsets[-1]) != n:
+            raise RequestError(
+                "invalid_shape",
+                f"offsets must start at 0 and end at the token count {n}",
+                field="offsets",
+            )
+        if b and bool((self.lengths < 0).any()):
+            raise RequestError("invalid_shape", "offsets must be non-decreasing", field="offsets")
+        if b and (int(self.group_index.min()) < 0 or int(self.group_index.max()) >= g):
+            raise RequestError(
+                "invalid_value", f"group_index must lie in [0, {g})", field="group_index"
+            )
+        seen: dict[str, int] = {}
+        for i, gid in enumerate(self.group_ids):
+            if gid in seen:
+                raise RequestError(
+                    "duplicate_group",
+                    f"group id {gid!r} appears twice (groups {seen[gid]} and {i})",
+                    group_id=gid,
+                    field="id",
+                )
+            seen[gid] = i
+        if g:
+            empty = torch.nonzero(self.group_sizes == 0)
+            if empty.numel():
+                gid = self.group_ids[int(empty[0])]
+                raise RequestError(
+                    "empty_group", f"group {gid!r} has no rollouts", group_id=gid, field="rollouts"
+                )
+        bad = torch.nonzero(~torch.isfinite(self.rewards))
+        if bad.numel():
+            i = int(bad[0])
+            raise RequestError(
+                "invalid_value",
+                f"reward is {float(self.rewards[i])}; it must be finite",
+                **self.locate_rollout(i, "reward"),
+            )
+        if n:
+            bad = torch.nonzero(self.tokens < 0)
+            if bad.numel():
+                p = int(bad[0])
+                raise RequestError(
+                    "token_out_of_range",
+                    f"token id {int(self.tokens[p])} at token {self.token_position(p)[1]} "
+                    "is negative",
+                    **self.locate_token(p, "tokens"),
+                )
+            limit = min(vocab_size, INT32_LIMIT) if vocab_size is not None else INT32_LIMIT
+            if int(self.tokens.max()) >= limit:
+                bad = torch.nonzero(self.tokens >= limit)
+                if bad.numel():
+                    p = int(bad[0])
+                    raise RequestError(
+                        "token_out_of_range",
+                        f"token id {int(self.tokens[p])} at token {self.token_position(p)[1]} is "
+                        f"not below {'vocab_size ' if limit == vocab_size else ''}{limit}",
+                        **self.locate_token(p, "tokens"),
+                    )
+        arrays = {"logprobs": self.logprobs} if self.logprobs is not None else {}
+        arrays.update({f"teacher_logprobs.{k}": v for k, v in self.teacher_logprobs.items()})
+        for name, values in arrays.items():
+            if values.numel() != n:
+                raise RequestError(
+                    "length_mismatch",
+                    f"{name} has {values.numel()} values for {n} tokens",
+                    field=name,
+                )
+            bad = torch.nonzero(~torch.isfinite(values) | (values > LOGPROB_TOLERANCE))
+            if bad.numel():
+                p = int(bad[0])
+                value = float(values[p])
+                why = "must be finite" if not np.isfinite(value) else "is a log-probability above 0"
+                raise RequestError(
+                    "invalid_value",
+                    f"{name} value {value} at token {self.token_position(p)[1]} {why}",
+                    **self.locate_token(p, name),
+                )

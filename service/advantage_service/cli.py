@@ -1,0 +1,74 @@
+"""``advantage-service``: ``serve`` the HTTP/gRPC service, or ``compute`` a JSON request file."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from . import __version__
+
+
+def _compute(args: argparse.Namespace) -> int:
+    from . import jsonio
+    from .api import compute
+    from .errors import RequestError
+
+    try:
+        source = sys.stdin.buffer if args.input == "-" else open(args.input, "rb")  # noqa: SIM115
+    except OSError as exc:
+        print(f"advantage-service: cannot read {args.input}: {exc}", file=sys.stderr)
+        return 2
+    with source:
+        text = source.read()
+    try:
+        response = compute(jsonio.loads(text), device=args.device)
+    except RequestError as exc:
+        print(jsonio.dumps({"error": exc.to_dict()}), file=sys.stderr)
+        return 1
+    out = jsonio.dumps(response) + "\n"
+    if args.output == "-":
+        sys.stdout.write(out)
+    else:
+        with open(args.output, "w") as handle:
+            handle.write(out)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from .transports.server import serve
+    except ImportError:
+        print(
+            "advantage-service: the HTTP server is not part of this build yet; "
+            "use `advantage-service compute`",
+            file=sys.stderr,
+        )
+        return 2
+    return serve(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="advantage-service",
+        description="Model-free per-token advantage estimation (GRPO, RLOO, KTAE, CSCR, OPSD, ...)",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    compute = sub.add_parser("compute", help="compute a JSON request in-process")
+    compute.add_argument("--input", "-i", default="-", help="request JSON file, - for stdin")
+    compute.add_argument("--output", "-o", default="-", help="response JSON file, - for stdout")
+    compute.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    compute.set_defaults(run=_compute)
+    serve = sub.add_parser("serve", help="run the HTTP and gRPC service")
+    serve.set_defaults(run=_serve)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

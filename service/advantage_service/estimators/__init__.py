@@ -1,0 +1,25 @@
+"""Estimators: pure torch functions over the flat batch, registered by name.
+
+Importing this package registers every outcome baseline and term (the modules register
+themselves); nothing else dispatches on names.
+"""
+
+# Registration order is the order terms appear in resolved estimators: ktae, cscr, opsd.
+from . import baselines, ktae, cscr, opsd  # noqa: F401, I001  (registration side effects)
+from .pipeline import AdvantageResult, compute_batch, resolve_device, whiten
+from .registry import OUTCOMES, TERMS, Param, TermContext
+from .spec import EstimatorSpec, presets, resolve_estimator
+
+__all__ = [
+    "OUTCOMES",
+    "TERMS",
+    "AdvantageResult",
+    "EstimatorSpec",
+    "Param",
+    "TermContext",
+    "compute_batch",
+    "presets",
+    "resolve_device",
+    "resolve_estimator",
+    "whiten",
+]

@@ -1,0 +1,164 @@
+"""Outcome baselines: one scalar advantage a_i per rollout from the group's rewards.
+
+Each reproduces verl's ``core_algos`` estimator of the same name (rloo: the vectorized variant).
+Group statistics are segment sums over ``group_index``; a group of one rollout has mean 0 and
+std 1 (verl's convention). All functions return float64 (B,).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..batch import RolloutBatch
+from .registry import Param, register_outcome
+
+NORM_PARAMS = (
+    Param("norm_by_std", bool, True, "divide by the group's sample standard deviation"),
+    Param("epsilon", float, 1e-6, "added to the standard deviation", minimum=0.0),
+)
+
+
+def group_sum(batch: RolloutBatch, values: torch.Tensor) -> torch.Tensor:
+    """(G,) sums of per-rollout ``values`` (B,) over each group."""
+    out = torch.zeros(batch.num_groups, dtype=values.dtype, device=values.device)
+    return out.index_add_(0, batch.group_index, values)
+
+
+def group_mean_std(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group (mean, sample std) of the rewards, float64 (G,); (0, 1) for a group of one."""
+    r = batch.rewards.double()
+    n = batch.group_sizes.double()
+    mean = group_sum(batch, r) / n
+    # Two passes (deviations from the mean) keep the variance exact for large rewards.
+    sq = group_sum(batch, (r - mean[batch.group_index]) ** 2)
+    std = torch.sqrt(sq / (n - 1).clamp(min=1))
+    single = batch.group_sizes == 1
+    return mean.masked_fill(single, 0.0), std.masked_fill(single, 1.0)
+
+
+def centered(batch: RolloutBatch) -> torch.Tensor:
+    """r_i - mean_g, float64 (B,)."""
+    mean, _ = group_mean_std(batch)
+    return batch.rewards.double() - mean[batch.group_index]
+
+
+@register_outcome(
+    "grpo",
+    formula="a_i = (r_i - mean_g) / (std_g + eps)",
+    paper="Shao et al. 2024, DeepSeekMath (GRPO)",
+    params=NORM_PARAMS,
+)
+def grpo(batch: RolloutBatch, params: Mapping[str, Any]) -> torch.Tensor:
+    """Group-normalised reward: the GRPO outcome advantage."""
+    mean, std = group_mean_std(batch)
+    a = batch.rewards.double() - mean[batch.group_index]
+    if params["norm_by_std"]:
+        a = a / (std[batch.group_index] + params["epsilon"])
+    return a
+
+
+@register_outcome(
+    "dr_grpo",
+    formula="a_i = r_i - mean_g",
+    paper="Liu et al. 2025, Understanding R1-Zero-Like Training (Dr. GRPO)",
+)
+def dr_grpo(batch: RolloutBatch, params: Mapping[str, Any]) -> torch.Tensor:
+    """GRPO without the division by the group's standard deviation."""
+    return centered(batch)
+
+
+@register_outcome(
+    "rloo",
+    formula="a_i = (n r_i - sum_g r) / (n - 1); 0 for a group of one",
+    paper="Ahmadian et al. 2024, Back to Basics: REINFORCE Leave-One-Out",
+)
+def rloo(batch: RolloutBatch, params: Mapping[str, Any]) -> torch.Tensor:
+    """Reward minus the mean of the other rollouts of the group."""
+    r = batch.rewards.double()
+    n = batch.group_sizes.double()[batch.group_index]
+    total = group_sum(batch, r)[batch.group_index]
+    return torch.where(n > 1, (n * r - total) / (n - 1).clamp(min=1), torch.zeros_like(r))
+
+
+@register_outcome(
+    "reinforce",
+    formula="a_i = r_i",
+    paper="Williams 1992, REINFORCE",
+)
+def reinforce(batch: RolloutBatch, params: Mapping[str, Any]) -> torch.Tensor:
+    """The raw reward, no baseline."""
+    return batch.rewards.double()
+
+
+@register_outcome(
+    "reinforce_pp_baseline",
+    formula="a_i = r_i - mean_g, then whitening over the request's tokens (on by default)",
+    paper="Hu 2025, REINFORCE++ (with group baseline)",
+    whiten_default=True,
+)
+def reinforce_pp_baseline(batch: RolloutBatch, params: Mapping[str, Any]) -> torch.Tensor:
+    """Group-mean baseline; the pipeline whitens the token advantages by default."""
+    return centered(batch)
+
+
+@register_outcome(
+    "opo",
+    formula="a_i = r_i - sum_j T_j r_j / sum_j T_j (length-weighted group mean)",
+    paper="Hao et al. 2025, On-Policy RL with Optimal Reward Baseline (OPO)",
+)
+def opo(batch: RolloutBatch, params: Mapping[str, Any]) -> torch.Tensor:
+    """Reward minus the length-weighted mean reward of the group."""
+    r = batch.rewards.double()
+    t = batch.lengths.double()
+    weighted = group_sum(batch, t * r)
+    total_len = group_sum(batch, t)
+    mean, _ = group_mean_std(batch)
+    # A group of only empty rollouts has no length weights: fall back to the plain mean.
+    b = torch.where(total_len > 0, weighted / total_len.clamp(min=1), mean)
+    b = b.masked_fill(batch.group_sizes == 1, 0.0)
+    return r - b[batch.group_index]
+
+
+@register_outcome(
+    "gpg",
+    formula="a_i = alpha (r_i - mean_g), alpha = B / max(1, #{i : r_i != 0})",
+    paper="Chu et al. 2025, GPG: A Simple and Strong Reinforcement Learning Baseline",
+)
+def gpg(batch: RolloutBatch, params: Mapping[str, Any]) -> torch.Tensor:
+    """Group-mean baseline scaled up by the share of rollouts that carry a reward."""
+    nonzero = int((batch.rewards != 0).sum())
+    alpha = batch.num_rollouts / max(1, nonzero)
+    return alpha * centered(batch)
+
+
+@register_outcome(
+    "grpo_passk",
+    formula="best rollout: (r_max - r_second) / (std_g + eps); every other rollout: 0",
+    paper="Chen et al. 2025, Pass@k Training for Adaptively Balancing Exploration",
+    params=NORM_PARAMS,
+    min_group_size=2,
+)
+def grpo_passk(batch: RolloutBatch, params: Mapping[str, Any]) -> torch.Tensor:
+    """Only the group's best rollout is credited, by its margin over the runner-up."""
+    r = batch.rewards.double()
+    g, b = batch.num_groups, batch.num_rollouts
+    idx = torch.arange(b, device=r.device)
+    best_value = torch.full((g,), -torch.inf, dtype=r.dtype, device=r.device)
+    best_value = best_value.scatter_reduce(0, batch.group_index, r, "amax")
+    # Ties go to the lowest rollout index: the smallest index among those at the maximum.
+    at_max = r == best_value[batch.group_index]
+    candidate = torch.where(at_max, idx, torch.full_like(idx, b))
+    best_index = torch.full((g,), b, dtype=idx.dtype, device=r.device)
+    best_index = best_index.scatter_reduce(0, batch.group_index, candidate, "amin")
+    is_best = idx == best_index[batch.group_index]
+    others = torch.where(is_best, torch.full_like(r, -torch.inf), r)
+    second = torch.full((g,), -torch.inf, dtype=r.dtype, device=r.device)
+    second = second.scatter_reduce(0, batch.group_index, others, "amax")
+    margin = best_value - second
+    if params["norm_by_std"]:
+        _, std = group_mean_std(batch)
+        margin = margin / (std + params["epsilon"])
+    return torch.where(is_best, margin[batch.group_index], torch.zeros_like(r))

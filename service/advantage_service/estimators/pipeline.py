@@ -1,0 +1,151 @@
+"""The one formula: A_it = a_i w_it + sum_k c_k b^(k)_it, then optional whitening and clipping."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..batch import RolloutBatch
+from ..errors import RequestError
+from .registry import OUTCOMES, TERMS, TermContext
+from .spec import EstimatorSpec, resolve_estimator
+
+WHITEN_EPS = 1e-8
+PER_ROLLOUT_DIAGNOSTICS = ("scalar",)
+
+
+def all_diagnostics() -> tuple[str, ...]:
+    """Every diagnostic a request may ask for in ``return``."""
+    return PER_ROLLOUT_DIAGNOSTICS + tuple(d for t in TERMS.values() for d in t.diagnostics)
+
+
+@dataclass
+class AdvantageResult:
+    """Per-token advantages (N,) float32, per-rollout scalars (B,) float32, requested
+    diagnostics (name -> (N,) float32), on the device they were computed on."""
+
+    advantages: torch.Tensor
+    scalars: torch.Tensor
+    diagnostics: dict[str, torch.Tensor] = field(default_factory=dict)
+    estimator: EstimatorSpec | None = None
+    # Term by-products other layers use (KTAE tables for history and statistics).
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``auto`` is CUDA when available, else the CPU."""
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise RequestError("invalid_parameter", f"unknown device {device!r}", field="device")
+    return torch.device(device)
+
+
+def whiten(values: torch.Tensor) -> torch.Tensor:
+    """(A - mean) / sqrt(var + 1e-8) over all values, var unbiased (0 for fewer than 2)."""
+    if values.numel() == 0:
+        return values
+    var = values.var(unbiased=True) if values.numel() > 1 else values.new_zeros(())
+    return (values - values.mean()) / torch.sqrt(var + WHITEN_EPS)
+
+
+def check_inputs(batch: RolloutBatch, spec: EstimatorSpec, diagnostics: Iterable[str]) -> None:
+    """Raise RequestError when the batch lacks what the estimator or diagnostics need."""
+    outcome = OUTCOMES[spec.outcome]
+    if outcome.min_group_size > 1 and batch.num_groups:
+        small = torch.nonzero(batch.group_sizes < outcome.min_group_size)
+        if small.numel():
+            gid = batch.group_ids[int(small[0])]
+            raise RequestError(
+                "group_too_small",
+                f"{spec.outcome} needs at least {outcome.min_group_size} rollouts per group; "
+                f"group {gid!r} has {int(batch.group_sizes[int(small[0])])}",
+                group_id=gid,
+                field="rollouts",
+            )
+    for name, params in spec.terms.items():
+        for need, field_name in TERMS[name].requires(params).items():
+            if need == "logprobs":
+                present = batch.logprobs is not None
+            else:
+                present = need.removeprefix("teacher:") in batch.teacher_logprobs
+            if not present:
+                raise RequestError(
+                    "missing_input",
+                    f"estimator term {name!r} needs {field_name} on every rollout",
+                    field=field_name,
+                )
+    available = set(PER_ROLLOUT_DIAGNOSTICS)
+    for name in spec.terms:
+        available.update(TERMS[name].diagnostics)
+    for d in diagnostics:
+        if d not in available:
+            known = all_diagnostics()
+            why = (
+                "its term is not enabled in the estimator"
+                if d in known
+                else f"known diagnostics: {list(known)}"
+            )
+            raise RequestError("invalid_parameter", f"cannot return {d!r}: {why}", field="return")
+
+
+def compute_batch(
+    batch: RolloutBatch,
+    estimator: str | Mapping[str, Any] | EstimatorSpec | None = None,
+    device: str | torch.device = "cpu",
+    *,
+    diagnostics: Iterable[str] | None = None,
+    ignore_token_ids: Any = None,
+    vocab_size: int | None = None,
+    context: TermContext | None = None,
+) -> AdvantageResult:
+    """Per-token advantages for a validated flat batch.
+
+    ``diagnostics``: names to return (None: every diagnostic the enabled terms produce).
+    Returns tensors on ``device`` (``auto``: CUDA when available).
+    """
+    spec = resolve_estimator(estimator)
+    wanted = (
+        tuple(diagnostics)
+        if diagnostics is not None
+        else PER_ROLLOUT_DIAGNOSTICS + tuple(d for t in spec.terms for d in TERMS[t].diagnostics)
+    )
+    check_inputs(batch, spec, wanted)
+    dev = resolve_device(device)
+    batch = batch.to(dev)
+    ctx = context or TermContext()
+    if ignore_token_ids is not None:
+        ctx.ignore_token_ids = torch.as_tensor(ignore_token_ids, dtype=torch.int64, device=dev)
+    ctx.vocab_size = vocab_size
+
+    scalars = OUTCOMES[spec.outcome].fn(batch, spec.outcome_params)  # float64 (B,)
+    # a_i w_it + sum_k c_k b_it: weights scale only the outcome term, never a bonus.
+    credit = scalars[batch.rollout_of_token]
+    bonus = torch.zeros_like(credit)
+    produced: dict[str, torch.Tensor] = {}
+    extras: dict[str, Any] = {}
+    for name, params in spec.terms.items():
+        out = TERMS[name].fn(batch, params, ctx)
+        if out.weight is not None:
+            credit = credit * out.weight
+        if out.bonus is not None:
+            bonus = bonus + out.bonus
+        produced.update(out.diagnostics)
+        extras.update({f"{name}.{k}": v for k, v in out.extras.items()})
+    advantages = credit + bonus
+    if spec.whiten:
+        advantages = whiten(advantages)
+    if spec.clip is not None:
+        advantages = advantages.clamp(-spec.clip, spec.clip)
+    return AdvantageResult(
+        advantages=advantages.float(),
+        scalars=scalars.float(),
+        diagnostics={d: produced[d].float() for d in wanted if d != "scalar"},
+        estimator=spec,
+        extras=extras,
+    )

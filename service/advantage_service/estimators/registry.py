@@ -1,0 +1,240 @@
+"""Registries of outcome baselines and token terms, their parameters, and preset resolution.
+
+Each estimator module registers itself with the decorator here; nothing dispatches on names
+anywhere else. Parameter declarations are the single source for validation, defaults and the
+``GET /v1/estimators`` listing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..batch import RolloutBatch
+from ..errors import RequestError
+
+
+@dataclass(frozen=True)
+class Param:
+    """One estimator parameter: its type, default and allowed range."""
+
+    name: str
+    kind: type  # bool, float or str
+    default: Any
+    doc: str
+    minimum: float | None = None
+    maximum: float | None = None
+    exclusive_minimum: bool = False
+    choices: tuple[str, ...] | None = None
+    nullable: bool = False
+
+    def coerce(self, value: Any, where: str) -> Any:
+        """``value`` checked against this parameter; raises RequestError naming ``where``."""
+        if value is None:
+            if self.nullable:
+                return None
+            raise RequestError("invalid_parameter", f"{where} may not be null", field=where)
+        if self.kind is bool:
+            if not isinstance(value, bool):
+                raise RequestError(
+                    "invalid_parameter",
+                    f"{where} must be true or false, got {value!r}",
+                    field=where,
+                )
+            return value
+        if self.kind is str:
+            if not isinstance(value, str):
+                raise RequestError(
+                    "invalid_parameter", f"{where} must be a string, got {value!r}", field=where
+                )
+            if self.choices is not None and value not in self.choices:
+                raise RequestError(
+                    "out_of_range",
+                    f"{where} must be one of {list(self.choices)}, got {value!r}",
+                    field=where,
+                )
+            return value
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise RequestError(
+                "invalid_parameter", f"{where} must be a number, got {value!r}", field=where
+            )
+        number = float(value)
+        if not math.isfinite(number):
+            raise RequestError(
+                "out_of_range", f"{where} must be finite, got {value!r}", field=where
+            )
+        if self.minimum is not None and (
+            number < self.minimum or (self.exclusive_minimum and number == self.minimum)
+        ):
+            bound = ">" if self.exclusive_minimum else ">="
+            raise RequestError(
+                "out_of_range",
+                f"{where} must be {bound} {self.minimum:g}, got {value!r}",
+                field=where,
+            )
+        if self.maximum is not None and number > self.maximum:
+            raise RequestError(
+                "out_of_range", f"{where} must be <= {self.maximum:g}, got {value!r}", field=where
+            )
+        return number
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "name": self.name,
+            "type": {bool: "boolean", float: "number", str: "string"}[self.kind],
+            "default": self.default,
+            "description": self.doc,
+            "nullable": self.nullable,
+        }
+        if self.minimum is not None:
+            out["exclusive_minimum" if self.exclusive_minimum else "minimum"] = self.minimum
+        if self.maximum is not None:
+            out["maximum"] = self.maximum
+        if self.choices is not None:
+            out["choices"] = list(self.choices)
+        return out
+
+
+def resolve_params(
+    params: tuple[Param, ...], given: Mapping[str, Any], where: str, skip: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """Defaults merged with ``given``; unknown names and bad values raise RequestError."""
+    known = {p.name: p for p in params}
+    for name in given:
+        if name not in known and name not in skip:
+            raise RequestError(
+                "unknown_parameter",
+                f"{where} has no parameter {name!r}; known: {sorted(known) or 'none'}",
+                field=f"{where}.{name}",
+            )
+    return {
+        p.name: p.coerce(given[p.name], f"{where}.{p.name}") if p.name in given else p.default
+        for p in params
+    }
+
+
+# ---- outcome baselines ---------------------------------------------------------------------------
+
+OutcomeFn = Callable[[RolloutBatch, Mapping[str, Any]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A scalar-per-rollout baseline a_i. ``fn(batch, params) -> float64 (B,)``."""
+
+    name: str
+    fn: OutcomeFn
+    params: tuple[Param, ...]
+    doc: str
+    formula: str
+    paper: str
+    whiten_default: bool = False
+    min_group_size: int = 1
+
+
+OUTCOMES: dict[str, Outcome] = {}
+
+
+def register_outcome(
+    name: str,
+    *,
+    formula: str,
+    paper: str,
+    params: tuple[Param, ...] = (),
+    whiten_default: bool = False,
+    min_group_size: int = 1,
+) -> Callable[[OutcomeFn], OutcomeFn]:
+    def decorate(fn: OutcomeFn) -> OutcomeFn:
+        OUTCOMES[name] = Outcome(
+            name,
+            fn,
+            params,
+            (fn.__doc__ or "").strip().split("\n")[0],
+            formula,
+            paper,
+            whiten_default,
+            min_group_size,
+        )
+        return fn
+
+    return decorate
+
+
+# ---- token terms ---------------------------------------------------------------------------------
+
+
+@dataclass
+class TermContext:
+    """Request-level inputs a term may need besides the batch and its own parameters."""
+
+    ignore_token_ids: torch.Tensor | None = None  # int64 (K,) on the batch's device
+    vocab_size: int | None = None
+    # KTAE history merged into the current counts (see stats/); None keeps reference parity.
+    ktae_prior: Any = None
+    # Keep every group's KTAE tables (for history and statistics), not only those with contrast.
+    collect_ktae_tables: bool = False
+
+
+@dataclass
+class TermOutput:
+    """What a term contributes: a multiplicative credit weight and/or an additive bonus, (N,)."""
+
+    weight: torch.Tensor | None = None
+    bonus: torch.Tensor | None = None
+    diagnostics: dict[str, torch.Tensor] = field(default_factory=dict)
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+TermFn = Callable[[RolloutBatch, Mapping[str, Any], TermContext], TermOutput]
+TermCheck = Callable[[Mapping[str, Any], str], None]
+
+
+@dataclass(frozen=True)
+class Term:
+    """A per-token credit term (KTAE, CSCR, OPSD): ``fn(batch, params, ctx) -> TermOutput``."""
+
+    name: str
+    fn: TermFn
+    params: tuple[Param, ...]
+    doc: str
+    formula: str
+    paper: str
+    diagnostics: tuple[str, ...]
+    requires: Callable[[Mapping[str, Any]], dict[str, str]]
+    check: TermCheck | None = None
+
+
+TERMS: dict[str, Term] = {}
+
+
+def register_term(
+    name: str,
+    *,
+    formula: str,
+    paper: str,
+    params: tuple[Param, ...],
+    diagnostics: tuple[str, ...],
+    requires: Callable[[Mapping[str, Any]], dict[str, str]],
+    check: TermCheck | None = None,
+) -> Callable[[TermFn], TermFn]:
+    """``requires(params)`` maps each batch input the term needs to a field name for errors."""
+
+    def decorate(fn: TermFn) -> TermFn:
+        TERMS[name] = Term(
+            name,
+            fn,
+            params,
+            (fn.__doc__ or "").strip().split("\n")[0],
+            formula,
+            paper,
+            diagnostics,
+            requires,
+            check,
+        )
+        return fn
+
+    return decorate

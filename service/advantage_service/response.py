@@ -1,0 +1,47 @@
+"""The JSON response contract: per-rollout arrays cut from the flat result, plus a summary."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .estimators import AdvantageResult
+from .request import ComputeRequest
+
+
+def split_per_rollout(values: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:
+    """Views of ``values`` (N,) for each rollout, by ``offsets`` (B+1,)."""
+    return np.split(values, offsets[1:-1]) if offsets.size > 1 else []
+
+
+def build_response(
+    req: ComputeRequest, result: AdvantageResult, summary: dict[str, Any]
+) -> dict[str, Any]:
+    """The response object with numpy float32 arrays (the JSON transport lists them)."""
+    batch = req.batch
+    offsets = batch.offsets.cpu().numpy()
+    columns: dict[str, list[Any]] = {
+        "advantages": split_per_rollout(result.advantages.cpu().numpy(), offsets)
+    }
+    for name in req.returns:
+        if name == "scalar":
+            columns["scalar"] = result.scalars.cpu().numpy().tolist()
+        else:
+            columns[name] = split_per_rollout(result.diagnostics[name].cpu().numpy(), offsets)
+    rows = [
+        dict(zip(columns, values, strict=True)) for values in zip(*columns.values(), strict=True)
+    ]
+    sizes = batch.group_sizes.cpu().tolist()
+    groups = []
+    start = 0
+    for gid, size in zip(batch.group_ids, sizes, strict=True):
+        groups.append({"id": gid, "rollouts": rows[start : start + size]})
+        start += size
+    return {
+        "request_id": req.request_id,
+        "namespace": req.namespace,
+        "estimator": req.estimator.to_dict(),
+        "groups": groups,
+        "summary": summary,
+    }
