@@ -21,11 +21,13 @@ import torch
 from ..batch import RolloutBatch
 from ..errors import RequestError
 from .baselines import group_sum
-from .fisher import fisher_two_sided
+from .fisher import fisher_two_sided, pvalue_grid
 from .registry import Param, TermContext, TermOutput, register_term
 
 # "p is 1" within float rounding: such a token carries no evidence, so its Fisher factor is 0.
 P_IS_ONE = 1.0 - 1e-6
+# Bits of the packed sort key: int64 without the sign bit (negative keys mark dropped tokens).
+KEY_BITS = 63
 # The reference's floor in the term-frequency ratio; it lets z reach ~1e5 (hence tanh, not exp).
 TF_FLOOR = 1e-5
 
@@ -107,29 +109,85 @@ def tf_saturation(
     return torch.where(f > 0, f * (k1 + 1.0) / (f + k).clamp(min=1e-300), torch.zeros_like(f))
 
 
-def key_token_score(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    n_c: torch.Tensor,
-    n_w: torch.Tensor,
+def tf_contrast(
     occ_c: torch.Tensor,
     occ_w: torch.Tensor,
     len_c: torch.Tensor,
     len_w: torch.Tensor,
+    k1: float,
+    b: float,
+) -> torch.Tensor:
+    """s_C / (s_W + 1e-5) - s_W / (s_C + 1e-5): does v occur more densely in correct rollouts?"""
+    avg = (len_c + len_w) / 2.0
+    s_c = tf_saturation(occ_c, len_c, avg, k1, b)
+    s_w = tf_saturation(occ_w, len_w, avg, k1, b)
+    return s_c / (s_w + TF_FLOOR) - s_w / (s_c + TF_FLOOR)
+
+
+def association(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    n_c: torch.Tensor,
+    n_w: torch.Tensor,
     p: torch.Tensor,
     params: Mapping[str, Any],
-) -> torch.Tensor:
-    """kt = scale * tanh(z / 2), z = (w_F F + w_IG IG) x / (w_F + w_IG)  (steps 2-7)."""
-    x = cohens_h(a, b, n_c, n_w)
-    if params["tf"]:
-        avg = (len_c + len_w) / 2.0
-        s_c = tf_saturation(occ_c, len_c, avg, params["tf_k1"], params["tf_b"])
-        s_w = tf_saturation(occ_w, len_w, avg, params["tf_k1"], params["tf_b"])
-        x = x + s_c / (s_w + TF_FLOOR) - s_w / (s_c + TF_FLOOR)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(strength, direction) of a table: ((w_F F + w_IG IG) / (w_F + w_IG), Cohen's h).
+
+    0 for both where the group has no contrast (no correct or no wrong rollout)."""
     w_f, w_ig = params["fisher_weight"], params["ig_weight"]
-    strength = w_f * fisher_factor(p) + w_ig * information_gain(a, b, n_c, n_w)
-    z = strength * x / (w_f + w_ig)
-    return params["scale"] * torch.tanh(z / 2.0)
+    strength = (w_f * fisher_factor(p) + w_ig * information_gain(a, b, n_c, n_w)) / (w_f + w_ig)
+    contrast = (n_c > 0) & (n_w > 0)
+    zero = torch.zeros_like(strength)
+    return torch.where(contrast, strength, zero), torch.where(
+        contrast, cohens_h(a, b, n_c, n_w), zero
+    )
+
+
+def key_token_score(
+    strength: torch.Tensor, h: torch.Tensor, tf: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """kt = scale tanh(z / 2), z = strength (h + tf contrast)  (steps 5-7)."""
+    x = h if tf is None else h + tf
+    # (+ 0.0 turns tanh(-0) into 0 so JSON shows no negative zeros)
+    return scale * torch.tanh(strength * x / 2.0) + 0.0
+
+
+def association_lookup(
+    n_c: torch.Tensor,
+    n_w: torch.Tensor,
+    group: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    params: Mapping[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`association` for whole-number tables, evaluated once per possible table.
+
+    n_c, n_w: per-group float64 (G,) whole numbers; group, a, b: per-table (M,). A group's tables
+    all share its margins and have cells of at most the group size, so the Fisher p-value,
+    information gain and Cohen's h are computed on the small grid of possible tables per distinct
+    margin pair and gathered, instead of once per (group, token).
+    """
+    c1, c2 = n_c.long(), n_w.long()
+    stride = int(c2.max()) + 1
+    margins, margin_of_group = torch.unique(c1 * stride + c2, return_inverse=True)
+    m1, m2 = margins // stride, margins % stride
+    p = pvalue_grid(m1, m2)  # (P, K, X): [margin, a + b, a]
+    _, k_count, x_count = p.shape
+    dev = p.device
+    a_grid = torch.arange(x_count, dtype=torch.float64, device=dev)[None, None, :]
+    k_grid = torch.arange(k_count, dtype=torch.float64, device=dev)[None, :, None]
+    b_grid = (k_grid - a_grid).clamp(min=0)
+    strength, h = association(
+        a_grid.expand_as(p),
+        b_grid.expand_as(p),
+        m1.double()[:, None, None].expand_as(p),
+        m2.double()[:, None, None].expand_as(p),
+        p,
+        params,
+    )
+    at = (margin_of_group[group] * k_count + (a + b).long()) * x_count + a.long()
+    return strength.reshape(-1)[at], h.reshape(-1)[at]
 
 
 # ---- the batched contingency tables -----------------------------------------------------------
@@ -137,11 +195,11 @@ def key_token_score(
 
 @dataclass
 class KeyTokenTables:
-    """Contingency counts per (group, token id) present in the batch, float64 (M,) unless noted.
+    """Contingency counts per (group, token id) present in the batch.
 
-    ``group``/``token``: int64 (M,); ``a``/``b``: correct/wrong rollouts containing the token;
-    ``occ_c``/``occ_w``: its occurrences in them. ``positions``: int64 (K,) flat token positions
-    that were tabulated, ``table``: int64 (K,) the table each belongs to.
+    ``group``/``token``: int64 (M,); float64 (M,): ``a``/``b`` correct/wrong rollouts containing
+    the token, ``occ_c``/``occ_w`` its occurrences in them. ``order``, ``run`` and ``keep`` map
+    per-table values back to token positions (:meth:`spread`).
     """
 
     group: torch.Tensor
@@ -150,53 +208,112 @@ class KeyTokenTables:
     b: torch.Tensor
     occ_c: torch.Tensor
     occ_w: torch.Tensor
-    positions: torch.Tensor
-    table: torch.Tensor
+    order: torch.Tensor
+    run: torch.Tensor
+    keep: torch.Tensor | None
+    num_tokens: int
+
+    def spread(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-table ``values`` (M,) -> per-token (N,), 0 at tokens that were not tabulated."""
+        kept = torch.empty(self.order.numel(), dtype=values.dtype, device=values.device)
+        kept[self.order] = torch.repeat_interleave(values, self.run, output_size=kept.numel())
+        if self.keep is None:
+            return kept
+        out = torch.zeros(self.num_tokens, dtype=values.dtype, device=values.device)
+        return out.masked_scatter_(self.keep, kept)
 
 
-def tabulate(batch: RolloutBatch, correct: torch.Tensor, keep: torch.Tensor) -> KeyTokenTables:
-    """Contingency tables of every (group, token id) over the tokens where ``keep`` (bool (N,))."""
-    device = batch.device
-    positions = torch.nonzero(keep).squeeze(1)
-    rollout = batch.rollout_of_token[positions]
-    token = batch.tokens[positions].long()
-    # One int64 key per token: group | token id | rank of the rollout in its group, bit-packed so
-    # that sorting groups equal tables together with their rollouts adjacent inside.
-    rank_bits = max(1, int(batch.group_sizes.max()).bit_length())
-    vocab_bits = max(1, (int(token.max()) + 1).bit_length() if token.numel() else 1)
-    group_bits = max(1, batch.num_groups.bit_length())
-    if rank_bits + vocab_bits + group_bits > 62:  # only with huge ids: densify them first
-        _, token = torch.unique(token, return_inverse=True)
-        vocab_bits = max(1, (int(token.max()) + 1).bit_length())
-    group = batch.group_index[rollout]
-    key = (group << (vocab_bits + rank_bits)) | (token << rank_bits) | batch.rank_in_group[rollout]
+def _segment_sums(flags: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Sum of ``flags`` over each run [starts, ends) of the sorted positions, float64 (M,)."""
+    total = torch.zeros(flags.numel() + 1, dtype=torch.int32, device=flags.device)
+    torch.cumsum(flags, 0, dtype=torch.int32, out=total[1:])
+    return (total[ends] - total[starts]).double()
+
+
+def _expand_ints(batch: RolloutBatch, values: torch.Tensor) -> torch.Tensor:
+    """Per-rollout int64 ``values`` (B,) repeated over each rollout's tokens (N,).
+
+    A scatter of differences at rollout starts and one cumulative sum: cheaper than the gather
+    ``repeat_interleave`` does, and exact for integers.
+    """
+    nonempty = batch.lengths > 0
+    starts = batch.offsets[:-1][nonempty]
+    vals = values[nonempty]
+    delta = vals.clone()
+    delta[1:] -= vals[:-1]
+    out = torch.zeros(batch.num_tokens, dtype=torch.int64, device=values.device)
+    out[starts] = delta
+    return torch.cumsum(out, 0, out=out)
+
+
+def tabulate(
+    batch: RolloutBatch,
+    correct: torch.Tensor,
+    drop: torch.Tensor | None = None,
+    ignore: torch.Tensor | None = None,
+) -> KeyTokenTables:
+    """Contingency tables of every (group, token id).
+
+    correct: bool (B,). Tokens of rollouts where ``drop`` (bool (B,)) and token ids in ``ignore``
+    are left out of the tables.
+    """
+    tokens = batch.tokens.to(torch.int64, copy=True)  # modified in place below
+    vocab = None
+    # One int64 key per token, bit-packed as group | token id | correct | rank of the rollout in
+    # its group. Sorting it puts each table's tokens in one run, wrong before correct rollouts,
+    # and the tokens of one rollout next to each other.
+    rank_bits = max(1, (int(batch.group_sizes.max()) - 1).bit_length())
+    group_bits = max(1, (batch.num_groups - 1).bit_length())
+    vocab_bits = max(1, int(tokens.max()).bit_length()) if tokens.numel() else 1
+    if group_bits + vocab_bits + 1 + rank_bits > KEY_BITS:  # huge ids: densify them first
+        vocab, tokens = torch.unique(tokens, return_inverse=True)
+        vocab_bits = max(1, (vocab.numel() - 1).bit_length())
+    low_bits = 1 + rank_bits
+    prefix = (
+        (batch.group_index << (vocab_bits + low_bits))
+        | (correct.long() << rank_bits)
+        | batch.rank_in_group
+    )
+    if drop is not None:
+        prefix = prefix.masked_fill(drop, -1)  # a sign bit no real key has
+    key = _expand_ints(batch, prefix)
+    keep = key >= 0 if drop is not None else None
+    if ignore is not None and ignore.numel():
+        not_ignored = ~torch.isin(batch.tokens, ignore.to(batch.tokens.dtype))
+        keep = not_ignored if keep is None else keep & not_ignored
+    # (a multiply, not <<: the shift has no vectorised CPU kernel)
+    key |= tokens.mul_(1 << low_bits)
+    if keep is not None:
+        key = key[keep]
     key, order = torch.sort(key)
     table_key = key >> rank_bits
+    is_correct = table_key & 1
+    table_key >>= 1
     new_table = torch.ones_like(key, dtype=torch.bool)
-    new_table[1:] = table_key[1:] != table_key[:-1]
+    torch.ne(table_key[1:], table_key[:-1], out=new_table[1:])
     new_rollout = torch.ones_like(new_table)
-    new_rollout[1:] = key[1:] != key[:-1]
-    table = torch.cumsum(new_table, 0) - 1
-    m = int(table[-1]) + 1 if table.numel() else 0
-    is_correct = correct[rollout[order]].double()
-    contains = new_rollout.double()
-
-    def per_table(weights: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(m, dtype=torch.float64, device=device).index_add_(0, table, weights)
-
-    occ = per_table(torch.ones_like(is_correct))
-    a = per_table(contains * is_correct)
-    occ_c = per_table(is_correct)
-    heads = table_key[new_table]
+    torch.ne(key[1:], key[:-1], out=new_rollout[1:])
+    starts = torch.nonzero(new_table).squeeze(1)
+    ends = torch.empty_like(starts)
+    ends[:-1] = starts[1:]
+    ends[-1:] = key.numel()
+    occ_c = _segment_sums(is_correct, starts, ends)
+    a = _segment_sums(new_rollout & is_correct.bool(), starts, ends)
+    present = _segment_sums(new_rollout, starts, ends)
+    run = ends - starts
+    heads = table_key[starts]
+    token = heads & ((1 << vocab_bits) - 1)
     return KeyTokenTables(
         group=heads >> vocab_bits,
-        token=heads & ((1 << vocab_bits) - 1),
+        token=token if vocab is None else vocab[token],
         a=a,
-        b=per_table(contains) - a,
+        b=present - a,
         occ_c=occ_c,
-        occ_w=occ - occ_c,
-        positions=positions[order],
-        table=table,
+        occ_w=run.double() - occ_c,
+        order=order,
+        run=run,
+        keep=keep,
+        num_tokens=batch.num_tokens,
     )
 
 
@@ -227,34 +344,40 @@ def ktae(batch: RolloutBatch, params: Mapping[str, Any], ctx: TermContext) -> Te
             len_w + prior.len_w,
         )
 
-    keep = torch.ones(batch.num_tokens, dtype=torch.bool, device=device)
-    if ctx.ignore_token_ids is not None and ctx.ignore_token_ids.numel():
-        keep &= ~torch.isin(batch.tokens, ctx.ignore_token_ids.to(batch.tokens.dtype))
-    if not ctx.collect_ktae_tables:
+    contrast = (n_c > 0) & (n_w > 0)
+    drop = None
+    if not ctx.collect_ktae_tables and not bool(contrast.all()):
         # Groups without both correct and wrong rollouts score 0: skip their tokens entirely.
-        contrast = (n_c > 0) & (n_w > 0)
-        keep &= contrast[batch.group_index][batch.rollout_of_token]
-
-    tables = tabulate(batch, correct, keep)
-    a, b, occ_c, occ_w = tables.a, tables.b, tables.occ_c, tables.occ_w
-    if prior is not None:
-        pa, pb, poc, pow_ = prior.lookup(tables.group, tables.token)
-        a, b, occ_c, occ_w = a + pa, b + pb, occ_c + poc, occ_w + pow_
+        drop = ~contrast[batch.group_index]
+        if bool(drop.all()):
+            bonus = torch.zeros(batch.num_tokens, dtype=torch.float32, device=device)
+            return TermOutput(bonus=bonus, diagnostics={"ktae_score": bonus})
+    if batch.num_tokens == 0:
+        bonus = torch.zeros(0, dtype=torch.float32, device=device)
+        return TermOutput(bonus=bonus, diagnostics={"ktae_score": bonus})
+    tables = tabulate(batch, correct, drop, ctx.ignore_token_ids)
     g = tables.group
-    tn_c, tn_w = n_c[g], n_w[g]
-    # Decayed history makes counts fractional; the exact test needs whole tables.
-    p = fisher_two_sided(
-        torch.round(tn_c).long(),
-        torch.round(tn_w).long(),
-        torch.round(a).long(),
-        torch.round(b).long(),
+    if prior is None:
+        strength, h = association_lookup(n_c, n_w, g, tables.a, tables.b, params)
+        a, b, occ_c, occ_w = tables.a, tables.b, tables.occ_c, tables.occ_w
+    else:
+        pa, pb, poc, pow_ = prior.lookup(tables.group, tables.token)
+        a, b, occ_c, occ_w = tables.a + pa, tables.b + pb, tables.occ_c + poc, tables.occ_w + pow_
+        # Decayed history makes counts fractional; the exact test needs whole tables.
+        p = fisher_two_sided(
+            torch.round(n_c[g]).long(),
+            torch.round(n_w[g]).long(),
+            torch.round(a).long(),
+            torch.round(b).long(),
+        )
+        strength, h = association(a, b, n_c[g], n_w[g], p, params)
+    tf = (
+        tf_contrast(occ_c, occ_w, len_c[g], len_w[g], params["tf_k1"], params["tf_b"])
+        if params["tf"]
+        else None
     )
-    score = key_token_score(a, b, tn_c, tn_w, occ_c, occ_w, len_c[g], len_w[g], p, params)
-    # (+ 0.0 turns tanh(-0) into 0 so JSON shows no negative zeros)
-    score = torch.where((tn_c > 0) & (tn_w > 0), score, torch.zeros_like(score)) + 0.0
-
-    bonus = torch.zeros(batch.num_tokens, dtype=torch.float64, device=device)
-    bonus[tables.positions] = score[tables.table]
+    score = key_token_score(strength, h, tf, params["scale"])
+    bonus = tables.spread(score.float())
     out = TermOutput(bonus=bonus, diagnostics={"ktae_score": bonus})
     if ctx.collect_ktae_tables:
         out.extras["tables"] = tables
@@ -262,4 +385,13 @@ def ktae(batch: RolloutBatch, params: Mapping[str, Any], ctx: TermContext) -> Te
     return out
 
 
-__all__ = ["PARAMS", "KeyTokenTables", "key_token_score", "ktae", "tabulate"]
+__all__ = [
+    "PARAMS",
+    "KeyTokenTables",
+    "association",
+    "association_lookup",
+    "key_token_score",
+    "ktae",
+    "tabulate",
+    "tf_contrast",
+]

@@ -50,8 +50,10 @@ def whiten(values: torch.Tensor) -> torch.Tensor:
     """(A - mean) / sqrt(var + 1e-8) over all values, var unbiased (0 for fewer than 2)."""
     if values.numel() == 0:
         return values
-    var = values.var(unbiased=True) if values.numel() > 1 else values.new_zeros(())
-    return (values - values.mean()) / torch.sqrt(var + WHITEN_EPS)
+    # Statistics in float64: a float32 sum over millions of tokens loses digits.
+    wide = values.double()
+    var = wide.var(unbiased=True) if values.numel() > 1 else wide.new_zeros(())
+    return ((wide - wide.mean()) / torch.sqrt(var + WHITEN_EPS)).to(values.dtype)
 
 
 def check_inputs(batch: RolloutBatch, spec: EstimatorSpec, diagnostics: Iterable[str]) -> None:
@@ -124,26 +126,24 @@ def compute_batch(
     ctx.vocab_size = vocab_size
 
     scalars = OUTCOMES[spec.outcome].fn(batch, spec.outcome_params)  # float64 (B,)
-    # a_i w_it + sum_k c_k b_it: weights scale only the outcome term, never a bonus.
-    credit = scalars[batch.rollout_of_token]
-    bonus = torch.zeros_like(credit)
-    produced: dict[str, torch.Tensor] = {}
-    extras: dict[str, Any] = {}
-    for name, params in spec.terms.items():
-        out = TERMS[name].fn(batch, params, ctx)
+    outputs = {name: TERMS[name].fn(batch, params, ctx) for name, params in spec.terms.items()}
+    # a_i w_it + sum_k c_k b_it in float32 (the output precision), built in place in one fresh
+    # tensor: weights scale only the outcome term, never a bonus, so they go first.
+    advantages = scalars.float()[batch.rollout_of_token]
+    for out in outputs.values():
         if out.weight is not None:
-            credit = credit * out.weight
+            advantages.mul_(out.weight)
+    for out in outputs.values():
         if out.bonus is not None:
-            bonus = bonus + out.bonus
-        produced.update(out.diagnostics)
-        extras.update({f"{name}.{k}": v for k, v in out.extras.items()})
-    advantages = credit + bonus
+            advantages.add_(out.bonus)
+    produced = {k: v for out in outputs.values() for k, v in out.diagnostics.items()}
+    extras = {f"{name}.{k}": v for name, out in outputs.items() for k, v in out.extras.items()}
     if spec.whiten:
         advantages = whiten(advantages)
     if spec.clip is not None:
         advantages = advantages.clamp(-spec.clip, spec.clip)
     return AdvantageResult(
-        advantages=advantages.float(),
+        advantages=advantages,
         scalars=scalars.float(),
         diagnostics={d: produced[d].float() for d in wanted if d != "scalar"},
         estimator=spec,
