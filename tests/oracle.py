@@ -1,0 +1,677 @@
+"""Slow, obviously-correct reference implementation of the advantage estimators.
+
+This is the test oracle for the fast path in ``advantage_service``. It is written only from
+``shared/design/ESTIMATORS.md``, ``shared/design/ARCHITECTURE.md`` (request/response shape) and
+``docs/estimator-config.md`` (resolved estimator object, defaults, edge cases), and shares no code
+with the service: plain Python and numpy float64, one group at a time, one token id at a time.
+Readability wins over speed everywhere.
+
+Public functions:
+
+- ``resolve_estimator(spec)``: a preset name or a partial object -> the full resolved object.
+- ``fisher_two_sided_p(a, b, c, d)``: exact two-sided Fisher p-value with integer arithmetic.
+- ``reference_compute(request)``: the JSON request dict -> the response (numpy float64 arrays).
+- ``random_request(rng, ...)``: a generator of valid random requests for parity tests.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+# ---------------------------------------------------------------------------------------------
+# Estimator configuration (docs/estimator-config.md)
+# ---------------------------------------------------------------------------------------------
+
+OUTCOME_NAMES = (
+    "grpo",
+    "dr_grpo",
+    "rloo",
+    "reinforce",
+    "reinforce_pp_baseline",
+    "opo",
+    "gpg",
+    "grpo_passk",
+)
+TERM_PRESETS = ("ktae", "cscr", "opsd")
+PRESETS = OUTCOME_NAMES + TERM_PRESETS
+
+# Outcome parameters with their defaults; outcomes not listed here take no parameters.
+OUTCOME_PARAM_DEFAULTS: dict[str, dict[str, Any]] = {
+    "grpo": {"norm_by_std": True, "epsilon": 1e-6},
+    "grpo_passk": {"norm_by_std": True, "epsilon": 1e-6},
+}
+
+KTAE_DEFAULTS: dict[str, Any] = {
+    "correct_threshold": 0.0,
+    "fisher_weight": 1.0,
+    "ig_weight": 1.0,
+    "tf": True,
+    "tf_k1": 2.0,
+    "tf_b": 0.5,
+    "scale": 1.0,
+    "history": "none",
+    "history_decay": 0.5,
+}
+CSCR_DEFAULTS: dict[str, Any] = {
+    "mapping": "exp_onset",
+    "positive": "pos",
+    "negative": "neg",
+    "onset": 0.05,
+    "decay": 10.0,
+    "strength": 0.2,
+}
+OPSD_DEFAULTS: dict[str, Any] = {"teacher": "pos", "coef": 1.0, "clip": None}
+TERM_DEFAULTS = {"ktae": KTAE_DEFAULTS, "cscr": CSCR_DEFAULTS, "opsd": OPSD_DEFAULTS}
+
+TOP_LEVEL_KEYS = ("outcome", "ktae", "cscr", "opsd", "whiten", "clip")
+
+# Parameters whose resolved value is a float (so 10 and 10.0 resolve the same).
+FLOAT_PARAMS = {
+    "epsilon",
+    "correct_threshold",
+    "fisher_weight",
+    "ig_weight",
+    "tf_k1",
+    "tf_b",
+    "scale",
+    "history_decay",
+    "onset",
+    "decay",
+    "strength",
+    "coef",
+}
+
+WHITEN_EPS = 1e-8
+TF_FLOOR = 1e-5
+P_IS_ONE = 1.0 - 1e-6
+FISHER_REL_TOL = Fraction(1, 10**7)
+
+
+def _fill_params(given: dict[str, Any], defaults: dict[str, Any], where: str) -> dict[str, Any]:
+    """Defaults overridden by ``given``; an unknown parameter is an error."""
+    unknown = set(given) - set(defaults)
+    if unknown:
+        raise ValueError(f"unknown parameter(s) {sorted(unknown)} in {where}")
+    resolved = dict(defaults)
+    for key, value in given.items():
+        if key in FLOAT_PARAMS or (key == "clip" and value is not None):
+            value = float(value)
+        resolved[key] = value
+    return resolved
+
+
+def _resolve_outcome(outcome: Any) -> dict[str, Any]:
+    if isinstance(outcome, str):
+        outcome = {"name": outcome}
+    if not isinstance(outcome, dict) or "name" not in outcome:
+        raise ValueError(f"outcome must be a name or an object with a name, got {outcome!r}")
+    name = outcome["name"]
+    if name not in OUTCOME_NAMES:
+        raise ValueError(f"unknown outcome {name!r}")
+    params = {k: v for k, v in outcome.items() if k != "name"}
+    filled = _fill_params(params, OUTCOME_PARAM_DEFAULTS.get(name, {}), f"outcome {name}")
+    return {"name": name, **filled}
+
+
+def _resolve_term(term_name: str, value: Any) -> dict[str, Any] | None:
+    """``null``/``false`` -> off; ``true``/``{}`` -> defaults; a partial object -> filled."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        value = {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{term_name} must be null, true or an object, got {value!r}")
+    return _fill_params(value, TERM_DEFAULTS[term_name], term_name)
+
+
+def resolve_estimator(spec: str | dict[str, Any] | None = None) -> dict[str, Any]:
+    """Preset name or partial estimator object -> the full resolved object.
+
+    A missing estimator (``None``) resolves as the ``grpo`` preset; an object without
+    ``outcome`` takes the ``grpo`` outcome.
+    """
+    if spec is None:
+        spec = "grpo"
+    if isinstance(spec, str):
+        if spec not in PRESETS:
+            raise ValueError(f"unknown estimator preset {spec!r}")
+        if spec in TERM_PRESETS:
+            spec = {"outcome": {"name": "grpo"}, spec: {}}
+        else:
+            spec = {"outcome": {"name": spec}}
+    if not isinstance(spec, dict):
+        raise ValueError(f"estimator must be a preset name or an object, got {spec!r}")
+    unknown = set(spec) - set(TOP_LEVEL_KEYS)
+    if unknown:
+        raise ValueError(f"unknown estimator field(s) {sorted(unknown)}")
+
+    outcome = _resolve_outcome(spec.get("outcome", {"name": "grpo"}))
+    whiten_default = outcome["name"] == "reinforce_pp_baseline"
+    whiten = spec.get("whiten")
+    clip = spec.get("clip")
+    return {
+        "outcome": outcome,
+        "ktae": _resolve_term("ktae", spec.get("ktae")),
+        "cscr": _resolve_term("cscr", spec.get("cscr")),
+        "opsd": _resolve_term("opsd", spec.get("opsd")),
+        "whiten": whiten_default if whiten is None else bool(whiten),
+        "clip": None if clip is None else float(clip),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Small statistics, each named after the paper's term
+# ---------------------------------------------------------------------------------------------
+
+
+def sample_mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
+
+
+def sample_std(values: Sequence[float]) -> float:
+    """Standard deviation with N-1 in the denominator (needs at least 2 values)."""
+    mean = sample_mean(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def group_mean_and_std(rewards: Sequence[float]) -> tuple[float, float]:
+    """verl's convention: a group of one rollout has mean 0 and std 1."""
+    if len(rewards) == 1:
+        return 0.0, 1.0
+    return sample_mean(rewards), sample_std(rewards)
+
+
+def hypergeometric_numerators(a: int, b: int, c: int, d: int) -> tuple[int, dict[int, int]]:
+    """All 2x2 tables with the margins of [[a, b], [c, d]], keyed by their top-left cell.
+
+    The probability of the table with top-left cell x is numerators[x] / denominator:
+    comb(col1, x) * comb(col2, row1 - x) / comb(n, row1).
+    """
+    row1 = a + b
+    col1, col2 = a + c, b + d
+    n = a + b + c + d
+    denominator = math.comb(n, row1)
+    lowest, highest = max(0, row1 - col2), min(row1, col1)
+    numerators = {
+        x: math.comb(col1, x) * math.comb(col2, row1 - x) for x in range(lowest, highest + 1)
+    }
+    return denominator, numerators
+
+
+def fisher_two_sided_p(a: int, b: int, c: int, d: int) -> float:
+    """Two-sided Fisher exact test p-value of [[a, b], [c, d]], computed exactly.
+
+    Sum of the hypergeometric probabilities (margins fixed) of every table whose probability
+    is at most the observed table's times (1 + 1e-7); clamped to at most 1.
+    """
+    denominator, numerators = hypergeometric_numerators(a, b, c, d)
+    observed = Fraction(numerators[a])
+    threshold = observed * (1 + FISHER_REL_TOL)
+    total = sum(num for num in numerators.values() if num <= threshold)
+    return float(min(Fraction(total, denominator), Fraction(1)))
+
+
+def fisher_significance(p: float) -> float:
+    """F = exp(-2 p), except F = 0 when p is 1 (p >= 1 - 1e-6)."""
+    if p >= P_IS_ONE:
+        return 0.0
+    return math.exp(-2.0 * p)
+
+
+def entropy_bits(counts: Sequence[int]) -> float:
+    """Shannon entropy in bits of the distribution given by counts; 0 log 0 = 0."""
+    total = sum(counts)
+    if total == 0:
+        return 0.0
+    h = 0.0
+    for count in counts:
+        if count > 0:
+            q = count / total
+            h -= q * math.log2(q)
+    return h
+
+
+def information_gain_bits(a: int, b: int, c: int, d: int) -> float:
+    """H(Y) - H(Y | X): Y = correct/wrong (columns), X = token present/absent (rows)."""
+    n = a + b + c + d
+    h_y = entropy_bits([a + c, b + d])
+    h_y_given_present = entropy_bits([a, b])
+    h_y_given_absent = entropy_bits([c, d])
+    h_y_given_x = ((a + b) / n) * h_y_given_present + ((c + d) / n) * h_y_given_absent
+    return h_y - h_y_given_x
+
+
+def cohens_h(rate_correct: float, rate_wrong: float) -> float:
+    """Cohen's h between two proportions: asin(sqrt(p1)) - asin(sqrt(p2))."""
+    return math.asin(math.sqrt(rate_correct)) - math.asin(math.sqrt(rate_wrong))
+
+
+def tf_saturation(
+    occurrences: int, length: int, average_length: float, k1: float, b: float
+) -> float:
+    """BM25-style saturated term frequency s = f (k1 + 1) / (f + K).
+
+    f = occurrences / length (0 when length is 0), K = k1 (1 - b + b length / average_length);
+    s = 0 when f = 0.
+    """
+    if length == 0:
+        return 0.0
+    f = occurrences / length
+    if f == 0.0:
+        return 0.0
+    k = k1 * (1.0 - b + b * length / average_length)
+    return f * (k1 + 1.0) / (f + k)
+
+
+def tf_direction(h: float, s_correct: float, s_wrong: float) -> float:
+    """x = h + s_C / (s_W + 1e-5) - s_W / (s_C + 1e-5)."""
+    return h + s_correct / (s_wrong + TF_FLOOR) - s_wrong / (s_correct + TF_FLOOR)
+
+
+def ktae_combined(
+    fisher: float, ig: float, direction: float, fisher_weight: float, ig_weight: float
+) -> float:
+    """z = (w_F F + w_IG IG) x / (w_F + w_IG)."""
+    return (fisher_weight * fisher + ig_weight * ig) * direction / (fisher_weight + ig_weight)
+
+
+def ktae_squash(z: float, scale: float) -> float:
+    """kt = scale (2 sigmoid(z) - 1) = scale tanh(z / 2) (never overflows)."""
+    return scale * math.tanh(z / 2.0)
+
+
+def cscr_exp_onset_weights(
+    sensitivity: np.ndarray, onset: float, decay: float, strength: float
+) -> np.ndarray:
+    """CSCR ``exp_onset`` mapping plus within-trajectory normalisation.
+
+    u_t = 1 - gamma (1 - exp(-alpha max(0, s_t - lambda))); w_t = u_t T / sum u
+    (w_t = 1 when sum u = 0).
+    """
+    length = len(sensitivity)
+    raw = [
+        1.0 - strength * (1.0 - math.exp(-decay * max(0.0, float(s) - onset))) for s in sensitivity
+    ]
+    total = sum(raw)
+    if total == 0.0:
+        return np.ones(length, dtype=np.float64)
+    return np.array([u * length / total for u in raw], dtype=np.float64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Outcome baselines (scalar a_i), one group at a time
+# ---------------------------------------------------------------------------------------------
+
+
+def outcome_grpo(rewards: list[float], norm_by_std: bool, epsilon: float) -> list[float]:
+    mean, std = group_mean_and_std(rewards)
+    if norm_by_std:
+        return [(r - mean) / (std + epsilon) for r in rewards]
+    return [r - mean for r in rewards]
+
+
+def outcome_dr_grpo(rewards: list[float]) -> list[float]:
+    mean, _ = group_mean_and_std(rewards)
+    return [r - mean for r in rewards]
+
+
+def outcome_rloo(rewards: list[float]) -> list[float]:
+    n = len(rewards)
+    if n == 1:
+        return [0.0]
+    total = sum(rewards)
+    return [(n * r - total) / (n - 1) for r in rewards]
+
+
+def outcome_reinforce(rewards: list[float]) -> list[float]:
+    return list(rewards)
+
+
+def outcome_reinforce_pp_baseline(rewards: list[float]) -> list[float]:
+    mean, _ = group_mean_and_std(rewards)
+    return [r - mean for r in rewards]
+
+
+def outcome_opo(rewards: list[float], lengths: list[int]) -> list[float]:
+    """b = length-weighted mean; 0 for a group of one; the plain mean when every rollout is empty.
+
+    A group of one takes b = 0 even when its rollout is empty (verl checks the group size first).
+    """
+    if len(rewards) == 1:
+        baseline = 0.0
+    elif sum(lengths) == 0:
+        baseline = sample_mean(rewards)
+    else:
+        baseline = sum(t * r for t, r in zip(lengths, rewards, strict=True)) / sum(lengths)
+    return [r - baseline for r in rewards]
+
+
+def outcome_gpg(rewards: list[float], alpha: float) -> list[float]:
+    mean, _ = group_mean_and_std(rewards)
+    return [alpha * (r - mean) for r in rewards]
+
+
+def outcome_grpo_passk(rewards: list[float], norm_by_std: bool, epsilon: float) -> list[float]:
+    if len(rewards) < 2:
+        raise ValueError("grpo_passk needs at least 2 rollouts per group")
+    best = max(range(len(rewards)), key=lambda i: (rewards[i], -i))  # ties: lowest index
+    r_max = rewards[best]
+    r_second = max(r for i, r in enumerate(rewards) if i != best)
+    gap = r_max - r_second
+    if norm_by_std:
+        gap = gap / (sample_std(rewards) + epsilon)
+    scalars = [0.0] * len(rewards)
+    scalars[best] = gap
+    return scalars
+
+
+def gpg_alpha(all_rewards: list[float]) -> float:
+    """alpha = B / max(1, number of rollouts in the request with r != 0)."""
+    nonzero = sum(1 for r in all_rewards if r != 0)
+    return len(all_rewards) / max(1, nonzero)
+
+
+def outcome_scalars(
+    outcome: dict[str, Any], rewards: list[float], lengths: list[int], alpha: float
+) -> list[float]:
+    name = outcome["name"]
+    if name == "grpo":
+        return outcome_grpo(rewards, outcome["norm_by_std"], outcome["epsilon"])
+    if name == "dr_grpo":
+        return outcome_dr_grpo(rewards)
+    if name == "rloo":
+        return outcome_rloo(rewards)
+    if name == "reinforce":
+        return outcome_reinforce(rewards)
+    if name == "reinforce_pp_baseline":
+        return outcome_reinforce_pp_baseline(rewards)
+    if name == "opo":
+        return outcome_opo(rewards, lengths)
+    if name == "gpg":
+        return outcome_gpg(rewards, alpha)
+    if name == "grpo_passk":
+        return outcome_grpo_passk(rewards, outcome["norm_by_std"], outcome["epsilon"])
+    raise ValueError(f"unknown outcome {name!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# KTAE: per group, per token id
+# ---------------------------------------------------------------------------------------------
+
+
+def ktae_token_score(
+    token: int,
+    token_lists: list[list[int]],
+    is_correct: list[bool],
+    params: dict[str, Any],
+) -> float:
+    """kt_g(v) for one token id v of one group (C and W both non-empty)."""
+    n_correct = sum(is_correct)
+    n_wrong = len(is_correct) - n_correct
+
+    # 1. contingency table over rollouts (presence, not counts)
+    a = sum(1 for toks, ok in zip(token_lists, is_correct, strict=True) if ok and token in toks)
+    b = sum(1 for toks, ok in zip(token_lists, is_correct, strict=True) if not ok and token in toks)
+    c = n_correct - a
+    d = n_wrong - b
+
+    # 2. significance, 3. strength, 4. direction
+    fisher = fisher_significance(fisher_two_sided_p(a, b, c, d))
+    ig = information_gain_bits(a, b, c, d)
+    direction = cohens_h(a / n_correct, b / n_wrong)
+
+    # 5. term frequency
+    if params["tf"]:
+        length_c = sum(len(t) for t, ok in zip(token_lists, is_correct, strict=True) if ok)
+        length_w = sum(len(t) for t, ok in zip(token_lists, is_correct, strict=True) if not ok)
+        occ_c = sum(t.count(token) for t, ok in zip(token_lists, is_correct, strict=True) if ok)
+        occ_w = sum(t.count(token) for t, ok in zip(token_lists, is_correct, strict=True) if not ok)
+        average = (length_c + length_w) / 2.0
+        s_c = tf_saturation(occ_c, length_c, average, params["tf_k1"], params["tf_b"])
+        s_w = tf_saturation(occ_w, length_w, average, params["tf_k1"], params["tf_b"])
+        direction = tf_direction(direction, s_c, s_w)
+
+    # 6. combine, 7. squash
+    z = ktae_combined(fisher, ig, direction, params["fisher_weight"], params["ig_weight"])
+    return ktae_squash(z, params["scale"])
+
+
+def ktae_group_scores(
+    token_lists: list[list[int]],
+    rewards: list[float],
+    params: dict[str, Any],
+    ignore_token_ids: set[int],
+) -> list[np.ndarray]:
+    """Per rollout, the KTAE bonus of every token (the token's group score)."""
+    if params["history"] != "none":
+        raise NotImplementedError("the oracle does not model KTAE history")
+    is_correct = [r > params["correct_threshold"] for r in rewards]
+    if all(is_correct) or not any(is_correct):
+        return [np.zeros(len(t), dtype=np.float64) for t in token_lists]
+
+    scores: dict[int, float] = {}
+    for token in sorted({tok for toks in token_lists for tok in toks}):
+        if token in ignore_token_ids:
+            scores[token] = 0.0
+        else:
+            scores[token] = ktae_token_score(token, token_lists, is_correct, params)
+    return [np.array([scores[tok] for tok in toks], dtype=np.float64) for toks in token_lists]
+
+
+# ---------------------------------------------------------------------------------------------
+# The one formula
+# ---------------------------------------------------------------------------------------------
+
+
+def whiten(values: np.ndarray) -> np.ndarray:
+    """(A - mean) / sqrt(var + 1e-8), var with N-1 (taken as 0 below 2 values)."""
+    n = len(values)
+    if n == 0:
+        return values.copy()
+    mean = float(np.sum(values)) / n
+    var = float(np.sum((values - mean) ** 2)) / (n - 1) if n >= 2 else 0.0
+    return (values - mean) / math.sqrt(var + WHITEN_EPS)
+
+
+def reference_compute(request: dict[str, Any]) -> dict[str, Any]:
+    """The JSON request -> the response with float64 numpy arrays.
+
+    Every rollout gets ``advantages`` and ``scalar``, plus every diagnostic of an enabled term
+    (``ktae_score``; ``cscr_weight`` and ``sensitivity``; ``opsd_reward``, which is the clipped
+    d without ``coef``), whether or not ``return`` asks for it.
+    """
+    estimator = resolve_estimator(request.get("estimator"))
+    outcome, ktae, cscr, opsd = (estimator[k] for k in ("outcome", "ktae", "cscr", "opsd"))
+    ignore_token_ids = {int(t) for t in request.get("ignore_token_ids") or []}
+    groups = request["groups"]
+
+    all_rewards = [float(r["reward"]) for g in groups for r in g["rollouts"]]
+    alpha = gpg_alpha(all_rewards)
+
+    out_groups = []
+    for group in groups:
+        rollouts = group["rollouts"]
+        token_lists = [[int(t) for t in r["tokens"]] for r in rollouts]
+        rewards = [float(r["reward"]) for r in rollouts]
+        lengths = [len(t) for t in token_lists]
+
+        scalars = outcome_scalars(outcome, rewards, lengths, alpha)
+        if ktae is not None:
+            bonus = ktae_group_scores(token_lists, rewards, ktae, ignore_token_ids)
+
+        out_rollouts = []
+        for i, rollout in enumerate(rollouts):
+            length = lengths[i]
+            entry: dict[str, Any] = {"scalar": float(scalars[i])}
+            weight = np.ones(length, dtype=np.float64)
+            advantage = np.zeros(length, dtype=np.float64)
+
+            if cscr is not None:
+                teachers = rollout["teacher_logprobs"]
+                pos = np.asarray(teachers[cscr["positive"]], dtype=np.float64)
+                neg = np.asarray(teachers[cscr["negative"]], dtype=np.float64)
+                sensitivity = np.abs(pos - neg)
+                weight = cscr_exp_onset_weights(
+                    sensitivity, cscr["onset"], cscr["decay"], cscr["strength"]
+                )
+                entry["sensitivity"] = sensitivity
+                entry["cscr_weight"] = weight
+
+            advantage = advantage + scalars[i] * weight
+
+            if ktae is not None:
+                entry["ktae_score"] = bonus[i]
+                advantage = advantage + bonus[i]
+
+            if opsd is not None:
+                teacher = np.asarray(rollout["teacher_logprobs"][opsd["teacher"]], dtype=np.float64)
+                student = np.asarray(rollout["logprobs"], dtype=np.float64)
+                shift = (teacher - student).reshape(length)
+                if opsd["clip"] is not None:
+                    shift = np.clip(shift, -opsd["clip"], opsd["clip"])
+                entry["opsd_reward"] = shift
+                advantage = advantage + opsd["coef"] * shift
+
+            entry["advantages"] = advantage
+            out_rollouts.append(entry)
+        out_groups.append({"id": group["id"], "rollouts": out_rollouts})
+
+    # Whitening over every token of the request, then clipping.
+    flat = [r["advantages"] for g in out_groups for r in g["rollouts"]]
+    sizes = [len(a) for a in flat]
+    everything = np.concatenate(flat) if flat else np.zeros(0, dtype=np.float64)
+    if estimator["whiten"]:
+        everything = whiten(everything)
+    if estimator["clip"] is not None:
+        everything = np.clip(everything, -estimator["clip"], estimator["clip"])
+    start = 0
+    for entry, size in zip((r for g in out_groups for r in g["rollouts"]), sizes, strict=True):
+        entry["advantages"] = everything[start : start + size].copy()
+        start += size
+
+    return {"estimator": estimator, "groups": out_groups}
+
+
+# ---------------------------------------------------------------------------------------------
+# Random valid requests
+# ---------------------------------------------------------------------------------------------
+
+
+def _random_rewards(rng: np.random.Generator, n: int, kind: str, tie_prob: float) -> list[float]:
+    """Dyadic rewards (exact in float32, so float32 sums and ties are exact too)."""
+    if kind == "mixed":
+        kind = str(rng.choice(["binary", "continuous"]))
+    if kind == "binary":
+        return [float(v) for v in rng.integers(0, 2, size=n)]
+    rewards = [float(np.round(rng.uniform(-1.5, 2.0) * 256) / 256) for _ in range(n)]
+    for i in range(1, n):
+        if rng.random() < tie_prob:
+            rewards[i] = rewards[int(rng.integers(0, i))]
+    return rewards
+
+
+def _random_logprobs(rng: np.random.Generator, length: int) -> list[float]:
+    """Log-probs <= 0 on a 2^-10 grid (exact in float32)."""
+    values = -np.round(rng.exponential(1.0, size=length) * 1024) / 1024
+    return [float(v) for v in values]
+
+
+def random_request(
+    rng: np.random.Generator,
+    *,
+    estimator: str | dict[str, Any] | None = "grpo",
+    n_groups: tuple[int, int] = (1, 4),
+    group_size: tuple[int, int] = (1, 6),
+    length: tuple[int, int] = (0, 12),
+    empty_prob: float = 0.1,
+    vocab: int = 10,
+    reward_kind: str = "mixed",
+    tie_prob: float = 0.3,
+    logprobs: bool | None = None,
+    teachers: Sequence[str] | None = None,
+    ignore_token_ids: Sequence[int] | None = None,
+    return_fields: Sequence[str] | None = None,
+    sensitive_prob: float = 0.5,
+) -> dict[str, Any]:
+    """A valid random request.
+
+    ``n_groups``, ``group_size`` and ``length`` are inclusive (low, high) ranges; a rollout is
+    empty with probability ``empty_prob`` on top of that. Tokens come from ``range(vocab)`` so
+    they repeat. ``reward_kind`` is "binary" (0/1), "continuous" (dyadic values with ties at
+    ``tie_prob``) or "mixed" (per group). ``logprobs`` and ``teachers`` default to whatever the
+    estimator needs (``teachers`` is a list of condition names). ``sensitive_prob`` is the chance
+    that a teacher pair differs by more than the CSCR onset at a token. ``return_fields``
+    defaults to ``scalar`` plus every diagnostic of an enabled term.
+    """
+    resolved = resolve_estimator(estimator)
+    if logprobs is None:
+        logprobs = resolved["opsd"] is not None
+    if teachers is None:
+        names: list[str] = []
+        if resolved["cscr"] is not None:
+            names += [resolved["cscr"]["positive"], resolved["cscr"]["negative"]]
+        if resolved["opsd"] is not None:
+            names.append(resolved["opsd"]["teacher"])
+        teachers = list(dict.fromkeys(names))
+    if return_fields is None:
+        return_fields = ["scalar"]
+        if resolved["ktae"] is not None:
+            return_fields.append("ktae_score")
+        if resolved["cscr"] is not None:
+            return_fields += ["cscr_weight", "sensitivity"]
+        if resolved["opsd"] is not None:
+            return_fields.append("opsd_reward")
+    min_group = (
+        max(group_size[0], 2) if resolved["outcome"]["name"] == "grpo_passk" else group_size[0]
+    )
+
+    groups = []
+    for g in range(int(rng.integers(n_groups[0], n_groups[1] + 1))):
+        size = int(rng.integers(min_group, max(min_group, group_size[1]) + 1))
+        rewards = _random_rewards(rng, size, reward_kind, tie_prob)
+        rollouts = []
+        for i in range(size):
+            t = 0 if rng.random() < empty_prob else int(rng.integers(length[0], length[1] + 1))
+            rollout: dict[str, Any] = {
+                "tokens": [int(v) for v in rng.integers(0, vocab, size=t)],
+                "reward": rewards[i],
+            }
+            if logprobs:
+                rollout["logprobs"] = _random_logprobs(rng, t)
+            if teachers:
+                base = _random_logprobs(rng, t)
+                conditions: dict[str, list[float]] = {}
+                for k, name in enumerate(teachers):
+                    if k == 0:
+                        conditions[name] = base
+                        continue
+                    shifted = []
+                    for v in base:
+                        if rng.random() < sensitive_prob:
+                            v = -abs(v + float(np.round(rng.normal(0, 1.0) * 1024) / 1024))
+                        elif rng.random() < 0.5:
+                            v = min(
+                                0.0, v + float(np.round(rng.uniform(-0.04, 0.04) * 1024) / 1024)
+                            )
+                        shifted.append(float(v))
+                    conditions[name] = shifted
+                rollout["teacher_logprobs"] = conditions
+            rollouts.append(rollout)
+        groups.append({"id": f"g{g}", "rollouts": rollouts})
+
+    request: dict[str, Any] = {
+        "request_id": f"oracle-{int(rng.integers(0, 2**31))}",
+        "return": list(return_fields),
+        "groups": groups,
+    }
+    if estimator is not None:
+        request["estimator"] = copy.deepcopy(estimator)
+    if ignore_token_ids:
+        request["ignore_token_ids"] = [int(t) for t in ignore_token_ids]
+    return request

@@ -1,0 +1,292 @@
+"""Randomized parity of the fast path (``advantage_service.compute``) against tests/oracle.py.
+
+Every case is one seeded random request; a failure names the configuration, the seed, the group
+and the rollout, and ``make_request(name, seed)`` rebuilds the request that shows it.
+Tolerance: rtol = atol = 2e-5 (the fast path works in float32, the oracle in exact/float64).
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from typing import Any
+
+import numpy as np
+import oracle
+import pytest
+
+try:
+    from advantage_service import compute
+except ImportError as exc:  # the fast path is missing: fail collection loudly, never skip
+    raise ImportError(
+        "tests/test_parity.py needs `from advantage_service import compute` (the fast path); "
+        f"it does not import: {exc}"
+    ) from exc
+
+RTOL = 2e-5
+ATOL = 2e-5
+SEEDS_PER_CONFIG = 20
+PER_TOKEN_FIELDS = ("ktae_score", "cscr_weight", "sensitivity", "opsd_reward")
+
+# name -> (estimator spec, extra knobs for oracle.random_request)
+CONFIGS: dict[str, tuple[str | dict[str, Any], dict[str, Any]]] = {
+    **{preset: (preset, {}) for preset in oracle.PRESETS},
+    "rloo+cscr+ktae": ({"outcome": {"name": "rloo"}, "cscr": {}, "ktae": {}}, {}),
+    "dr_grpo+opsd+whiten+clip": (
+        {
+            "outcome": {"name": "dr_grpo"},
+            "opsd": {"coef": 0.5, "clip": 1.5},
+            "whiten": True,
+            "clip": 1.8,
+        },
+        {},
+    ),
+    "grpo+cscr+ktae(custom)": (
+        {
+            "outcome": {"name": "grpo", "epsilon": 1e-3},
+            "cscr": {"onset": 0.1, "decay": 4.0, "strength": 0.6},
+            "ktae": {
+                "tf": False,
+                "fisher_weight": 0.5,
+                "ig_weight": 2.0,
+                "scale": 0.7,
+                "correct_threshold": 0.25,
+            },
+        },
+        {},
+    ),
+    "grpo(raw)+cscr+ktae(tf_k1,tf_b)": (
+        {
+            "outcome": {"name": "grpo", "norm_by_std": False},
+            "cscr": {"strength": 1.0, "decay": 25.0, "onset": 0.0},
+            "ktae": {"tf_k1": 1.2, "tf_b": 1.0, "fisher_weight": 0.0, "scale": 2.0},
+        },
+        {},
+    ),
+    "opo+ktae+ignore": (
+        {"outcome": {"name": "opo"}, "ktae": {}},
+        {"ignore_token_ids": [0, 3]},
+    ),
+    "grpo_passk(raw)+ktae": (
+        {"outcome": {"name": "grpo_passk", "norm_by_std": False}, "ktae": {"tf": False}},
+        {},
+    ),
+    "gpg+whiten+clip": ({"outcome": {"name": "gpg"}, "whiten": True, "clip": 1.0}, {}),
+    "reinforce_pp_baseline(no whiten)+opsd": (
+        {"outcome": {"name": "reinforce_pp_baseline"}, "whiten": False, "opsd": {"coef": -0.3}},
+        {},
+    ),
+    "reinforce+cscr(names)+opsd(teacher)": (
+        {
+            "outcome": {"name": "reinforce"},
+            "cscr": {"positive": "confirm", "negative": "oppose"},
+            "opsd": {"teacher": "oppose", "clip": 0.5},
+        },
+        {},
+    ),
+    "ktae(large groups)": ("ktae", {"group_size": (6, 16), "length": (0, 6), "vocab": 8}),
+}
+
+
+def _seed(name: str, seed: int) -> list[int]:
+    return [zlib.crc32(name.encode()), seed]
+
+
+def make_request(name: str, seed: int) -> dict[str, Any]:
+    """The request of parity case (name, seed): knobs vary with the seed."""
+    spec, extra = CONFIGS[name]
+    rng = np.random.default_rng(_seed(name, seed))
+    knobs: dict[str, Any] = {
+        "n_groups": (1, int(rng.integers(1, 5))),
+        "group_size": (1, int(rng.integers(1, 9))),
+        "length": (0, int(rng.integers(1, 16))),
+        "empty_prob": float(rng.choice([0.0, 0.1, 0.4])),
+        "vocab": int(rng.integers(2, 16)),
+        "reward_kind": ("binary", "continuous", "mixed")[seed % 3],
+        "tie_prob": float(rng.choice([0.0, 0.3, 0.8])),
+        "sensitive_prob": float(rng.choice([0.0, 0.3, 0.9])),
+    }
+    knobs.update(extra)
+    return oracle.random_request(rng, estimator=spec, **knobs)
+
+
+def _describe(request: dict[str, Any], group: int, rollout: int) -> str:
+    r = request["groups"][group]["rollouts"][rollout]
+    return f"tokens={r['tokens']} reward={r['reward']}"
+
+
+def assert_response_matches(label: str, request: dict[str, Any]) -> None:
+    """Compare compute(request) with the oracle on every requested field."""
+    ref = oracle.reference_compute(request)
+    fast = compute(json.loads(json.dumps(request)))  # the fast path sees only plain JSON
+    requested = set(request.get("return", []))
+
+    assert len(fast["groups"]) == len(ref["groups"]), f"{label}: number of groups"
+    for g, (fast_group, ref_group) in enumerate(zip(fast["groups"], ref["groups"], strict=True)):
+        assert fast_group["id"] == ref_group["id"], f"{label}: group {g} id"
+        assert len(fast_group["rollouts"]) == len(ref_group["rollouts"]), (
+            f"{label}: group {ref_group['id']} number of rollouts"
+        )
+        for i, (fr, rr) in enumerate(
+            zip(fast_group["rollouts"], ref_group["rollouts"], strict=True)
+        ):
+            where = f"{label} group={ref_group['id']} rollout={i} ({_describe(request, g, i)})"
+            fast_adv = np.asarray(fr["advantages"])
+            assert fast_adv.shape == rr["advantages"].shape, f"{where}: advantages shape"
+            np.testing.assert_allclose(
+                fast_adv, rr["advantages"], rtol=RTOL, atol=ATOL, err_msg=f"{where}: advantages"
+            )
+            if "scalar" in requested:
+                np.testing.assert_allclose(
+                    np.asarray(fr["scalar"], dtype=np.float64),
+                    rr["scalar"],
+                    rtol=RTOL,
+                    atol=ATOL,
+                    err_msg=f"{where}: scalar",
+                )
+            for field in PER_TOKEN_FIELDS:
+                if field not in requested:
+                    continue
+                assert field in fr, f"{where}: requested {field} missing from the response"
+                fast_value = np.asarray(fr[field])
+                assert fast_value.shape == rr[field].shape, f"{where}: {field} shape"
+                np.testing.assert_allclose(
+                    fast_value, rr[field], rtol=RTOL, atol=ATOL, err_msg=f"{where}: {field}"
+                )
+
+
+# ---------------------------------------------------------------------------------------------
+# Randomized parity
+# ---------------------------------------------------------------------------------------------
+
+CASES = [(name, seed) for name in CONFIGS for seed in range(SEEDS_PER_CONFIG)]
+
+
+@pytest.mark.parametrize(("name", "seed"), CASES, ids=[f"{n}-s{s}" for n, s in CASES])
+def test_fast_path_matches_oracle_on_random_requests(name: str, seed: int):
+    assert_response_matches(f"[{name} seed={seed}]", make_request(name, seed))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_response_echoes_the_resolved_estimator(name: str):
+    request = make_request(name, 0)
+    response = compute(json.loads(json.dumps(request)))
+    assert response["estimator"] == oracle.resolve_estimator(CONFIGS[name][0])
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"outcome": {"name": "grpo"}},
+        {"outcome": {"name": "rloo"}, "ktae": True},
+        {"outcome": {"name": "reinforce_pp_baseline"}},
+        {"outcome": {"name": "reinforce_pp_baseline"}, "whiten": False, "clip": 3},
+        {"outcome": {"name": "grpo_passk", "epsilon": 0.01}, "cscr": {"decay": 3}},
+        {"outcome": {"name": "opo"}, "opsd": {"clip": 2}, "ktae": None},
+    ],
+    ids=lambda s: json.dumps(s, sort_keys=True),
+)
+def test_response_echoes_partial_estimator_objects_resolved(spec):
+    request = {
+        "estimator": spec,
+        "groups": [
+            {
+                "id": "a",
+                "rollouts": [
+                    {
+                        "tokens": [1, 2],
+                        "reward": 1.0,
+                        "logprobs": [-0.5, -0.25],
+                        "teacher_logprobs": {"pos": [-0.25, -1.0], "neg": [-0.75, -0.5]},
+                    },
+                    {
+                        "tokens": [2],
+                        "reward": 0.0,
+                        "logprobs": [-2.0],
+                        "teacher_logprobs": {"pos": [-1.0], "neg": [-3.0]},
+                    },
+                ],
+            }
+        ],
+    }
+    response = compute(request)
+    assert response["estimator"] == oracle.resolve_estimator(spec)
+    assert_response_matches(f"[partial {spec}]", request)
+
+
+def test_fast_path_returns_float32_arrays():
+    request = make_request("rloo+cscr+ktae", 1)
+    response = compute(request)
+    for group in response["groups"]:
+        for r in group["rollouts"]:
+            for field in ("advantages", *PER_TOKEN_FIELDS):
+                if field in r:
+                    assert isinstance(r[field], np.ndarray), field
+                    assert r[field].dtype == np.float32, field
+
+
+# ---------------------------------------------------------------------------------------------
+# Hand-built edge cases
+# ---------------------------------------------------------------------------------------------
+
+
+def _group(gid: str, rollouts: list[tuple[list[int], float]], teachers: bool = True):
+    out = []
+    for tokens, reward in rollouts:
+        r: dict[str, Any] = {"tokens": tokens, "reward": reward}
+        if teachers:
+            r["logprobs"] = [-0.5 - 0.125 * k for k in range(len(tokens))]
+            r["teacher_logprobs"] = {
+                "pos": [-0.25 * (k % 3) for k in range(len(tokens))],
+                "neg": [-0.5 * (k % 4) for k in range(len(tokens))],
+            }
+        out.append(r)
+    return {"id": gid, "rollouts": out}
+
+
+EDGE_GROUPS = {
+    "all-empty": [_group("e", [([], 1.0), ([], 0.0), ([], 0.5)])],
+    "single-token-request": [_group("s", [([4], 1.0)]), _group("t", [([], 0.0)])],
+    "group-of-one-empty": [_group("o", [([], 0.75)]), _group("p", [([1, 2], 0.25), ([2], 1.0)])],
+    "token-in-every-rollout": [
+        _group("x", [([1, 2], 1.0), ([1, 3], 1.0), ([1], 0.0), ([1, 1, 4], 0.0)])
+    ],
+    "threshold-ties": [_group("y", [([1, 2], 0.0), ([2, 3], 0.0), ([3], 1.0), ([], 1.0)])],
+    "all-rewards-zero": [_group("z", [([1, 2], 0.0), ([2], 0.0)]), _group("w", [([5], 0.0)])],
+}
+EDGE_ESTIMATORS = {
+    "grpo+ktae+cscr+opsd": {"outcome": {"name": "grpo"}, "ktae": {}, "cscr": {}, "opsd": {}},
+    "opo": "opo",
+    "rloo+whiten": {"outcome": {"name": "rloo"}, "whiten": True},
+    "gpg+ktae": {"outcome": {"name": "gpg"}, "ktae": {}},
+    "reinforce_pp_baseline+cscr": {"outcome": {"name": "reinforce_pp_baseline"}, "cscr": {}},
+    "dr_grpo+opsd+whiten+clip": {
+        "outcome": {"name": "dr_grpo"},
+        "opsd": {"clip": 0.1},
+        "whiten": True,
+        "clip": 0.5,
+    },
+}
+EDGE_CASES = [(g, e) for g in EDGE_GROUPS for e in EDGE_ESTIMATORS]
+
+
+@pytest.mark.parametrize(
+    ("groups", "estimator"), EDGE_CASES, ids=[f"{g}-{e}" for g, e in EDGE_CASES]
+)
+def test_fast_path_matches_oracle_on_edge_cases(groups: str, estimator: str):
+    spec = EDGE_ESTIMATORS[estimator]
+    resolved = oracle.resolve_estimator(spec)
+    fields = ["scalar"]
+    if resolved["ktae"] is not None:
+        fields.append("ktae_score")
+    if resolved["cscr"] is not None:
+        fields += ["cscr_weight", "sensitivity"]
+    if resolved["opsd"] is not None:
+        fields.append("opsd_reward")
+    request = {
+        "estimator": spec,
+        "return": fields,
+        "ignore_token_ids": [3],
+        "groups": EDGE_GROUPS[groups],
+    }
+    assert_response_matches(f"[edge {groups} / {estimator}]", request)
