@@ -1,0 +1,150 @@
+"""The three in-process entry points agree: compute(), compute_batch() and the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from advantage_service import RolloutBatch, compute, compute_batch
+from advantage_service.estimators import ktae as ktae_module
+from oracle import random_request
+
+PRESETS = [
+    "grpo",
+    "dr_grpo",
+    "rloo",
+    "reinforce",
+    "reinforce_pp_baseline",
+    "opo",
+    "gpg",
+    "grpo_passk",
+    "ktae",
+    "cscr",
+    "opsd",
+]
+
+
+def run_cli(args: list[str], stdin: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "advantage_service", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_cli_and_python_api_give_identical_numbers_for_every_preset(tmp_path):
+    rng = np.random.default_rng(7)
+    requests = [random_request(rng, estimator=p, n_groups=(2, 3)) for p in PRESETS]
+    # One process for all presets: a JSON-lines file would be another contract, so call the CLI
+    # once per request file but through one interpreter start each (11 starts, a few seconds).
+    for preset, req in zip(PRESETS, requests, strict=True):
+        req["request_id"] = f"r-{preset}"
+        src = tmp_path / f"{preset}.json"
+        dst = tmp_path / f"{preset}.out.json"
+        src.write_text(json.dumps(req))
+        proc = run_cli(
+            ["compute", "--input", str(src), "--output", str(dst), "--device", "cpu"], ""
+        )
+        assert proc.returncode == 0, proc.stderr
+        via_cli = json.loads(dst.read_text())
+        in_process = compute(req, device="cpu")
+        assert via_cli["estimator"] == in_process["estimator"]
+        assert via_cli["request_id"] == in_process["request_id"] == f"r-{preset}"
+        for g_cli, g_api in zip(via_cli["groups"], in_process["groups"], strict=True):
+            for r_cli, r_api in zip(g_cli["rollouts"], g_api["rollouts"], strict=True):
+                assert set(r_cli) == set(r_api)
+                for key, value in r_api.items():
+                    # float32 -> JSON -> float32 round-trips exactly.
+                    np.testing.assert_array_equal(
+                        np.asarray(r_cli[key], dtype=np.float32),
+                        np.asarray(value),
+                        err_msg=f"{preset} group {g_api['id']} {key}",
+                    )
+
+
+def test_cli_reads_stdin_and_writes_stdout():
+    req = random_request(np.random.default_rng(1), estimator="ktae")
+    proc = run_cli(["compute", "--device", "cpu"], json.dumps(req))
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["summary"]["rollouts"] == sum(len(g["rollouts"]) for g in req["groups"])
+
+
+def test_cli_bad_request_prints_the_error_and_exits_non_zero():
+    req = {
+        "groups": [
+            {"id": "p1", "rollouts": [{"tokens": [1, 2], "reward": 1.0, "logprobs": [-0.1]}]}
+        ]
+    }
+    proc = run_cli(["compute", "--device", "cpu"], json.dumps(req))
+    assert proc.returncode != 0
+    err = json.loads(proc.stderr)["error"]
+    assert err == {
+        "code": "length_mismatch",
+        "message": err["message"],
+        "group_id": "p1",
+        "rollout_index": 0,
+        "field": "logprobs",
+    }
+    assert proc.stdout == ""
+
+
+def test_cli_malformed_json_is_a_request_error():
+    proc = run_cli(["compute"], "{not json")
+    assert proc.returncode != 0
+    assert json.loads(proc.stderr)["error"]["code"] == "invalid_json"
+
+
+def flat_from_request(req: dict) -> RolloutBatch:
+    groups = req["groups"]
+    rollouts = [r for g in groups for r in g["rollouts"]]
+    lengths = [len(r["tokens"]) for r in rollouts]
+    cat = lambda key: np.array([x for r in rollouts for x in r[key]])  # noqa: E731
+    teachers = rollouts[0].get("teacher_logprobs") or {}
+    return RolloutBatch.from_flat(
+        tokens=cat("tokens").astype(np.int32),
+        offsets=np.concatenate([[0], np.cumsum(lengths)]),
+        group_ids=[g["id"] for g in groups],
+        group_index=np.repeat(np.arange(len(groups)), [len(g["rollouts"]) for g in groups]),
+        rewards=np.array([r["reward"] for r in rollouts], dtype=np.float32),
+        logprobs=cat("logprobs").astype(np.float32) if "logprobs" in rollouts[0] else None,
+        teacher_logprobs={
+            k: np.array([x for r in rollouts for x in r["teacher_logprobs"][k]], dtype=np.float32)
+            for k in teachers
+        },
+    )
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_compute_batch_equals_compute(preset):
+    req = random_request(np.random.default_rng(3), estimator=preset, n_groups=(3, 4))
+    nested = compute(req, device="cpu")
+    flat = compute_batch(flat_from_request(req), preset, "cpu")
+    expected = (
+        np.concatenate([r["advantages"] for g in nested["groups"] for r in g["rollouts"]])
+        if nested["groups"]
+        else np.zeros(0)
+    )
+    np.testing.assert_array_equal(flat.advantages.numpy(), expected)
+    assert flat.advantages.dtype == torch.float32
+    assert flat.scalars.dtype == torch.float32
+
+
+def test_ktae_densifies_token_ids_when_the_packed_key_would_overflow(monkeypatch):
+    req = random_request(np.random.default_rng(11), estimator="ktae", n_groups=(3, 3), vocab=6)
+    # Spread the ids far apart so densifying actually renumbers them.
+    for g in req["groups"]:
+        for r in g["rollouts"]:
+            r["tokens"] = [t * 300_000_007 % (2**31 - 1) for t in r["tokens"]]
+    expected = compute(req, device="cpu")
+    monkeypatch.setattr(ktae_module, "KEY_BITS", 20)
+    got = compute(req, device="cpu")
+    for g1, g2 in zip(expected["groups"], got["groups"], strict=True):
+        for r1, r2 in zip(g1["rollouts"], g2["rollouts"], strict=True):
+            np.testing.assert_array_equal(r1["advantages"], r2["advantages"])

@@ -1,0 +1,70 @@
+"""CPU/CUDA agreement for every preset and a composition (skipped without a CUDA device)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from advantage_service import compute, compute_batch
+from oracle import random_request
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+]
+
+ESTIMATORS = [
+    "grpo",
+    "dr_grpo",
+    "rloo",
+    "reinforce",
+    "reinforce_pp_baseline",
+    "opo",
+    "gpg",
+    "grpo_passk",
+    "ktae",
+    "cscr",
+    "opsd",
+    {"outcome": "rloo", "ktae": {}, "cscr": {}, "opsd": {"clip": 0.5}, "whiten": True},
+]
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS, ids=str)
+@pytest.mark.parametrize("seed", range(5))
+def test_cuda_matches_cpu(estimator, seed):
+    req = random_request(
+        np.random.default_rng(seed),
+        estimator=estimator,
+        n_groups=(2, 6),
+        group_size=(1, 16),
+        length=(0, 64),
+        vocab=40,
+    )
+    cpu = compute(req, device="cpu")
+    gpu = compute(req, device="cuda")
+    assert gpu["summary"]["device"] == "cuda"
+    for g_cpu, g_gpu in zip(cpu["groups"], gpu["groups"], strict=True):
+        for r_cpu, r_gpu in zip(g_cpu["rollouts"], g_gpu["rollouts"], strict=True):
+            for key in r_cpu:
+                np.testing.assert_allclose(
+                    r_gpu[key],
+                    r_cpu[key],
+                    rtol=1e-5,
+                    atol=1e-5,
+                    err_msg=f"{estimator} {g_cpu['id']} {key}",
+                )
+
+
+def test_cuda_matches_cpu_on_the_training_sized_batch():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from synthetic import training_batch
+
+    batch = training_batch(teacher=True)
+    spec = {"outcome": "grpo", "ktae": {}, "cscr": {}}
+    cpu = compute_batch(batch, spec, "cpu")
+    gpu = compute_batch(batch, spec, "cuda")
+    assert gpu.advantages.device.type == "cuda"
+    torch.testing.assert_close(gpu.advantages.cpu(), cpu.advantages, rtol=1e-5, atol=1e-5)

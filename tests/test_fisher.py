@@ -1,0 +1,64 @@
+"""The batched two-sided Fisher exact test against scipy on every table up to margins of 24."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from advantage_service.estimators.fisher import fisher_two_sided, pvalue_grid
+from scipy.stats import fisher_exact
+
+MAX_MARGIN = 24
+
+
+@pytest.fixture(scope="module")
+def all_tables() -> np.ndarray:
+    return np.array(
+        [
+            (n1, n2, a, b)
+            for n1 in range(MAX_MARGIN + 1)
+            for n2 in range(MAX_MARGIN + 1)
+            for a in range(n1 + 1)
+            for b in range(n2 + 1)
+        ]
+    )
+
+
+@pytest.mark.slow
+def test_fisher_matches_scipy_on_every_table_with_margins_up_to_24(all_tables):
+    t = torch.from_numpy(all_tables)
+    fast = fisher_two_sided(t[:, 0], t[:, 1], t[:, 2], t[:, 3]).numpy()
+    expected = np.array(
+        [fisher_exact([[a, b], [n1 - a, n2 - b]])[1] for n1, n2, a, b in all_tables]
+    )
+    worst = int(np.argmax(np.abs(fast - expected)))
+    np.testing.assert_allclose(
+        fast,
+        expected,
+        rtol=1e-9,
+        atol=1e-12,
+        err_msg=f"worst table (n1, n2, a, b) = {tuple(all_tables[worst])}",
+    )
+
+
+def test_fisher_p_is_one_for_tables_at_the_mode():
+    # Equal presence rates: the observed table is the most likely one.
+    n1 = torch.tensor([4, 8, 6])
+    n2 = torch.tensor([4, 8, 3])
+    a = torch.tensor([2, 4, 4])
+    b = torch.tensor([2, 4, 2])
+    p = fisher_two_sided(n1, n2, a, b)
+    assert torch.all(p > 1 - 1e-12)
+
+
+def test_fisher_extreme_table_has_the_hypergeometric_probability_doubled():
+    # [[4, 0], [0, 4]]: the two extreme tables are equally likely, 1 / C(8, 4) each.
+    p = fisher_two_sided(torch.tensor([4]), torch.tensor([4]), torch.tensor([4]), torch.tensor([0]))
+    assert p.item() == pytest.approx(2 / 70, rel=1e-12)
+
+
+def test_pvalue_grid_marks_impossible_tables_with_one():
+    grid = pvalue_grid(torch.tensor([2]), torch.tensor([1]))
+    # k = a + b = 3 with a = 0 would need b = 3 > n2 = 1.
+    assert grid[0, 3, 0].item() == 1.0
+    assert grid.shape == (1, 4, 3)
