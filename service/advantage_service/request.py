@@ -6,8 +6,9 @@ price of nested JSON); the values themselves are converted by numpy in one pass 
 
 from __future__ import annotations
 
+import sys
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
@@ -30,6 +31,8 @@ TOP_LEVEL_FIELDS = (
 )
 ROLLOUT_FIELDS = ("tokens", "reward", "logprobs", "teacher_logprobs")
 DEFAULT_NAMESPACE = "default"
+# JSON integers are unbounded; numbers the batch arrays cannot hold are request errors.
+INT64_LIMIT = 2**63
 
 
 @dataclass
@@ -83,8 +86,15 @@ def _flat_values(
     raise RequestError("invalid_type", f"{name} must hold numbers", field=name)
 
 
-def parse_request(obj: Any) -> ComputeRequest:
-    """Decode and validate a JSON request (already parsed into Python objects)."""
+GroupsDecoder = Callable[[Any, int | None], RolloutBatch]
+
+
+def parse_request(obj: Any, decode_groups: GroupsDecoder | None = None) -> ComputeRequest:
+    """Decode and validate a JSON request (already parsed into Python objects).
+
+    ``decode_groups(groups, vocab_size)`` builds the batch from the ``groups`` value (default:
+    :func:`parse_groups`); a transport that carries the rollouts elsewhere (Arrow) passes its own.
+    """
     if not isinstance(obj, Mapping):
         raise RequestError("invalid_type", "the request must be a JSON object", field="")
     for key in obj:
@@ -113,10 +123,12 @@ def parse_request(obj: Any) -> ComputeRequest:
         )
     ignore = obj.get("ignore_token_ids") or []
     if not isinstance(ignore, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in ignore
+        isinstance(t, int) and not isinstance(t, bool) and abs(t) < INT64_LIMIT for t in ignore
     ):
         raise RequestError(
-            "invalid_type", "ignore_token_ids must be a list of integers", field="ignore_token_ids"
+            "invalid_type",
+            "ignore_token_ids must be a list of 64-bit integers",
+            field="ignore_token_ids",
         )
     returns = obj.get("return") or []
     if not isinstance(returns, list) or not all(isinstance(r, str) for r in returns):
@@ -126,7 +138,7 @@ def parse_request(obj: Any) -> ComputeRequest:
             field="return",
         )
     estimator = resolve_estimator(obj.get("estimator"))
-    batch = parse_groups(obj.get("groups"), vocab_size)
+    batch = (decode_groups or parse_groups)(obj.get("groups"), vocab_size)
     return ComputeRequest(
         batch=batch,
         estimator=estimator,
@@ -205,6 +217,13 @@ def parse_groups(groups: Any, vocab_size: int | None) -> RolloutBatch:
             raise RequestError(
                 "invalid_type",
                 f"reward must be a number, got {reward!r}",
+                field="reward",
+                **where(r),
+            )
+        if isinstance(reward, int) and abs(reward) > sys.float_info.max:  # JSON allows it
+            raise RequestError(
+                "invalid_value",
+                "reward is out of range; it must be finite",
                 field="reward",
                 **where(r),
             )
