@@ -1,0 +1,354 @@
+"""The data plane every transport calls: limits, admission, the estimator pipeline off the event
+loop, statistics hooks and metrics. No wire types here: a transport hands in a decoded request
+(or a function that decodes one) and, optionally, a function that encodes the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+import torch
+
+from . import __version__
+from .api import compute_request, summarize
+from .batch import RolloutBatch
+from .config import Settings
+from .errors import LimitExceeded, RequestError
+from .estimators import AdvantageResult, TermContext, resolve_device
+from .metrics import TOKEN_SAMPLE, Metrics
+from .request import ComputeRequest, parse_request
+
+log = logging.getLogger("advantage_service.engine")
+
+T = TypeVar("T")
+Decoder = Callable[[], ComputeRequest]
+Encoder = Callable[[ComputeRequest, AdvantageResult, dict[str, Any]], T]
+
+# Estimator label for requests rejected before their estimator was known.
+UNKNOWN_ESTIMATOR = "unknown"
+# Weight of the newest request in the moving average that sizes Retry-After.
+RETRY_AFTER_SMOOTHING = 0.2
+
+
+class Saturated(Exception):
+    """Every admission slot is taken: the client should retry after ``retry_after`` seconds
+    (HTTP 429 with Retry-After, gRPC RESOURCE_EXHAUSTED). The engine never queues."""
+
+    code = "saturated"
+
+    def __init__(self, limit: int, retry_after: int) -> None:
+        self.limit = limit
+        self.retry_after = retry_after
+        self.message = (
+            f"the service is computing {limit} requests (ADV_MAX_INFLIGHT); "
+            f"retry after {retry_after} s"
+        )
+        super().__init__(self.message)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "code": self.code,
+            "message": self.message,
+            "group_id": None,
+            "rollout_index": None,
+            "field": None,
+        }
+
+
+class Slot:
+    """One admitted request. Release it once (a context manager does)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._engine._release()
+
+    def __enter__(self) -> Slot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+@dataclass
+class Computed(Generic[T]):
+    """A computed request: the decoded request, the result tensors, the summary the response
+    carries, and whatever the transport's encoder made of them (None without an encoder)."""
+
+    request: ComputeRequest
+    result: AdvantageResult
+    summary: dict[str, Any]
+    encoded: T | None = None
+
+
+def check_finite(req: ComputeRequest, result: AdvantageResult) -> None:
+    """Raise RequestError when a result value is NaN or infinite.
+
+    Valid inputs give finite values; extreme parameters can overflow float32 (``opsd.coef`` of
+    1e308) or divide zero by zero (``epsilon`` 0 on a group of equal rewards). JSON cannot carry
+    such a value, and a trainer must not train on one, so the request is refused and located.
+    """
+    batch = req.batch
+    per_token = {"advantages": result.advantages, **result.diagnostics}
+    for name, values in per_token.items():
+        finite = torch.isfinite(values)
+        if not bool(finite.all()):
+            p = int(torch.nonzero(~finite)[0])
+            rollout, token = batch.token_position(p)
+            raise RequestError(
+                "non_finite_result",
+                f"the estimator gave {name}[{token}] = {float(values[p])}; its parameters are "
+                "too extreme for this data (float32)",
+                **batch.locate_rollout(rollout, "estimator"),
+            )
+    finite = torch.isfinite(result.scalars)
+    if not bool(finite.all()):
+        i = int(torch.nonzero(~finite)[0])
+        raise RequestError(
+            "non_finite_result",
+            f"the estimator gave a non-finite scalar ({float(result.scalars[i])}); its "
+            "parameters are too extreme for this data",
+            **batch.locate_rollout(i, "estimator"),
+        )
+
+
+class Engine:
+    """The data plane. ``await engine.compute(request, transport)`` from any transport."""
+
+    def __init__(self, settings: Settings, metrics: Metrics | None = None) -> None:
+        self.settings = settings
+        self.metrics = metrics if metrics is not None else Metrics()
+        self.device = resolve_device(settings.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"device {settings.device!r} was asked for but CUDA is unavailable")
+        # One worker per admission slot: the admitted requests are exactly those computing.
+        self._executor = ThreadPoolExecutor(
+            max_workers=settings.max_inflight, thread_name_prefix="advantage-compute"
+        )
+        self._lock = threading.Lock()
+        self._inflight = 0
+        self._mean_seconds = 1.0
+        self.warm = False
+        self.draining = False
+        self.metrics.max_inflight.set(settings.max_inflight)
+        self.metrics.build_info.labels(__version__, self.device.type).set(1)
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        """Serving: warmed up and not draining for shutdown."""
+        return self.warm and not self.draining
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    def warm_up(self) -> None:
+        """Compute one tiny request so the first client does not pay for lazy initialisation."""
+        req = parse_request(
+            {
+                "estimator": {"outcome": "grpo", "ktae": {}},
+                "groups": [
+                    {
+                        "id": "warm-up",
+                        "rollouts": [
+                            {"tokens": [1, 2], "reward": 1.0},
+                            {"tokens": [2], "reward": 0.0},
+                        ],
+                    }
+                ],
+            }
+        )
+        self._compute_sync(req, None, observe=False)
+        self.warm = True
+
+    def close(self) -> None:
+        """Wait for running computations, then stop the workers."""
+        self._executor.shutdown(wait=True)
+
+    def stats_store_status(self) -> str:
+        """``memory`` (embedded store), ``up`` or ``down`` (Redis). Hook for the stats store."""
+        return "memory"
+
+    # ---- admission ------------------------------------------------------------------------------
+
+    def admit(self, transport: str) -> Slot:
+        """Take an admission slot or raise :class:`Saturated` (counted as a 429)."""
+        with self._lock:
+            if self._inflight >= self.settings.max_inflight:
+                saturated = Saturated(self.settings.max_inflight, self.retry_after)
+            else:
+                self._inflight += 1
+                saturated = None
+        if saturated is not None:
+            self.record_rejection(transport, 429, saturated.code)
+            raise saturated
+        self.metrics.inflight_requests.inc()
+        return Slot(self)
+
+    def _release(self) -> None:
+        with self._lock:
+            self._inflight -= 1
+        self.metrics.inflight_requests.dec()
+
+    @property
+    def retry_after(self) -> int:
+        """Whole seconds a rejected client should wait: about one typical request."""
+        return max(1, math.ceil(self._mean_seconds))
+
+    # ---- limits ---------------------------------------------------------------------------------
+
+    def check_limits(self, req: ComputeRequest) -> None:
+        """Raise :class:`LimitExceeded` (413) for a request over the configured sizes."""
+        batch = req.batch
+        limit = self.settings.max_request_tokens
+        if batch.num_tokens > limit:
+            raise LimitExceeded(
+                f"the request has {batch.num_tokens} tokens; the limit is {limit} "
+                "(ADV_MAX_REQUEST_TOKENS): split the batch",
+                field="tokens",
+            )
+        if batch.num_groups:
+            sizes = batch.group_sizes
+            largest = int(sizes.max())
+            if largest > self.settings.max_group_size:
+                gid = batch.group_ids[int(torch.argmax(sizes))]
+                raise LimitExceeded(
+                    f"group {gid!r} has {largest} rollouts; the limit is "
+                    f"{self.settings.max_group_size} (ADV_MAX_GROUP_SIZE)",
+                    group_id=gid,
+                    field="rollouts",
+                )
+
+    # ---- the request path -----------------------------------------------------------------------
+
+    async def compute(
+        self,
+        request: ComputeRequest | Decoder,
+        transport: str,
+        *,
+        encode: Encoder[T] | None = None,
+        slot: Slot | None = None,
+        started: float | None = None,
+    ) -> Computed[T]:
+        """Decode (when given a decoder), check limits, compute, record, encode.
+
+        Every step that costs more than microseconds runs in a worker thread, so the event loop
+        keeps answering health checks and metrics. Takes an admission slot unless the transport
+        already holds one (``slot``, from :meth:`admit`, taken before reading a large body).
+        Raises :class:`RequestError` (422/413) for the client's mistakes and :class:`Saturated`.
+        """
+        started = time.perf_counter() if started is None else started
+        own = slot is None
+        if slot is None:
+            slot = self.admit(transport)
+        label = UNKNOWN_ESTIMATOR
+        try:
+            req = request if isinstance(request, ComputeRequest) else await self._run(request)
+            label = req.estimator.label
+            self.check_limits(req)
+            context, history = await self._read_history(req)
+            result, seconds = await self._run(self._compute_sync, req, context)
+            summary = summarize(req, self.device, seconds * 1000.0, history)
+            self.metrics.compute_duration_seconds.labels(label, self.device.type).observe(seconds)
+            await self._write_stats(req, result)
+            encoded = None if encode is None else await self._run(encode, req, result, summary)
+        except RequestError as exc:
+            self.record_rejection(transport, exc.status, exc.code, label)
+            raise
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self.record_rejection(transport, 500, "internal", label)
+            raise
+        finally:
+            if own:
+                slot.release()
+        elapsed = time.perf_counter() - started
+        self.metrics.requests_total.labels(transport, label, "200").inc()
+        self.metrics.request_duration_seconds.labels(transport, label).observe(elapsed)
+        self._mean_seconds += RETRY_AFTER_SMOOTHING * (elapsed - self._mean_seconds)
+        return Computed(req, result, summary, encoded)
+
+    def record_rejection(
+        self, transport: str, status: int, error: str, estimator: str = UNKNOWN_ESTIMATOR
+    ) -> None:
+        """Count a request answered with an error (transports call this for errors they raise
+        before the engine sees the request: unsupported media type, body too large)."""
+        self.metrics.requests_total.labels(transport, estimator, str(status)).inc()
+        self.metrics.request_errors_total.labels(transport, error).inc()
+
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on a compute worker. If the caller is cancelled (shutdown timeout), the
+        slot stays taken until the worker really finishes, so admission never overcommits."""
+        future = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            # A worker cannot be interrupted: keep holding the slot until it is done.
+            with contextlib.suppress(BaseException):
+                await future
+            raise
+
+    def _compute_sync(
+        self, req: ComputeRequest, context: TermContext | None, observe: bool = True
+    ) -> tuple[AdvantageResult, float]:
+        start = time.perf_counter()
+        result = compute_request(req, self.device, context)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
+        check_finite(req, result)
+        if observe:
+            self._observe(req.batch, result, req.estimator.label)
+        return result, seconds
+
+    def _observe(self, batch: RolloutBatch, result: AdvantageResult, label: str) -> None:
+        """Batch-level training-health metrics (runs on the worker, a few ms at most)."""
+        m = self.metrics
+        m.tokens_total.labels(label).inc(batch.num_tokens)
+        m.rollouts_total.inc(batch.num_rollouts)
+        if batch.num_groups:
+            zero = int(batch.zero_signal.sum())
+            m.groups_total.labels("zero").inc(zero)
+            m.groups_total.labels("nonzero").inc(batch.num_groups - zero)
+            correct = torch.zeros(batch.num_groups, dtype=torch.float64).index_add_(
+                0, batch.group_index, (batch.rewards > 0).double()
+            )
+            m.group_accuracy.observe_many((correct / batch.group_sizes).numpy())
+        n = result.advantages.numel()
+        if n:
+            stride = max(1, n // TOKEN_SAMPLE)
+            sample = result.advantages[::stride][:TOKEN_SAMPLE].cpu().numpy()
+            m.token_advantage.observe_many(sample.astype(np.float64), label)
+
+    # ---- statistics store hooks -----------------------------------------------------------------
+
+    async def _read_history(self, req: ComputeRequest) -> tuple[TermContext | None, str]:
+        """KTAE history for the request's prompts, and the summary's ``history`` value.
+
+        Hook for the stats store: returns the TermContext to compute with (None: a fresh one)
+        and ``none`` (history not asked for), ``applied`` or ``unavailable``. Without a store,
+        history asked for is unavailable, as in the in-process API.
+        """
+        wants = req.estimator.terms.get("ktae", {}).get("history", "none") != "none"
+        return None, "unavailable" if wants else "none"
+
+    async def _write_stats(self, req: ComputeRequest, result: AdvantageResult) -> None:
+        """Hook for the stats store: schedule writes of history and vocabulary statistics."""
+        return None

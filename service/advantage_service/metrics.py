@@ -1,0 +1,234 @@
+"""Every Prometheus metric the service exports (ARCHITECTURE.md, "Metric names").
+
+The metrics live on a registry the application owns, so several instances (tests, an embedded
+engine) never collide on the process-global default registry.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+
+import numpy as np
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
+
+# Seconds: from a tiny request on a GPU to a training-sized KTAE batch on a CPU.
+DURATION_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+# Fraction of correct rollouts in a group: 0 and 1 are the zero-signal extremes.
+ACCURACY_BUCKETS = tuple(round(0.1 * i, 1) for i in range(11))
+# Token advantages: symmetric, fine near zero where KTAE bonuses and normalised GRPO values live.
+ADVANTAGE_BUCKETS = (
+    -10.0,
+    -5.0,
+    -3.0,
+    -2.0,
+    -1.0,
+    -0.5,
+    -0.25,
+    -0.1,
+    -0.01,
+    0.0,
+    0.01,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.0,
+    3.0,
+    5.0,
+    10.0,
+)
+STATS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# Token advantages observed per request: an evenly strided sample keeps the cost near 1 ms.
+TOKEN_SAMPLE = 4096
+
+
+class BulkHistogram(Collector):
+    """A histogram observed with whole numpy arrays at once (one vectorised count per call,
+    not one Python call per value), exported in the standard histogram format."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        buckets: Sequence[float],
+        labelnames: Sequence[str] = (),
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self.bounds = np.asarray(sorted(buckets), dtype=np.float64)
+        self._lock = threading.Lock()
+        # label values -> (per-bucket counts incl. +Inf, sum)
+        self._series: dict[tuple[str, ...], tuple[np.ndarray, float]] = {}
+        if registry is not None:
+            registry.register(self)
+
+    def observe_many(self, values: np.ndarray, *labelvalues: str) -> None:
+        """Count every value of ``values`` (any shape; NaN values are skipped)."""
+        if len(labelvalues) != len(self.labelnames):
+            raise ValueError(f"{self.name} takes labels {self.labelnames}")
+        flat = np.asarray(values, dtype=np.float64).ravel()
+        flat = flat[~np.isnan(flat)]
+        # Prometheus buckets are "less than or equal": a value equal to a bound counts there.
+        counts = np.bincount(
+            np.searchsorted(self.bounds, flat, side="left"), minlength=self.bounds.size + 1
+        )
+        total = float(flat.sum())
+        with self._lock:
+            old, old_sum = self._series.get(
+                labelvalues, (np.zeros(self.bounds.size + 1, np.int64), 0.0)
+            )
+            self._series[labelvalues] = (old + counts, old_sum + total)
+
+    def describe(self) -> Iterable[Metric]:
+        return [HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)]
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        with self._lock:
+            series = dict(self._series)
+        for labelvalues, (counts, total) in series.items():
+            cumulative = np.cumsum(counts)
+            buckets = [
+                (_le(b), float(c)) for b, c in zip(self.bounds, cumulative[:-1], strict=True)
+            ]
+            buckets.append(("+Inf", float(cumulative[-1])))
+            family.add_metric(list(labelvalues), buckets, total)
+            if self.bounds[0] < 0:
+                # prometheus_client drops _sum and _count when a bucket bound is negative (an
+                # OpenMetrics rule); the text format keeps them, and sum/count is the mean.
+                labels = dict(zip(self.labelnames, labelvalues, strict=True))
+                family.samples.append(Sample(self.name + "_count", labels, float(cumulative[-1])))
+                family.samples.append(Sample(self.name + "_sum", labels, total))
+        yield family
+
+
+def _le(bound: float) -> str:
+    return repr(float(bound))
+
+
+class Metrics:
+    """The service's metrics on one registry (a fresh one unless given)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, *, process: bool = True) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        if process:
+            ProcessCollector(registry=r)
+        self.requests_total = Counter(
+            "advantage_requests_total",
+            "Requests answered, by transport, estimator label and status code",
+            ["transport", "estimator", "code"],
+            registry=r,
+        )
+        self.request_errors_total = Counter(
+            "advantage_request_errors_total",
+            "Requests rejected, by transport and error code (invalid_json, limit_exceeded, ...)",
+            ["transport", "error"],
+            registry=r,
+        )
+        self.request_duration_seconds = Histogram(
+            "advantage_request_duration_seconds",
+            "Time from admission to an encoded response (decode, compute, encode)",
+            ["transport", "estimator"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.compute_duration_seconds = Histogram(
+            "advantage_compute_duration_seconds",
+            "Time in the estimator pipeline alone",
+            ["estimator", "device"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.tokens_total = Counter(
+            "advantage_tokens_total", "Tokens computed", ["estimator"], registry=r
+        )
+        self.rollouts_total = Counter("advantage_rollouts_total", "Rollouts computed", registry=r)
+        self.groups_total = Counter(
+            "advantage_groups_total",
+            "Groups computed; signal=zero: every rollout had the same reward (no GRPO signal)",
+            ["signal"],
+            registry=r,
+        )
+        self.group_accuracy = BulkHistogram(
+            "advantage_group_accuracy",
+            "Fraction of a group's rollouts with reward > 0",
+            ACCURACY_BUCKETS,
+            registry=r,
+        )
+        self.token_advantage = BulkHistogram(
+            "advantage_token_advantage",
+            f"Token advantages (an evenly strided sample of at most {TOKEN_SAMPLE} per request)",
+            ADVANTAGE_BUCKETS,
+            ["estimator"],
+            registry=r,
+        )
+        self.inflight_requests = Gauge(
+            "advantage_inflight_requests", "Requests admitted and not yet answered", registry=r
+        )
+        self.max_inflight = Gauge(
+            "advantage_max_inflight", "Admission limit (ADV_MAX_INFLIGHT)", registry=r
+        )
+        self.stats_store_errors_total = Counter(
+            "advantage_stats_store_errors_total",
+            "Stats store operations that failed",
+            ["op"],
+            registry=r,
+        )
+        self.stats_store_duration_seconds = Histogram(
+            "advantage_stats_store_duration_seconds",
+            "Stats store operation time",
+            ["op"],
+            buckets=STATS_BUCKETS,
+            registry=r,
+        )
+        self.stats_store_up = Gauge(
+            "advantage_stats_store_up", "1 when the stats store answered its last call", registry=r
+        )
+        self.stream_open = Gauge(
+            "advantage_stream_open", "Open gRPC StreamCompute calls", registry=r
+        )
+        self.stream_pending_groups = Gauge(
+            "advantage_stream_pending_groups",
+            "Groups received on streams and not yet complete",
+            registry=r,
+        )
+        self.build_info = Gauge(
+            "advantage_build_info",
+            "Constant 1, labelled with the version and the compute device",
+            ["version", "device"],
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
