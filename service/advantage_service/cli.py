@@ -60,7 +60,21 @@ def build_parser() -> argparse.ArgumentParser:
     compute.add_argument("--output", "-o", default="-", help="response JSON file, - for stdout")
     compute.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     compute.set_defaults(run=_compute)
-    serve = sub.add_parser("serve", help="run the HTTP and gRPC service")
+    serve = sub.add_parser(
+        "serve",
+        help="run the HTTP and gRPC service",
+        description="Every flag overrides its ADV_* environment variable (ADV_HOST, ...); the "
+        "limits are set by ADV_MAX_INFLIGHT, ADV_MAX_REQUEST_TOKENS, ADV_MAX_BODY_BYTES, "
+        "ADV_MAX_GROUP_SIZE.",
+    )
+    serve.add_argument("--host", help="interface to listen on (default 127.0.0.1)")
+    serve.add_argument("--http-port", type=int, help="HTTP port (default 8000)")
+    serve.add_argument("--grpc-port", type=int, help="gRPC port (default 50051)")
+    serve.add_argument("--device", help="auto (default: CUDA when available), cpu, cuda, cuda:N")
+    serve.add_argument("--redis-url", help="Redis stats store (default: embedded, in memory)")
+    serve.add_argument(
+        "--log-level", choices=["critical", "error", "warning", "info", "debug"], help="log level"
+    )
     serve.set_defaults(run=_serve)
     return parser
 
