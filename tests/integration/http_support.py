@@ -1,0 +1,224 @@
+"""Helpers for the integration tests: real server processes and request builders.
+
+``python -m advantage_service serve`` on free ports with ``ADV_*`` settings, waited for by
+polling ``/readyz``, stopped with SIGTERM (then SIGKILL). The request builders do not use the
+service's own encoders, so a symmetric codec bug cannot hide.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pyarrow as pa
+from advantage_service import presets, resolve_estimator
+from advantage_service.estimators import TERMS
+from prometheus_client.parser import text_string_to_metric_families
+
+ARROW = "application/vnd.apache.arrow.stream"
+STARTUP_SECONDS = 120.0
+POLL_SECONDS = 0.05
+
+# The shared server's limits: small enough that the limit tests stay cheap.
+SHARED_SETTINGS = {
+    "max_request_tokens": 20_000,
+    "max_group_size": 32,
+    "max_body_bytes": 1_000_000,
+    "max_inflight": 4,
+}
+
+
+def free_port() -> int:
+    """A port nothing listens on right now (the OS picks it for a socket bound to port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def poll(condition: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Call ``condition`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(POLL_SECONDS)
+
+
+class Server:
+    """One running service process."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], port: int, log: Path) -> None:
+        self.proc = proc
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = log
+        self.client = httpx.Client(base_url=self.url, timeout=60.0)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_ready(self) -> None:
+        def ready() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(
+                    f"server exited with {self.proc.returncode} before ready:\n{self.output()}"
+                )
+            try:
+                return httpx.get(self.url + "/readyz", timeout=2.0).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        poll(ready, STARTUP_SECONDS, "the server's /readyz")
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """Every sample of /metrics: (name, sorted labels) -> value."""
+        text = self.client.get("/metrics").text
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    def stop(self, timeout: float = 30.0) -> int:
+        self.client.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return int(self.proc.returncode)
+
+
+def start_server(directory: Path, **settings: Any) -> Server:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ADV_")}
+    env.update({f"ADV_{k.upper()}": str(v) for k, v in settings.items()})
+    log = directory / f"server-{port}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "advantage_service",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--http-port",
+                str(port),
+                "--grpc-port",
+                str(free_port()),
+                "--device",
+                "cpu",
+                "--log-level",
+                "warning",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    server = Server(proc, port, log)
+    try:
+        server.wait_ready()
+    except BaseException:
+        server.proc.kill()
+        server.proc.wait(10)
+        raise
+    return server
+
+
+# ---- requests -----------------------------------------------------------------------------------
+
+
+def diagnostics_for(estimator: str | dict[str, Any]) -> list[str]:
+    """``scalar`` plus every per-token diagnostic the estimator's terms produce."""
+    spec = resolve_estimator(estimator)
+    return ["scalar", *(d for name in spec.terms for d in TERMS[name].diagnostics)]
+
+
+def random_request(
+    seed: int, estimator: str | dict[str, Any] = "grpo", groups: int = 4
+) -> dict[str, Any]:
+    """A JSON request with logprobs and pos/neg teacher log-probs on every rollout (so every
+    preset applies), mixed and zero-signal groups, and every diagnostic asked for."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(groups):
+        size = int(rng.integers(2, 6))
+        rewards = rng.integers(0, 2, size=size).astype(float) if g % 3 else np.ones(size)
+        rollouts = []
+        for reward in rewards:
+            n = int(rng.integers(0, 40))
+            rollouts.append(
+                {
+                    "tokens": rng.integers(0, 500, size=n).tolist(),
+                    "reward": float(reward),
+                    "logprobs": (-rng.exponential(1.0, size=n)).tolist(),
+                    "teacher_logprobs": {
+                        "pos": (-rng.exponential(1.0, size=n)).tolist(),
+                        "neg": (-rng.exponential(1.0, size=n)).tolist(),
+                    },
+                }
+            )
+        out.append({"id": f"prompt-{seed}-{g}", "rollouts": rollouts})
+    return {
+        "request_id": f"req-{seed}",
+        "estimator": estimator,
+        "ignore_token_ids": [0],
+        "return": diagnostics_for(estimator),
+        "groups": out,
+    }
+
+
+def arrow_request(request: dict[str, Any], order: list[int] | None = None) -> bytes:
+    """The JSON request as an Arrow IPC stream, built row by row with plain pyarrow.
+
+    ``order`` permutes the rows (to send a group's rollouts non-contiguously).
+    """
+    rows = [(g["id"], r) for g in request["groups"] for r in g["rollouts"]]
+    if order is not None:
+        rows = [rows[i] for i in order]
+    columns: dict[str, pa.Array] = {
+        "group_id": pa.array([gid for gid, _ in rows], pa.string()),
+        "reward": pa.array([r["reward"] for _, r in rows], pa.float64()),
+        "tokens": pa.array([r["tokens"] for _, r in rows], pa.list_(pa.int32())),
+    }
+    if rows and "logprobs" in rows[0][1]:
+        columns["logprobs"] = pa.array([r["logprobs"] for _, r in rows], pa.list_(pa.float32()))
+    for name in sorted(rows[0][1].get("teacher_logprobs", {}) if rows else ()):
+        columns[f"teacher.{name}"] = pa.array(
+            [r["teacher_logprobs"][name] for _, r in rows], pa.list_(pa.float32())
+        )
+    options = {k: v for k, v in request.items() if k != "groups"}
+    table = pa.table(columns).replace_schema_metadata({"advantage.request": json.dumps(options)})
+    return stream_bytes(table)
+
+
+def stream_bytes(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return bytes(sink.getvalue().to_pybytes())
+
+
+def read_arrow(body: bytes) -> tuple[dict[str, Any], pa.Table]:
+    with pa.ipc.open_stream(pa.py_buffer(body)) as reader:
+        table = reader.read_all()
+    return json.loads(table.schema.metadata[b"advantage.response"]), table
+
+
+ALL_PRESETS = sorted(presets())

@@ -1,0 +1,350 @@
+"""Every class of client mistake gets its status and an error body naming code, group, rollout
+and field; never a 5xx. Limits answer 413 exactly above the configured values."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from http_support import (
+    ARROW,
+    SHARED_SETTINGS,
+    Server,
+    arrow_request,
+    random_request,
+    stream_bytes,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def small_request() -> dict[str, Any]:
+    return {
+        "estimator": "grpo",
+        "groups": [
+            {
+                "id": "p0",
+                "rollouts": [
+                    {"tokens": [1, 2, 3], "reward": 1.0, "logprobs": [-0.1, -0.2, -0.3]},
+                    {"tokens": [4, 5], "reward": 0.0, "logprobs": [-0.4, -0.5]},
+                ],
+            },
+            {
+                "id": "p1",
+                "rollouts": [
+                    {"tokens": [6], "reward": 0.5, "logprobs": [-0.6]},
+                    {"tokens": [7, 8], "reward": 0.0, "logprobs": [-0.7, -0.8]},
+                ],
+            },
+        ],
+    }
+
+
+def with_change(path: tuple[Any, ...], value: Any, delete: bool = False) -> dict[str, Any]:
+    request = copy.deepcopy(small_request())
+    target: Any = request
+    for key in path[:-1]:
+        target = target[key]
+    if delete:
+        del target[path[-1]]
+    else:
+        target[path[-1]] = value
+    return request
+
+
+def expect_error(
+    response: Any,
+    status: int,
+    code: str,
+    field: str | None,
+    group_id: str | None = None,
+    rollout_index: int | None = None,
+) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert set(error) == {"code", "message", "group_id", "rollout_index", "field"}
+    assert (error["code"], error["field"]) == (code, field), error
+    assert (error["group_id"], error["rollout_index"]) == (group_id, rollout_index), error
+    assert error["message"]
+    return error
+
+
+def post_text(server: Server, body: bytes | str, content_type: str = "application/json") -> Any:
+    return server.client.post(
+        "/v1/advantages", content=body, headers={"content-type": content_type}
+    )
+
+
+# ---- 422: the request is wrong ------------------------------------------------------------------
+
+
+def test_malformed_json_is_422_invalid_json(server: Server) -> None:
+    expect_error(post_text(server, b'{"groups": [}'), 422, "invalid_json", "")
+
+
+def test_deeply_nested_json_is_422_not_a_crash(server: Server) -> None:
+    expect_error(post_text(server, "[" * 100_000 + "]" * 100_000), 422, "invalid_json", "")
+
+
+def test_a_json_array_is_422_invalid_type(server: Server) -> None:
+    expect_error(post_text(server, b"[]"), 422, "invalid_type", "")
+
+
+def test_missing_groups_is_422(server: Server) -> None:
+    request = with_change(("groups",), None, delete=True)
+    expect_error(server.client.post("/v1/advantages", json=request), 422, "invalid_type", "groups")
+
+
+def test_missing_reward_names_group_and_rollout(server: Server) -> None:
+    request = with_change(("groups", 1, "rollouts", 1, "reward"), None, delete=True)
+    expect_error(
+        server.client.post("/v1/advantages", json=request), 422, "invalid_type", "reward", "p1", 1
+    )
+
+
+def test_wrong_type_names_group_rollout_and_field(server: Server) -> None:
+    request = with_change(("groups", 1, "rollouts", 0, "reward"), "high")
+    expect_error(
+        server.client.post("/v1/advantages", json=request), 422, "invalid_type", "reward", "p1", 0
+    )
+    request = with_change(("groups", 0, "rollouts", 1, "tokens"), [4, "x"])
+    expect_error(
+        server.client.post("/v1/advantages", json=request), 422, "invalid_type", "tokens", "p0", 1
+    )
+
+
+def test_nan_reward_is_422_invalid_value(server: Server) -> None:
+    # Python's JSON parser accepts the NaN literal; the service must still refuse it.
+    body = json.dumps(small_request()).replace('"reward": 0.5', '"reward": NaN')
+    expect_error(post_text(server, body), 422, "invalid_value", "reward", "p1", 0)
+
+
+def test_nan_logprob_is_422_invalid_value(server: Server) -> None:
+    body = json.dumps(small_request()).replace("-0.5]", "NaN]")
+    expect_error(post_text(server, body), 422, "invalid_value", "logprobs", "p0", 1)
+
+
+def test_length_mismatch_names_the_rollout(server: Server) -> None:
+    request = with_change(("groups", 0, "rollouts", 1, "logprobs"), [-0.4])
+    expect_error(
+        server.client.post("/v1/advantages", json=request),
+        422,
+        "length_mismatch",
+        "logprobs",
+        "p0",
+        1,
+    )
+
+
+def test_unknown_estimator_is_422(server: Server) -> None:
+    request = with_change(("estimator",), "grpo2")
+    expect_error(
+        server.client.post("/v1/advantages", json=request), 422, "unknown_estimator", "estimator"
+    )
+
+
+def test_unknown_parameter_is_422(server: Server) -> None:
+    request = with_change(("estimator",), {"outcome": {"name": "grpo", "temperature": 1.0}})
+    expect_error(
+        server.client.post("/v1/advantages", json=request),
+        422,
+        "unknown_parameter",
+        "estimator.outcome.temperature",
+    )
+
+
+def test_out_of_range_parameter_is_422(server: Server) -> None:
+    request = with_change(("estimator",), {"outcome": "grpo", "ktae": {"tf_b": 1.5}})
+    expect_error(
+        server.client.post("/v1/advantages", json=request),
+        422,
+        "out_of_range",
+        "estimator.ktae.tf_b",
+    )
+
+
+def test_unknown_field_is_422(server: Server) -> None:
+    request = with_change(("groups", 0, "rollouts", 0, "advantage"), 1.0)
+    expect_error(
+        server.client.post("/v1/advantages", json=request),
+        422,
+        "unknown_field",
+        "advantage",
+        "p0",
+        0,
+    )
+
+
+def test_missing_teacher_for_cscr_is_422(server: Server) -> None:
+    request = with_change(("estimator",), "cscr")
+    expect_error(
+        server.client.post("/v1/advantages", json=request),
+        422,
+        "missing_input",
+        "teacher_logprobs.pos",
+    )
+
+
+def test_huge_numbers_are_422_not_a_crash(server: Server) -> None:
+    group = '{"groups": [{"id": "a", "rollouts": [{"tokens": [%s], "reward": %s}]}]'
+    for body in (
+        group % ("1", "1" + "0" * 400) + "}",  # a reward too large for a float
+        group % ("1" + "0" * 30, "1") + "}",  # a token id too large for int64
+        group % ("1" + "0" * 5000, "1") + "}",  # more digits than Python parses
+        '{"estimator": "ktae", "ignore_token_ids": [1'
+        + "0" * 30
+        + "], "
+        + group[1:] % (1, 1)
+        + "}",
+    ):
+        response = post_text(server, body)
+        assert response.status_code == 422, (body[:80], response.text)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="estimators/registry.py Param.coerce calls float() on an unbounded JSON integer "
+    "(OverflowError, answered 500); fixed there, this test passes and must lose its mark",
+)
+def test_huge_integer_parameter_is_422(server: Server) -> None:
+    estimator = '{"outcome": {"name": "grpo", "epsilon": 1' + "0" * 400 + "}}"
+    body = '{"estimator": ' + estimator + ', "groups": []}'
+    expect_error(post_text(server, body), 422, "out_of_range", "estimator.outcome.epsilon")
+
+
+# ---- Arrow --------------------------------------------------------------------------------------
+
+
+def test_garbage_arrow_is_422_invalid_arrow(server: Server) -> None:
+    expect_error(post_text(server, b"\x00not arrow at all", ARROW), 422, "invalid_arrow", "")
+
+
+def test_arrow_without_tokens_column_is_422_invalid_arrow(server: Server) -> None:
+    table = pa.table({"group_id": ["a"], "reward": [1.0]})
+    expect_error(post_text(server, stream_bytes(table), ARROW), 422, "invalid_arrow", "tokens")
+
+
+def test_arrow_nan_reward_names_group_and_rollout(server: Server) -> None:
+    request = with_change(("groups", 1, "rollouts", 1, "reward"), float("nan"))
+    expect_error(
+        post_text(server, arrow_request(request), ARROW), 422, "invalid_value", "reward", "p1", 1
+    )
+
+
+def test_arrow_length_mismatch_names_group_and_rollout(server: Server) -> None:
+    request = with_change(("groups", 1, "rollouts", 1, "logprobs"), [-0.7])
+    expect_error(
+        post_text(server, arrow_request(request), ARROW),
+        422,
+        "length_mismatch",
+        "logprobs",
+        "p1",
+        1,
+    )
+
+
+def test_arrow_float_tokens_are_422_invalid_type(server: Server) -> None:
+    table = pa.table(
+        {"group_id": ["a"], "reward": [1.0], "tokens": pa.array([[1.5]], pa.list_(pa.float32()))}
+    )
+    expect_error(post_text(server, stream_bytes(table), ARROW), 422, "invalid_type", "tokens")
+
+
+def test_arrow_bad_metadata_is_422(server: Server) -> None:
+    table = pa.table(
+        {"group_id": ["a"], "reward": [1.0], "tokens": pa.array([[1]], pa.list_(pa.int32()))}
+    ).replace_schema_metadata({"advantage.request": '{"estimator": "nope"}'})
+    expect_error(
+        post_text(server, stream_bytes(table), ARROW), 422, "unknown_estimator", "estimator"
+    )
+
+
+# ---- 415, 413, 404 ------------------------------------------------------------------------------
+
+
+def test_unknown_content_type_is_415(server: Server) -> None:
+    response = post_text(server, json.dumps(small_request()), "application/x-www-form-urlencoded")
+    expect_error(response, 415, "unsupported_media_type", "Content-Type")
+
+
+def one_group_request(tokens: int, rollouts: int = 2) -> dict[str, Any]:
+    per = [tokens // rollouts + (1 if i < tokens % rollouts else 0) for i in range(rollouts)]
+    return {
+        "groups": [
+            {
+                "id": "big",
+                "rollouts": [
+                    {"tokens": [1] * n, "reward": float(i % 2)} for i, n in enumerate(per)
+                ],
+            }
+        ]
+    }
+
+
+def test_token_limit_is_413_just_above_and_200_at_it(server: Server) -> None:
+    limit = SHARED_SETTINGS["max_request_tokens"]
+    at = server.client.post("/v1/advantages", json=one_group_request(limit))
+    assert at.status_code == 200, at.text
+    assert at.json()["summary"]["tokens"] == limit
+    over = server.client.post("/v1/advantages", json=one_group_request(limit + 1))
+    error = expect_error(over, 413, "limit_exceeded", "tokens")
+    assert str(limit) in error["message"]
+
+
+def test_token_limit_applies_to_arrow_too(server: Server) -> None:
+    limit = SHARED_SETTINGS["max_request_tokens"]
+    response = post_text(server, arrow_request(one_group_request(limit + 1)), ARROW)
+    expect_error(response, 413, "limit_exceeded", "tokens")
+
+
+def test_group_size_limit_is_413_naming_the_group(server: Server) -> None:
+    limit = SHARED_SETTINGS["max_group_size"]
+    at = server.client.post("/v1/advantages", json=one_group_request(limit, rollouts=limit))
+    assert at.status_code == 200, at.text
+    over = server.client.post("/v1/advantages", json=one_group_request(limit + 1, limit + 1))
+    expect_error(over, 413, "limit_exceeded", "rollouts", group_id="big")
+
+
+def test_body_limit_is_413_from_content_length(server: Server) -> None:
+    limit = SHARED_SETTINGS["max_body_bytes"]
+    body = b" " * (limit + 1)
+    expect_error(post_text(server, body), 413, "limit_exceeded", "body")
+
+
+def test_body_limit_is_413_for_a_chunked_body_without_length(server: Server) -> None:
+    limit = SHARED_SETTINGS["max_body_bytes"]
+
+    def chunks() -> Any:
+        for _ in range(limit // 65536 + 2):
+            yield b" " * 65536
+
+    response = server.client.post(
+        "/v1/advantages", content=chunks(), headers={"content-type": "application/json"}
+    )
+    expect_error(response, 413, "limit_exceeded", "body")
+
+
+def test_unknown_path_is_404_in_the_error_shape(server: Server) -> None:
+    expect_error(server.client.get("/v2/advantages"), 404, "not_found", None)
+
+
+def test_errors_never_reached_the_internal_error_handler(server: Server) -> None:
+    # Runs after the tests above (pytest keeps file order): none of them was counted as a 500
+    # except the one known, marked case.
+    samples = server.metrics()
+    internal = sum(
+        v
+        for (name, labels), v in samples.items()
+        if name == "advantage_requests_total" and dict(labels)["code"] == "500"
+    )
+    assert internal <= 1, internal
+
+
+def test_random_requests_are_valid(server: Server) -> None:
+    # The builders above are honest: an unchanged request is accepted.
+    assert server.client.post("/v1/advantages", json=small_request()).status_code == 200
+    assert post_text(server, arrow_request(random_request(5)), ARROW).status_code == 200

@@ -1,0 +1,296 @@
+"""The engine (data plane) without a server: same numbers as the in-process API, limits,
+admission without queueing, compute off the event loop, metrics, and the settings it runs on."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from advantage_service import LimitExceeded, RequestError, compute
+from advantage_service.config import Settings
+from advantage_service.engine import Engine, Saturated
+from advantage_service.metrics import BulkHistogram, Metrics
+from advantage_service.request import parse_request
+from advantage_service.transports import arrow
+from advantage_service.transports.http import create_app
+from advantage_service.transports.server import settings_from_args
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def make_request(groups: int = 3, size: int = 4, length: int = 20, seed: int = 0) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    return {
+        "estimator": "ktae",
+        "return": ["scalar", "ktae_score"],
+        "groups": [
+            {
+                "id": f"g{g}",
+                "rollouts": [
+                    {
+                        "tokens": rng.integers(0, 300, size=int(rng.integers(0, length))).tolist(),
+                        "reward": float(rng.integers(0, 2)),
+                    }
+                    for _ in range(size)
+                ],
+            }
+            for g in range(groups)
+        ],
+    }
+
+
+def engine_with(**overrides: Any) -> Engine:
+    return Engine(Settings(device="cpu", **overrides), Metrics(process=False))
+
+
+def samples(engine: Engine) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = engine.metrics.render().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_engine_gives_the_in_process_api_numbers() -> None:
+    engine = engine_with()
+    request = make_request()
+    computed = asyncio.run(engine.compute(parse_request(request), "test"))
+    want = compute(request, device="cpu")
+    offsets = computed.request.batch.offsets.numpy()
+    got = np.split(computed.result.advantages.numpy(), offsets[1:-1])
+    flat_want = [r["advantages"] for g in want["groups"] for r in g["rollouts"]]
+    for a, b in zip(got, flat_want, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert computed.summary["history"] == "none"
+    assert computed.summary["tokens"] == want["summary"]["tokens"]
+    engine.close()
+
+
+def test_engine_decodes_and_encodes_on_its_workers() -> None:
+    engine = engine_with()
+    request = make_request()
+    seen: list[str] = []
+
+    def decode() -> Any:
+        import threading
+
+        seen.append(threading.current_thread().name)
+        return parse_request(request)
+
+    computed = asyncio.run(
+        engine.compute(decode, "test", encode=lambda req, result, summary: summary["rollouts"])
+    )
+    assert computed.encoded == 12
+    assert seen and seen[0].startswith("advantage-compute")
+    engine.close()
+
+
+def test_token_limit_is_exact() -> None:
+    request = make_request(groups=1, size=2, length=50, seed=3)
+    tokens = sum(len(r["tokens"]) for r in request["groups"][0]["rollouts"])
+    asyncio.run(engine_with(max_request_tokens=tokens).compute(parse_request(request), "t"))
+    with pytest.raises(LimitExceeded) as info:
+        asyncio.run(engine_with(max_request_tokens=tokens - 1).compute(parse_request(request), "t"))
+    assert (info.value.status, info.value.field) == (413, "tokens")
+
+
+def test_group_size_limit_names_the_group() -> None:
+    request = make_request(groups=2, size=3)
+    request["groups"][1]["rollouts"].append({"tokens": [1], "reward": 0.0})
+    engine = engine_with(max_group_size=3)
+    with pytest.raises(LimitExceeded) as info:
+        asyncio.run(engine.compute(parse_request(request), "t"))
+    assert (info.value.group_id, info.value.field) == ("g1", "rollouts")
+    key = (
+        "advantage_requests_total",
+        (("code", "413"), ("estimator", "grpo+ktae"), ("transport", "t")),
+    )
+    assert samples(engine)[key] == 1
+
+
+def test_admission_refuses_beyond_max_inflight_instead_of_queueing() -> None:
+    engine = engine_with(max_inflight=2)
+    first, second = engine.admit("t"), engine.admit("t")
+    with pytest.raises(Saturated) as info:
+        engine.admit("t")
+    assert info.value.retry_after >= 1
+    with pytest.raises(Saturated):
+        asyncio.run(engine.compute(parse_request(make_request()), "t"))
+    assert engine.inflight == 2
+    first.release()
+    first.release()  # releasing twice frees one slot, not two
+    third = engine.admit("t")
+    with pytest.raises(Saturated):
+        engine.admit("t")
+    second.release()
+    third.release()
+    assert engine.inflight == 0
+    assert samples(engine)[("advantage_inflight_requests", ())] == 0
+    key = (
+        "advantage_requests_total",
+        (("code", "429"), ("estimator", "unknown"), ("transport", "t")),
+    )
+    assert samples(engine)[key] == 3
+
+
+def test_a_failed_decode_releases_its_slot_and_is_counted() -> None:
+    engine = engine_with(max_inflight=1)
+
+    def decode() -> Any:
+        return parse_request({"groups": "nope"})
+
+    for _ in range(3):
+        with pytest.raises(RequestError):
+            asyncio.run(engine.compute(decode, "t"))
+    assert engine.inflight == 0
+    key = ("advantage_request_errors_total", (("error", "invalid_type"), ("transport", "t")))
+    assert samples(engine)[key] == 3
+
+
+def test_event_loop_keeps_running_while_a_large_batch_computes() -> None:
+    engine = engine_with()
+    req = parse_request(make_request(groups=32, size=16, length=1500, seed=1))
+
+    async def scenario() -> tuple[int, float]:
+        ticks = 0
+        done = False
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while not done:
+                await asyncio.sleep(0.002)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        start = time.perf_counter()
+        ticks_before = ticks
+        await engine.compute(req, "t")
+        elapsed = time.perf_counter() - start
+        during = ticks - ticks_before
+        done = True
+        await task
+        return during, elapsed
+
+    during, elapsed = asyncio.run(scenario())
+    # Computing on the loop would leave the ticker at zero until the batch was done.
+    assert elapsed > 0.02, "the batch is too small to show anything"
+    assert during >= 3, (during, elapsed)
+    engine.close()
+
+
+def test_non_finite_results_are_refused_and_located() -> None:
+    request = make_request(groups=2, size=2, length=5, seed=4)
+    request["estimator"] = {"outcome": "grpo", "opsd": {"coef": 1e308}}
+    request["return"] = []
+    for group in request["groups"]:
+        for rollout in group["rollouts"]:
+            n = len(rollout["tokens"])
+            rollout["logprobs"] = [-1.0] * n
+            rollout["teacher_logprobs"] = {"pos": [-0.5] * n}
+    request["groups"][0]["rollouts"][0]["tokens"] = []  # the first bad token is in rollout 1
+    request["groups"][0]["rollouts"][0]["logprobs"] = []
+    request["groups"][0]["rollouts"][0]["teacher_logprobs"] = {"pos": []}
+    request["groups"][0]["rollouts"][1]["tokens"] = [5]
+    request["groups"][0]["rollouts"][1]["logprobs"] = [-1.0]
+    request["groups"][0]["rollouts"][1]["teacher_logprobs"] = {"pos": [-0.5]}
+    with pytest.raises(RequestError) as info:
+        asyncio.run(engine_with().compute(parse_request(request), "t"))
+    error = info.value
+    assert (error.code, error.status, error.field) == ("non_finite_result", 422, "estimator")
+    assert (error.group_id, error.rollout_index) == ("g0", 1)
+
+
+def test_metrics_count_groups_by_signal_and_accuracy() -> None:
+    engine = engine_with()
+    request = {
+        "estimator": "grpo",
+        "groups": [
+            {"id": "same", "rollouts": [{"tokens": [1], "reward": 1.0}] * 3},
+            {"id": "mixed", "rollouts": [{"tokens": [1, 2], "reward": r} for r in (1, 0, 0, 0)]},
+        ],
+    }
+    asyncio.run(engine.compute(parse_request(request), "t"))
+    s = samples(engine)
+    assert s[("advantage_groups_total", (("signal", "zero"),))] == 1
+    assert s[("advantage_groups_total", (("signal", "nonzero"),))] == 1
+    assert s[("advantage_group_accuracy_bucket", (("le", "0.2"),))] == 0
+    assert s[("advantage_group_accuracy_bucket", (("le", "0.3"),))] == 1
+    assert s[("advantage_group_accuracy_bucket", (("le", "1.0"),))] == 2
+    assert s[("advantage_tokens_total", (("estimator", "grpo"),))] == 11
+    assert s[("advantage_token_advantage_count", (("estimator", "grpo"),))] == 11
+
+
+def test_bulk_histogram_counts_like_prometheus_histogram() -> None:
+    # prometheus_client's own Histogram, one observe() per value, is the oracle.
+    buckets = (-1.0, -0.1, 0.0, 0.1, 1.0)
+    values = np.concatenate(
+        [np.random.default_rng(0).normal(0, 1, 500), [-1.0, -0.1, 0.0, 0.1, 1.0, 5.0, np.nan]]
+    )
+    registry = CollectorRegistry()
+    bulk = BulkHistogram("bulk", "b", buckets, ["k"], registry=registry)
+    oracle = Histogram("oracle", "o", ["k"], buckets=buckets, registry=registry)
+    bulk.observe_many(values[:300], "x")
+    bulk.observe_many(values[300:], "x")
+    for v in values[~np.isnan(values)]:
+        oracle.labels("x").observe(v)
+    got = {
+        s.labels["le"]: s.value
+        for s in next(f for f in registry.collect() if f.name == "bulk").samples
+        if s.name == "bulk_bucket"
+    }
+    want = {
+        s.labels["le"]: s.value
+        for s in next(f for f in registry.collect() if f.name == "oracle").samples
+        if s.name == "oracle_bucket"
+    }
+    assert got == want
+
+
+def test_readyz_is_503_while_warming_up_and_while_draining() -> None:
+    engine = engine_with()
+    app = create_app(engine.settings, engine)
+
+    async def readyz() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.get("/readyz")
+
+    cold = asyncio.run(readyz())
+    assert (cold.status_code, cold.json()["reason"]) == (503, "warming up")
+    engine.warm_up()
+    assert asyncio.run(readyz()).status_code == 200
+    engine.draining = True
+    draining = asyncio.run(readyz())
+    assert (draining.status_code, draining.json()["reason"]) == (503, "draining")
+    engine.close()
+
+
+def test_cli_flags_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ADV_HTTP_PORT", "9001")
+    monkeypatch.setenv("ADV_MAX_INFLIGHT", "7")
+    monkeypatch.setenv("ADV_DEVICE", "cuda")
+    args = argparse.Namespace(
+        host=None, http_port=9002, grpc_port=None, device="cpu", redis_url=None, log_level=None
+    )
+    settings = settings_from_args(args)
+    assert (settings.http_port, settings.device) == (9002, "cpu")
+    assert settings.max_inflight == 7
+    assert settings.grpc_port == 50051
+
+
+def test_arrow_request_table_round_trips_to_the_same_batch() -> None:
+    req = parse_request(make_request(groups=4, size=3, length=30, seed=8))
+    table = arrow.request_table(req.batch, {"estimator": "grpo"})
+    decoded = arrow.decode_request(arrow.write_stream(table))
+    batch, again = req.batch, decoded.batch
+    assert again.group_ids == batch.group_ids
+    for name in ("tokens", "offsets", "group_index", "rewards"):
+        np.testing.assert_array_equal(getattr(again, name).numpy(), getattr(batch, name).numpy())
+    assert decoded.estimator.label == "grpo"
