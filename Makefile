@@ -18,11 +18,16 @@ $(STAMP): pyproject.toml constraints-dev.txt
 serve: install
 	$(BIN)/advantage-service serve
 
-# Real services the tests start themselves (on free ports, in temporary directories).
+# Real services the tests start themselves (on free ports, in temporary directories):
+# redis-server, and prometheus with its promtool (the observability tests).
 test-deps:
-	@command -v redis-server >/dev/null 2>&1 || { \
-	  echo "installing redis-server (OS package)"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
+	@missing=""; \
+	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
+	{ command -v prometheus && command -v promtool; } >/dev/null 2>&1 || missing="$$missing prometheus"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing$$missing (OS packages)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
 
 test: install test-deps
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

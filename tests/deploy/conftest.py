@@ -1,0 +1,8 @@
+"""The deployment tests import their helpers (deploy_support) from this directory."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
