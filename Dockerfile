@@ -49,8 +49,8 @@ ENV PATH=/opt/venv/bin:$PATH
 # torch first, from the device's index: its own layer, reused while only the service changes.
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 WORKDIR /src
+# The gRPC code generated from proto/ is committed inside the package: service/ is enough.
 COPY pyproject.toml README.md ./
-COPY proto ./proto
 COPY service ./service
 RUN pip install --no-cache-dir . \
     && python -c "import advantage_service, torch; print(advantage_service.__version__, torch.__version__)"
