@@ -34,6 +34,7 @@ test: install test-deps
 
 bench: install
 	$(BIN)/python bench/bench_estimators.py
+	$(BIN)/python bench/bench_http.py
 
 lint: install
 	$(BIN)/ruff check service tests bench

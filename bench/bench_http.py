@@ -1,0 +1,238 @@
+"""End-to-end HTTP benchmark on the training-sized batch, next to in-process compute.
+
+    python bench/bench_http.py [--device cpu|cuda] [--repeats 7] [--estimators grpo ktae]
+
+Starts a real server process (``advantage-service serve``) on a free port and, interleaved in
+rounds so machine noise hits every measure alike, times:
+
+- in-process ``compute_batch`` on the same batch, in this process (the reference);
+- ``POST /v1/advantages`` with a JSON body and a JSON answer;
+- ``POST /v1/advantages`` with an Arrow IPC body and an Arrow answer.
+
+End-to-end latency runs from sending an already-encoded body to holding the parsed answer
+(``orjson.loads`` / Arrow ``read_all``) in the client. Prints the median and the best round,
+tokens per second, and the ratio of each latency to the in-process compute time of the same
+statistic (goals: Arrow <= 1.5x, JSON <= 5x), plus the server's own ``summary.compute_ms`` so
+the transport's share is visible. On a shared machine the best round is the least disturbed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import orjson
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from advantage_service import RolloutBatch, compute_batch
+from advantage_service.transports import arrow
+from synthetic import training_batch
+
+ARROW = arrow.MEDIA_TYPE
+SETTLE_SECONDS = 0.2
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def json_body(batch: RolloutBatch, estimator: str) -> bytes:
+    """The batch as the JSON request contract."""
+    offsets = batch.offsets.numpy()
+    tokens = np.split(batch.tokens.numpy(), offsets[1:-1])
+    rewards = batch.rewards.tolist()
+    sizes = batch.group_sizes.tolist()
+    groups, start = [], 0
+    for gid, size in zip(batch.group_ids, sizes, strict=True):
+        rollouts = [
+            {"tokens": tokens[i].tolist(), "reward": rewards[i]} for i in range(start, start + size)
+        ]
+        groups.append({"id": gid, "rollouts": rollouts})
+        start += size
+    return json.dumps({"estimator": estimator, "groups": groups}).encode()
+
+
+class Server:
+    def __init__(self, device: str, log: Path) -> None:
+        self.port = free_port()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ADV_")}
+        with log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "advantage_service",
+                    "serve",
+                    "--http-port",
+                    str(self.port),
+                    "--grpc-port",
+                    str(free_port()),
+                    "--device",
+                    device,
+                    "--log-level",
+                    "warning",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=300)
+        deadline = time.monotonic() + 120
+        while True:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"server exited: {log.read_text()}")
+            try:
+                if self.client.get("/readyz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit("server did not become ready")
+            time.sleep(0.1)
+
+    def post(self, body: bytes, content_type: str, accept: str) -> tuple[Any, float]:
+        """(parsed answer, the server's compute_ms)."""
+        response = self.client.post(
+            "/v1/advantages",
+            content=body,
+            headers={"content-type": content_type, "accept": accept},
+        )
+        if response.status_code != 200:
+            raise SystemExit(f"{response.status_code}: {response.text[:500]}")
+        if accept == ARROW:
+            meta, table = arrow.read_response(response.content)
+            return table, float(meta["summary"]["compute_ms"])
+        answer = orjson.loads(response.content)
+        return answer, float(answer["summary"]["compute_ms"])
+
+    def stop(self) -> None:
+        self.client.close()
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def interleaved(
+    fns: dict[str, Callable[[], float | None]], repeats: int
+) -> dict[str, tuple[float, float, float | None]]:
+    """(median seconds, best seconds, median of what it returned: the server's compute ms) of
+    each function over round-robin rounds, after one warm-up round."""
+    for fn in fns.values():
+        fn()
+    seconds: dict[str, list[float]] = {k: [] for k in fns}
+    extra: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            # Let the other process's compute threads go idle (OpenMP workers spin a while
+            # after a parallel region), so neither side measures the other's leftovers.
+            time.sleep(SETTLE_SECONDS)
+            start = time.perf_counter()
+            value = fn()
+            seconds[name].append(time.perf_counter() - start)
+            if value is not None:
+                extra[name].append(value)
+    return {
+        k: (
+            statistics.median(seconds[k]),
+            min(seconds[k]),
+            statistics.median(extra[k]) if extra[k] else None,
+        )
+        for k in fns
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--estimators", nargs="+", default=["grpo", "ktae"])
+    args = parser.parse_args()
+    device = torch.device(args.device)
+
+    batch = training_batch(seed=0)
+    n = batch.num_tokens
+    print(
+        f"batch: {batch.num_groups} groups x {batch.num_rollouts // batch.num_groups} rollouts, "
+        f"{n:,} tokens; device {args.device}; {torch.get_num_threads()} torch threads; "
+        f"median of {args.repeats} interleaved rounds"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        server = Server(args.device, Path(tmp) / "server.log")
+        try:
+            rows = []
+            for estimator in args.estimators:
+                body_json = json_body(batch, estimator)
+                body_arrow = arrow.write_stream(
+                    arrow.request_table(batch, {"estimator": estimator})
+                ).to_pybytes()
+
+                def in_process(est: str = estimator) -> None:
+                    compute_batch(batch, est, device, diagnostics=())
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+
+                def via_json(body: bytes = body_json) -> float:
+                    return server.post(body, "application/json", "application/json")[1]
+
+                def via_arrow(body: bytes = body_arrow) -> float:
+                    return server.post(body, ARROW, ARROW)[1]
+
+                times = interleaved(
+                    {"in-process": in_process, "json": via_json, "arrow": via_arrow},
+                    args.repeats,
+                )
+                median_ref, best_ref, _ = times["in-process"]
+                for name, (median, best, server_ms) in times.items():
+                    size = {"json": len(body_json), "arrow": len(body_arrow)}.get(name)
+                    rows.append(
+                        (estimator, name, median, best, median_ref, best_ref, server_ms, size)
+                    )
+        finally:
+            server.stop()
+
+    header = (
+        "estimator",
+        "path",
+        "median ms",
+        "best ms",
+        "M tokens/s",
+        "x in-process (median)",
+        "x in-process (best)",
+        "server compute ms",
+        "request MB",
+    )
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for estimator, name, median, best, median_ref, best_ref, server_ms, size in rows:
+        cells = [
+            estimator,
+            name,
+            f"{median * 1000:.1f}",
+            f"{best * 1000:.1f}",
+            f"{n / median / 1e6:.1f}",
+            f"{median / median_ref:.2f}",
+            f"{best / best_ref:.2f}",
+            "" if server_ms is None else f"{server_ms:.1f}",
+            "" if size is None else f"{size / 1e6:.1f}",
+        ]
+        print("| " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
