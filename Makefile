@@ -9,10 +9,11 @@ PYTEST_ARGS ?=
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml constraints-dev.txt
+$(STAMP): pyproject.toml constraints-dev.txt clients/python/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -c constraints-dev.txt -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -c constraints-dev.txt -e clients/python
 	touch $(STAMP)
 
 serve: install

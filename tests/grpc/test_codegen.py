@@ -44,3 +44,11 @@ def test_drift_check_notices_an_edited_module(tmp_path: Path) -> None:
     (edited / "advantage_pb2_grpc.py").write_text(expected["advantage_pb2_grpc.py"] + "# edit\n")
     diffs = generate.drift(edited, expected)
     assert len(diffs) == 1 and "advantage_pb2_grpc.py" in diffs[0]
+
+
+def test_server_and_client_share_one_descriptor() -> None:
+    from advantage_client.grpc_gen import advantage_pb2 as client_pb
+    from advantage_service.transports.grpc_gen import advantage_pb2 as server_pb
+
+    assert server_pb.DESCRIPTOR.name == "advantage/v1/advantage.proto"
+    assert client_pb.DESCRIPTOR.serialized_pb == server_pb.DESCRIPTOR.serialized_pb

@@ -1,0 +1,208 @@
+"""``HttpClient``: ``POST /v1/advantages`` with Arrow IPC on the wire (or JSON)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import httpx
+import numpy as np
+
+from .errors import AdvantageError
+from .flat import check_top_level, flatten_groups, nest_rows, split_rows
+from .retry import Retryable, RetryPolicy
+
+JSON = "application/json"
+ARROW = "application/vnd.apache.arrow.stream"
+REQUEST_METADATA = b"advantage.request"
+RESPONSE_METADATA = b"advantage.response"
+# Answers worth another try: saturated (429, with Retry-After) and not ready (503).
+RETRY_STATUSES = (429, 503)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def arrow_request_body(request: Mapping[str, Any]) -> bytes:
+    """The JSON request as an Arrow IPC stream: one row per rollout, the options in the
+    schema metadata (the service's Arrow request format)."""
+    import pyarrow as pa
+
+    check_top_level(request)
+    flat = flatten_groups(request.get("groups"))
+    offsets = pa.array(flat.offsets.astype(np.int32), type=pa.int32())
+
+    def lists(values: np.ndarray, kind: pa.DataType) -> pa.Array:
+        return pa.ListArray.from_arrays(offsets, pa.array(values, type=kind))
+
+    tokens_type = pa.int32() if flat.tokens.dtype == np.int32 else pa.int64()
+    columns: dict[str, pa.Array] = {
+        "group_id": pa.array(flat.group_ids, type=pa.string()).take(pa.array(flat.group_index)),
+        "reward": pa.array(flat.rewards, type=pa.float64()),
+        "tokens": lists(flat.tokens, tokens_type),
+    }
+    if flat.logprobs is not None:
+        columns["logprobs"] = lists(flat.logprobs, pa.float32())
+    for name, values in flat.teacher_logprobs.items():
+        columns[f"teacher.{name}"] = lists(values, pa.float32())
+    options = {k: v for k, v in request.items() if k != "groups"}
+    table = pa.table(columns).replace_schema_metadata(
+        {REQUEST_METADATA: json.dumps(options, default=_json_default)}
+    )
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return bytes(sink.getvalue().to_pybytes())
+
+
+def arrow_response_dict(body: bytes) -> dict[str, Any]:
+    """An Arrow response as the JSON response, with numpy float32 arrays for lists."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    with pa.ipc.open_stream(pa.py_buffer(body)) as reader:
+        table = reader.read_all()
+    meta = json.loads((table.schema.metadata or {})[RESPONSE_METADATA])
+    encoded = pc.dictionary_encode(table.column("group_id").combine_chunks())
+    group_ids = encoded.dictionary.to_pylist()
+    group_index = encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+    columns: dict[str, list[Any]] = {}
+    for name in table.column_names:
+        if name in ("group_id", "rollout_index"):
+            continue
+        column = table.column(name).combine_chunks()
+        if name == "scalar":
+            columns[name] = column.to_pylist()
+            continue
+        offsets = column.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
+        values = column.values.to_numpy(zero_copy_only=False)
+        values = values[offsets[0] : offsets[-1]]
+        columns[name] = split_rows(values.astype(np.float32, copy=False), offsets - offsets[0])
+    rows = [
+        dict(zip(columns, values, strict=True)) for values in zip(*columns.values(), strict=True)
+    ]
+    return {
+        "request_id": meta["request_id"],
+        "namespace": meta["namespace"],
+        "estimator": meta["estimator"],
+        "groups": nest_rows(group_ids, group_index, rows),
+        "summary": meta["summary"],
+    }
+
+
+def json_response_dict(body: bytes) -> dict[str, Any]:
+    """A JSON response with its per-token lists as numpy float32 arrays."""
+    response: dict[str, Any] = json.loads(body)
+    for group in response["groups"]:
+        for rollout in group["rollouts"]:
+            for key, value in rollout.items():
+                if isinstance(value, list):
+                    rollout[key] = np.asarray(value, dtype=np.float32)
+    return response
+
+
+def error_from_response(response: httpx.Response) -> AdvantageError:
+    """The service's ``{"error": {...}}`` (or whatever came back) as an AdvantageError."""
+    retry_after = response.headers.get("retry-after")
+    try:
+        detail = response.json()["error"]
+        if not isinstance(detail, dict):
+            raise TypeError
+    except (ValueError, KeyError, TypeError):
+        detail = {"code": f"http_{response.status_code}", "message": response.text[:500]}
+    return AdvantageError(
+        str(detail.get("code")),
+        str(detail.get("message")),
+        group_id=detail.get("group_id"),
+        rollout_index=detail.get("rollout_index"),
+        field=detail.get("field"),
+        status=response.status_code,
+        retry_after=float(retry_after) if retry_after and retry_after.isdigit() else None,
+    )
+
+
+class HttpClient:
+    """A client of the HTTP API.
+
+    ``wire="arrow"`` (default) sends and receives Arrow IPC: the flat arrays, no per-number
+    text; ``"json"`` the JSON contract. ``timeout`` bounds each request (seconds). Retries with
+    exponential backoff on connection failures, 429 (honouring Retry-After) and 503.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        wire: Literal["arrow", "json"] = "arrow",
+        timeout: float | None = 60.0,
+        retries: int = 3,
+        backoff: float = 0.1,
+        max_backoff: float = 10.0,
+        headers: Mapping[str, str] | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        if wire not in ("arrow", "json"):
+            raise ValueError("wire must be 'arrow' or 'json'")
+        self.wire = wire
+        self.http = httpx.Client(
+            base_url=base_url, timeout=timeout, headers=headers, transport=transport
+        )
+        self.retry = RetryPolicy(retries, backoff, max_backoff)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> HttpClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        def attempt() -> httpx.Response:
+            try:
+                response = self.http.request(method, path, **kwargs)
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
+                error = AdvantageError("unavailable", f"cannot reach the service: {exc}")
+                raise Retryable(error) from None
+            except httpx.TimeoutException as exc:
+                raise AdvantageError("timeout", f"no answer in time: {exc}") from None
+            if response.status_code == 200:
+                return response
+            error = error_from_response(response)
+            if response.status_code in RETRY_STATUSES:
+                raise Retryable(error, error.retry_after)
+            raise error
+
+        return self.retry.run(attempt)
+
+    def compute(self, request: Mapping[str, Any]) -> dict[str, Any]:
+        """The JSON request in (lists or numpy arrays inside), the JSON response out with numpy
+        float32 arrays for the per-token lists. Raises :class:`AdvantageError`."""
+        if self.wire == "arrow":
+            body = arrow_request_body(request)
+            response = self._send(
+                "POST",
+                "/v1/advantages",
+                content=body,
+                headers={"content-type": ARROW, "accept": ARROW},
+            )
+            return arrow_response_dict(response.content)
+        body = json.dumps(request, default=_json_default).encode()
+        response = self._send(
+            "POST",
+            "/v1/advantages",
+            content=body,
+            headers={"content-type": JSON, "accept": JSON},
+        )
+        return json_response_dict(response.content)
+
+    def list_estimators(self) -> dict[str, Any]:
+        listing: dict[str, Any] = self._send("GET", "/v1/estimators").json()
+        return listing
