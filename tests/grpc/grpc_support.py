@@ -1,0 +1,206 @@
+"""Helpers for the gRPC tests: a real service process (HTTP and gRPC on one engine), metrics,
+and request builders written without the service's own encoders.
+
+The process is ``advantage-service serve`` once it starts gRPC itself; until then it is
+``tests/grpc/launcher.py``, which runs both transports on one engine the way ``serve`` will.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import numpy as np
+from advantage_service import presets, resolve_estimator
+from advantage_service.estimators import TERMS
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+LAUNCHER = Path(__file__).resolve().parent / "launcher.py"
+STARTUP_SECONDS = 120.0
+POLL_SECONDS = 0.05
+ALL_PRESETS = sorted(presets())
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def poll(condition: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Call ``condition`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(POLL_SECONDS)
+
+
+def serve_starts_grpc() -> bool:
+    """True once ``advantage-service serve`` starts the gRPC server itself."""
+    from advantage_service.transports import server
+
+    return hasattr(server, "start_grpc_server")
+
+
+def health_status(target: str, service: str = "") -> int | None:
+    """The gRPC health service's answer for ``service`` (None when unreachable)."""
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            return int(stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status)
+        except grpc.RpcError:
+            return None
+
+
+class Service:
+    """One running service process with an HTTP port and a gRPC port."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], http_port: int, grpc_port: int, log: Path):
+        self.proc = proc
+        self.url = f"http://127.0.0.1:{http_port}"
+        self.target = f"127.0.0.1:{grpc_port}"
+        self.log = log
+        self.http = httpx.Client(base_url=self.url, timeout=60.0)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_ready(self) -> None:
+        def ready() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(
+                    f"service exited with {self.proc.returncode} before ready:\n{self.output()}"
+                )
+            try:
+                http_ready = httpx.get(self.url + "/readyz", timeout=2.0).status_code == 200
+            except httpx.TransportError:
+                return False
+            return (
+                http_ready and health_status(self.target) == health_pb2.HealthCheckResponse.SERVING
+            )
+
+        poll(ready, STARTUP_SECONDS, "the service's /readyz and gRPC health")
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """Every sample of /metrics: (name, sorted labels) -> value."""
+        text = self.http.get("/metrics").text
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    def gauge(self, name: str) -> float:
+        return self.metrics()[(name, ())]
+
+    def stop(self, timeout: float = 30.0) -> int:
+        self.http.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return int(self.proc.returncode)
+
+
+def start_service(directory: Path, **settings: Any) -> Service:
+    """A service on free ports, with ``ADV_<NAME>`` variables from ``settings``, on the CPU."""
+    http_port, grpc_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ADV_")}
+    env.update({f"ADV_{k.upper()}": str(v) for k, v in settings.items()})
+    env.update(ADV_DEVICE="cpu", ADV_HOST="127.0.0.1", ADV_LOG_LEVEL="warning")
+    ports = ["--http-port", str(http_port), "--grpc-port", str(grpc_port)]
+    if serve_starts_grpc():
+        command = [sys.executable, "-m", "advantage_service", "serve", *ports]
+    else:
+        command = [sys.executable, str(LAUNCHER), *ports]
+    log = directory / f"service-{http_port}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    service = Service(proc, http_port, grpc_port, log)
+    try:
+        service.wait_ready()
+    except BaseException:
+        service.proc.kill()
+        service.proc.wait(10)
+        raise
+    return service
+
+
+# ---- requests ----------------------------------------------------------------------------------
+
+
+def diagnostics_for(estimator: str | dict[str, Any]) -> list[str]:
+    """``scalar`` plus every per-token diagnostic the estimator's terms produce."""
+    spec = resolve_estimator(estimator)
+    return ["scalar", *(d for name in spec.terms for d in TERMS[name].diagnostics)]
+
+
+def random_rollout(rng: np.random.Generator, reward: float, max_len: int = 40) -> dict[str, Any]:
+    """A rollout with logprobs and pos/neg teacher log-probs (so every preset applies)."""
+    n = int(rng.integers(0, max_len))
+    return {
+        "tokens": rng.integers(0, 300, size=n).tolist(),
+        "reward": float(reward),
+        "logprobs": (-rng.exponential(1.0, size=n)).tolist(),
+        "teacher_logprobs": {
+            "pos": (-rng.exponential(1.0, size=n)).tolist(),
+            "neg": (-rng.exponential(1.0, size=n)).tolist(),
+        },
+    }
+
+
+def random_groups(seed: int, groups: int = 4, prefix: str = "prompt") -> list[dict[str, Any]]:
+    """Groups of 2-5 rollouts, mixed and zero-signal rewards, some empty rollouts."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(groups):
+        size = int(rng.integers(2, 6))
+        rewards = rng.integers(0, 2, size=size).astype(float) if g % 3 else np.ones(size)
+        out.append(
+            {
+                "id": f"{prefix}-{seed}-{g}",
+                "rollouts": [random_rollout(rng, r) for r in rewards],
+            }
+        )
+    return out
+
+
+def random_request(seed: int, estimator: str | dict[str, Any] = "grpo") -> dict[str, Any]:
+    return {
+        "request_id": f"req-{seed}",
+        "estimator": estimator,
+        "ignore_token_ids": [0],
+        "return": diagnostics_for(estimator),
+        "groups": random_groups(seed),
+    }
+
+
+def stream_rollouts(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The groups' rollouts as stream rollout dicts, with ``rollout_id`` ``<group>/<index>``."""
+    return [
+        {
+            "group_id": group["id"],
+            "group_size": len(group["rollouts"]),
+            "rollout_id": f"{group['id']}/{i}",
+            **rollout,
+        }
+        for group in groups
+        for i, rollout in enumerate(group["rollouts"])
+    ]

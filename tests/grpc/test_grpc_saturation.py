@@ -1,0 +1,100 @@
+"""Saturation over gRPC, on a real engine and server in this process (a busy engine is easy to
+make by holding its one admission slot): unary calls are refused with RESOURCE_EXHAUSTED and
+retry-after, the client retries, and a completed stream group waits for a slot instead."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import grpc
+import pytest
+from advantage_client import AdvantageError, GrpcClient
+from advantage_client.grpc_client import compute_request_message
+from advantage_client.grpc_gen import advantage_pb2_grpc as pb_grpc
+from advantage_service.config import Settings
+from advantage_service.engine import Engine
+from advantage_service.transports.grpc import bound_port, start_grpc_server, stop_grpc_server
+from grpc_support import random_request, stream_rollouts
+
+
+class InProcess:
+    """An engine with one admission slot and its gRPC server on a loop in a thread."""
+
+    def __init__(self) -> None:
+        self.settings = Settings(device="cpu", max_inflight=1)
+        self.engine = Engine(self.settings)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server = self.call(start_grpc_server(self.engine, self.settings, "127.0.0.1", 0))
+        self.target = f"127.0.0.1:{bound_port(self.server)}"
+
+    def call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
+
+    def close(self) -> None:
+        self.call(stop_grpc_server(self.server, 1.0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.engine.close()
+
+
+@pytest.fixture(scope="module")
+def inprocess() -> Iterator[InProcess]:
+    srv = InProcess()
+    yield srv
+    srv.close()
+
+
+def test_saturated_engine_answers_resource_exhausted_with_retry_after(inprocess: InProcess) -> None:
+    with inprocess.engine.admit("test"), grpc.insecure_channel(inprocess.target) as channel:
+        stub = pb_grpc.AdvantageServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Compute(compute_request_message(random_request(1)), timeout=10)
+    error = info.value
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+    meta = dict(error.trailing_metadata())  # type: ignore[attr-defined]
+    assert meta["advantage-error-code"] == "saturated"
+    assert int(meta["retry-after"]) >= 1
+    assert "ADV_MAX_INFLIGHT" in error.details()  # type: ignore[attr-defined]
+
+
+def test_client_gives_up_after_its_retries_while_saturated(inprocess: InProcess) -> None:
+    client = GrpcClient(inprocess.target, retries=1, backoff=0.01, max_backoff=0.05)
+    with inprocess.engine.admit("test"), pytest.raises(AdvantageError) as info:
+        client.compute(random_request(2))
+    assert info.value.code == "saturated"
+    assert info.value.grpc_code == "RESOURCE_EXHAUSTED"
+
+
+def test_client_retries_until_the_engine_has_a_slot(inprocess: InProcess) -> None:
+    slot = inprocess.engine.admit("test")
+    threading.Timer(0.3, slot.release).start()
+    client = GrpcClient(inprocess.target, retries=8, backoff=0.05, max_backoff=0.2)
+    started = time.monotonic()
+    response = client.compute(random_request(3))
+    assert time.monotonic() - started >= 0.25
+    assert response["groups"]
+
+
+def test_a_completed_stream_group_waits_for_a_slot_instead_of_failing(
+    inprocess: InProcess,
+) -> None:
+    slot = inprocess.engine.admit("test")
+    results: Future[list[dict[str, Any]]] = Future()
+
+    def consume() -> None:
+        client = GrpcClient(inprocess.target)
+        results.set_result(list(client.stream(stream_rollouts(random_request(4)["groups"]))))
+
+    threading.Thread(target=consume, daemon=True).start()
+    time.sleep(0.3)
+    assert not results.done()  # every group is complete, and waiting for the slot
+    slot.release()
+    groups = results.result(30)
+    assert groups and all("rollouts" in g for g in groups)
