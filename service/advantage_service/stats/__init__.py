@@ -1,0 +1,57 @@
+"""Stats store: KTAE history per prompt, vocabulary statistics per namespace, idempotency.
+
+Two backends behind one interface (:class:`StatsStore`): in-memory (the embedded default) and
+Redis (shared by replicas). The semantics are in :mod:`.base`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import (
+    ORDERS,
+    HistoryPrior,
+    HistoryQuery,
+    HistoryUpdate,
+    StatsStore,
+    StatsUpdate,
+    StoreStatus,
+    TokenStatsUpdate,
+    build_updates,
+    history_query,
+    wants_history,
+)
+from .memory import DEFAULT_TTL_SECONDS, MemoryStatsStore
+from .redis_store import RedisStatsStore
+
+
+def make_store(
+    redis_url: str | None, *, ttl_seconds: int = DEFAULT_TTL_SECONDS, **redis_options: Any
+) -> StatsStore:
+    """The Redis store when ``redis_url`` is given, else the in-memory one.
+
+    ``redis_options``: keyword arguments of :class:`RedisStatsStore` (prefix, timeouts, backoff,
+    the ``on_error``/``on_duration``/``on_up`` callbacks).
+    """
+    if redis_url:
+        return RedisStatsStore(redis_url, ttl_seconds=ttl_seconds, **redis_options)
+    return MemoryStatsStore(ttl_seconds)
+
+
+__all__ = [
+    "DEFAULT_TTL_SECONDS",
+    "ORDERS",
+    "HistoryPrior",
+    "HistoryQuery",
+    "HistoryUpdate",
+    "MemoryStatsStore",
+    "RedisStatsStore",
+    "StatsStore",
+    "StatsUpdate",
+    "StoreStatus",
+    "TokenStatsUpdate",
+    "build_updates",
+    "history_query",
+    "make_store",
+    "wants_history",
+]
