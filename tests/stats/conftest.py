@@ -1,0 +1,70 @@
+"""Fixtures for the stats store: a real redis-server per test, and the store over each backend.
+
+The behavioural tests take ``store_factory``/``store`` and run once per backend (``memory`` and
+``redis``), so the in-memory store passes the same suite as the Redis store.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from advantage_service.stats import MemoryStatsStore, RedisStatsStore, StatsStore
+from redis_support import REDIS_SERVER, RedisServer
+
+StoreFactory = Callable[..., StatsStore]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A fresh redis-server on a free port in a temporary directory, stopped after the test."""
+    if not os.path.exists(REDIS_SERVER):
+        pytest.skip("redis-server is not installed (OS package redis-server)")
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.integration)])
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+async def store_factory(
+    backend: str, request: pytest.FixtureRequest
+) -> AsyncIterator[StoreFactory]:
+    """Make stores of the test's backend; Redis stores share one server (replicas)."""
+    made: list[StatsStore] = []
+    server = request.getfixturevalue("redis_server") if backend == "redis" else None
+
+    def make(**options: Any) -> StatsStore:
+        store: StatsStore
+        if server is None:
+            store = MemoryStatsStore(**options)
+        else:
+            store = RedisStatsStore(server.url, **options)
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        await store.close()
+
+
+@pytest.fixture
+async def store(store_factory: StoreFactory) -> StatsStore:
+    return store_factory()

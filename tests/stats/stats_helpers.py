@@ -1,0 +1,170 @@
+"""Test helpers: the engine's sequence of store calls, random requests, and a slow oracle of
+KTAE with history (eager decay, per token, from the formulas) to check the fast path against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import oracle
+from advantage_service.api import compute_request
+from advantage_service.estimators import AdvantageResult, TermContext
+from advantage_service.request import ComputeRequest, parse_request
+from advantage_service.stats import (
+    HistoryPrior,
+    StatsStore,
+    build_updates,
+    history_query,
+    wants_history,
+)
+
+
+@dataclass
+class Served:
+    req: ComputeRequest
+    result: AdvantageResult
+    prior: HistoryPrior | None
+    history: str  # none | applied | unavailable
+    counted: bool
+
+
+async def serve(store: StatsStore, body: dict[str, Any]) -> Served:
+    """One request the way the engine runs it: read history, compute, build updates, record."""
+    req = parse_request(body)
+    prior, history = None, "none"
+    if wants_history(req):
+        query = history_query(req.batch, req.ignore_token_ids)
+        prior = await store.read_history(req.namespace, query)
+        history = "applied" if prior is not None else "unavailable"
+    context = TermContext(ktae_prior=prior, collect_ktae_tables="ktae" in req.estimator.terms)
+    result = compute_request(req, "cpu", context)
+    update = build_updates(req, result, prior)
+    request_id = req.request_id if req.client_request_id else None
+    counted = await store.record(req.namespace, request_id, update)
+    return Served(req, result, prior, history, counted)
+
+
+def table_scores(result: AdvantageResult) -> dict[tuple[int, int], float]:
+    """(group, token id) -> the KTAE score the service computed (float64)."""
+    tables = result.extras["ktae.tables"]
+    score = result.extras["ktae.score"]
+    return {
+        (int(g), int(t)): float(s)
+        for g, t, s in zip(
+            tables.group.tolist(), tables.token.tolist(), score.tolist(), strict=True
+        )
+    }
+
+
+def random_groups(
+    rng: np.random.Generator,
+    prompt_ids: list[str],
+    vocab: int = 14,
+    teacher: bool = False,
+) -> list[dict[str, Any]]:
+    """Groups of 2-6 rollouts of 0-9 tokens from a small vocabulary (so tokens recur), some
+    all-correct or all-wrong; an occasional large token id."""
+    groups = []
+    for pid in prompt_ids:
+        n = int(rng.integers(2, 7))
+        kind = rng.choice(["mixed", "mixed", "mixed", "all_correct", "all_wrong"])
+        rollouts = []
+        for _ in range(n):
+            length = int(rng.integers(0, 10))
+            tokens = rng.integers(0, vocab, size=length).tolist()
+            if length and rng.random() < 0.2:
+                tokens[0] = 151_935
+            reward = {"all_correct": 1.0, "all_wrong": 0.0}.get(
+                str(kind), float(rng.random() < 0.5)
+            )
+            rollout: dict[str, Any] = {"tokens": tokens, "reward": reward}
+            if teacher:
+                rollout["teacher_logprobs"] = {
+                    "pos": (-rng.exponential(0.5, size=length)).tolist(),
+                    "neg": (-rng.exponential(0.5, size=length)).tolist(),
+                }
+            rollouts.append(rollout)
+        groups.append({"id": pid, "rollouts": rollouts})
+    return groups
+
+
+# ---- the oracle: KTAE with history, eagerly decayed, one token at a time ----------------------
+
+
+@dataclass
+class PromptCounts:
+    """n_c, n_w, len_c, len_w and per token (a, b, occ_c, occ_w), as plain floats."""
+
+    totals: np.ndarray
+    tokens: dict[int, np.ndarray]
+
+
+def group_counts(group: dict[str, Any], threshold: float, ignore: set[int]) -> PromptCounts:
+    totals = np.zeros(4)
+    tokens: dict[int, np.ndarray] = {}
+    for rollout in group["rollouts"]:
+        ok = rollout["reward"] > threshold
+        toks = rollout["tokens"]
+        totals += [ok, not ok, len(toks) * ok, len(toks) * (not ok)]
+        for v in set(toks) - ignore:
+            row = tokens.setdefault(v, np.zeros(4))
+            row += [ok, not ok, toks.count(v) * ok, toks.count(v) * (not ok)]
+    return PromptCounts(totals, tokens)
+
+
+def merged_score(totals: np.ndarray, row: np.ndarray, params: dict[str, Any]) -> float:
+    """kt(v) from merged (possibly fractional) counts: ESTIMATORS.md steps 1-7, with the
+    counts rounded for the exact Fisher test only."""
+    n_c, n_w, len_c, len_w = (float(x) for x in totals)
+    a, b, occ_c, occ_w = (float(x) for x in row)
+    if n_c <= 0 or n_w <= 0:
+        return 0.0
+    ra, rb, rn_c, rn_w = round(a), round(b), round(n_c), round(n_w)
+    p = oracle.fisher_two_sided_p(ra, rb, rn_c - ra, rn_w - rb)
+    fisher = oracle.fisher_significance(p)
+    ig = oracle.information_gain_bits(a, b, n_c - a, n_w - b)
+    direction = oracle.cohens_h(a / n_c, b / n_w)
+    if params["tf"]:
+        avg = (len_c + len_w) / 2.0
+        s_c = oracle.tf_saturation(occ_c, len_c, avg, params["tf_k1"], params["tf_b"])
+        s_w = oracle.tf_saturation(occ_w, len_w, avg, params["tf_k1"], params["tf_b"])
+        direction = oracle.tf_direction(direction, s_c, s_w)
+    z = oracle.ktae_combined(fisher, ig, direction, params["fisher_weight"], params["ig_weight"])
+    return oracle.ktae_squash(z, params["scale"])
+
+
+class HistoryOracle:
+    """Per-prompt history kept the obvious way: every visit decays every stored token."""
+
+    def __init__(self, params: dict[str, Any], ignore: set[int] | None = None) -> None:
+        self.params = {**oracle.KTAE_DEFAULTS, **params}
+        self.ignore = ignore or set()
+        self.history: dict[str, PromptCounts] = {}
+
+    def visit(
+        self, groups: list[dict[str, Any]]
+    ) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], np.ndarray]]:
+        """Scores and merged token counts per (group index, token id) of one request; then the
+        history is updated as H' = d (H + current)."""
+        d = self.params["history_decay"]
+        scores, merged = {}, {}
+        for g, group in enumerate(groups):
+            cur = group_counts(group, self.params["correct_threshold"], self.ignore)
+            prev = self.history.get(group["id"], PromptCounts(np.zeros(4), {}))
+            totals = cur.totals + prev.totals
+            for v, row in cur.tokens.items():
+                merged[(g, v)] = row + prev.tokens.get(v, np.zeros(4))
+                scores[(g, v)] = merged_score(totals, merged[(g, v)], self.params)
+            every = set(prev.tokens) | set(cur.tokens)
+            self.history[group["id"]] = PromptCounts(
+                d * totals,
+                {
+                    v: d * (prev.tokens.get(v, np.zeros(4)) + cur.tokens.get(v, np.zeros(4)))
+                    for v in every
+                },
+            )
+        return scores, merged
+
+    def prior_totals(self, prompt: str) -> np.ndarray:
+        return self.history[prompt].totals if prompt in self.history else np.zeros(4)

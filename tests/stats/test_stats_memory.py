@@ -1,0 +1,38 @@
+"""What only the in-memory store needs checked: its entries expire as Redis keys do."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from advantage_service.request import parse_request
+from advantage_service.stats import MemoryStatsStore, history_query
+from stats_helpers import random_groups, serve
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_memory_entries_expire_after_the_ttl() -> None:
+    clock = [1000.0]
+    store = MemoryStatsStore(ttl_seconds=60, now=lambda: clock[0])
+    rng = np.random.default_rng(0)
+    body = {
+        "namespace": "ns",
+        "request_id": "once",
+        "estimator": {"outcome": "grpo", "ktae": {"history": "prompt"}},
+        "groups": random_groups(rng, ["p"]),
+    }
+    assert (await serve(store, body)).counted
+    query = history_query(parse_request(body).batch)
+    clock[0] += 59
+    assert not (await serve(store, body)).counted
+    prior = await store.read_history("ns", query)
+    assert prior is not None and float(prior.n_c[0] + prior.n_w[0]) > 0
+    clock[0] += 61  # past the TTL of every entry (the duplicate wrote nothing)
+    prior = await store.read_history("ns", query)
+    assert prior is not None and float(prior.n_c[0] + prior.n_w[0]) == 0.0
+    assert await store.token_stats("ns", "key", 10) == {
+        "namespace": "ns",
+        "rollouts_counted": 0,
+        "tokens": [],
+    }
+    assert (await serve(store, body)).counted, "the request id expired with the rest"

@@ -1,0 +1,265 @@
+"""The Redis store against a real redis-server: TTLs, replicas, outages, round trips."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+import redis.asyncio
+import torch
+from advantage_service.request import parse_request
+from advantage_service.stats import RedisStatsStore, history_query
+from redis_support import RedisServer
+from stats_helpers import random_groups, serve
+
+pytestmark = [pytest.mark.anyio, pytest.mark.integration]
+
+NS = "ns:with{odd}chars"
+
+
+def body(seed: int, prompts: list[str], **extra: Any) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    return {
+        "namespace": NS,
+        "estimator": {"outcome": "grpo", "ktae": {"history": "prompt"}, "cscr": {}},
+        "groups": random_groups(rng, prompts, teacher=True),
+        **extra,
+    }
+
+
+class CountingConnection(redis.asyncio.Connection):
+    """Counts what the client sends: one send per command or per pipeline, i.e. round trips."""
+
+    sends = 0
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        CountingConnection.sends += 1
+        await super().send_packed_command(command, check_health)
+
+
+def fast_store(server: RedisServer, **options: Any) -> RedisStatsStore:
+    return RedisStatsStore(server.url, backoff_initial=0.1, backoff_max=0.4, **options)
+
+
+async def test_every_key_has_a_ttl(redis_server: RedisServer) -> None:
+    store = RedisStatsStore(redis_server.url, ttl_seconds=600, prefix="ttl")
+    try:
+        await serve(store, body(1, ["a", "b"], request_id="r-1"))
+        await serve(store, body(2, ["a", "c"]))
+    finally:
+        await store.close()
+    sync = redis.Redis.from_url(redis_server.url)
+    keys = sorted(k.decode() for k in sync.scan_iter(match="ttl:*"))
+    kinds = {k.split(":")[-2] if ":tok:" not in k else "tok" for k in keys}
+    assert {"hist", "tok", "req"} <= kinds and any(k.endswith(":meta") for k in keys)
+    assert len(keys) == len(list(sync.scan_iter())), "every key is under the prefix"
+    for key in keys:
+        assert 0 < sync.ttl(key) <= 600, key
+    # The namespace is encoded: its ':' and braces cannot collide with the layout.
+    assert all(k.startswith("ttl:{ns%3Awith%7Bodd%7Dchars}:") for k in keys)
+
+
+async def test_two_replicas_on_one_redis_share_history_statistics_and_request_ids(
+    redis_server: RedisServer,
+) -> None:
+    a, b = RedisStatsStore(redis_server.url), RedisStatsStore(redis_server.url)
+    try:
+        first = body(3, ["p", "q"], request_id="shared-id")
+        assert (await serve(a, first)).counted
+        assert not (await serve(b, first)).counted, "the other replica sees the request id"
+        assert await a.token_stats(NS, "key", 50) == await b.token_stats(NS, "key", 50)
+        second = body(4, ["q", "p"])
+        via_a, via_b = await serve(a, second), None
+        query = history_query(parse_request(second).batch)
+        prior_a, prior_b = await a.read_history(NS, query), await b.read_history(NS, query)
+        assert prior_a is not None and prior_b is not None
+        assert torch.equal(prior_a.values, prior_b.values)
+        assert torch.equal(prior_a.n_c, prior_b.n_c) and float(prior_b.n_c.sum()) > 0
+        via_b = await serve(b, body(5, ["p"]))
+        assert via_b.prior is not None and via_a.prior is not None
+        # b's prior for p includes a's second visit: the sum of both visits, decayed.
+        assert float(via_b.prior.n_c[0] + via_b.prior.n_w[0]) > float(
+            via_a.prior.n_c[1] + via_a.prior.n_w[1]
+        )
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_killing_redis_degrades_to_unavailable_and_a_restart_on_the_same_port_recovers(
+    redis_server: RedisServer,
+) -> None:
+    errors: list[str] = []
+    ups: list[bool] = []
+    store = fast_store(redis_server, on_error=errors.append, on_up=ups.append)
+    try:
+        assert store.status == "down" and await store.ping() and store.status == "up"
+        assert (await serve(store, body(6, ["k"]))).history == "applied"
+
+        redis_server.kill()
+        query = history_query(parse_request(body(7, ["k"])).batch)
+        start = time.perf_counter()
+        assert await store.read_history(NS, query) is None
+        assert time.perf_counter() - start < 1.0
+        assert store.status == "down" and ups == [True, False]
+        down = await serve(store, body(7, ["k"], request_id="during-outage"))
+        assert down.history == "unavailable" and not down.counted
+        assert down.result.advantages.shape == (down.req.batch.num_tokens,)
+        assert await store.token_stats(NS, "key", 5) is None
+        assert {"read_history", "record", "token_stats"} <= set(errors)
+
+        redis_server.start()  # same port, empty (no persistence)
+        deadline = time.monotonic() + 5.0
+        while not await store.ping():
+            assert time.monotonic() < deadline, "no recovery after the restart"
+            time.sleep(0.05)
+        assert store.status == "up" and ups == [True, False, True]
+        again = await serve(store, body(7, ["k"], request_id="during-outage"))
+        assert again.history == "applied" and again.counted, "the failed write claimed nothing"
+    finally:
+        await store.close()
+
+
+async def test_requests_keep_being_answered_while_redis_dies_mid_run(
+    redis_server: RedisServer,
+) -> None:
+    store = fast_store(redis_server)
+    histories: list[str] = []
+    try:
+        for i in range(36):
+            if i == 10:
+                redis_server.kill()
+            if i == 22:
+                redis_server.start()
+            start = time.perf_counter()
+            served = await serve(store, body(100 + i, [f"p{i % 3}"], request_id=f"r{i}"))
+            assert time.perf_counter() - start < 1.5
+            assert served.result.advantages.shape == (served.req.batch.num_tokens,)
+            histories.append(served.history)
+            time.sleep(0.03)
+    finally:
+        await store.close()
+    assert histories[:10] == ["applied"] * 10
+    assert histories[10:22] == ["unavailable"] * 12
+    assert histories[-5:] == ["applied"] * 5
+
+
+async def test_a_hung_redis_times_out_quickly(redis_server: RedisServer) -> None:
+    store = RedisStatsStore(redis_server.url, socket_timeout=0.3, backoff_initial=0.1)
+    query = history_query(parse_request(body(8, ["h"])).batch)
+    try:
+        assert await store.read_history(NS, query) is not None
+        assert redis_server.process is not None
+        os.kill(redis_server.process.pid, signal.SIGSTOP)
+        try:
+            start = time.perf_counter()
+            assert await store.read_history(NS, query) is None
+            assert time.perf_counter() - start < 1.0
+        finally:
+            os.kill(redis_server.process.pid, signal.SIGCONT)
+        time.sleep(0.15)
+        assert await store.read_history(NS, query) is not None
+    finally:
+        await store.close()
+
+
+async def test_backoff_skips_attempts_until_it_expires(redis_server: RedisServer) -> None:
+    durations: list[str] = []
+    store = RedisStatsStore(
+        redis_server.url,
+        backoff_initial=1.0,
+        on_duration=lambda op, seconds: durations.append(op),
+    )
+    try:
+        assert await store.ping()
+        redis_server.kill()
+        assert not await store.ping()
+        failed_at = time.monotonic()
+        redis_server.start()
+        attempts = len(durations)
+        assert not await store.ping(), "still in backoff: not even tried"
+        assert len(durations) == attempts
+        time.sleep(max(0.0, failed_at + 1.05 - time.monotonic()))
+        assert await store.ping() and len(durations) == attempts + 1
+    finally:
+        await store.close()
+
+
+async def test_round_trips_per_request(redis_server: RedisServer) -> None:
+    store = RedisStatsStore(redis_server.url, connection_class=CountingConnection)
+    try:
+        await store.ping()  # connect (the handshake is not a request's cost)
+        for i, (extra, estimator, want) in enumerate(
+            [
+                ({}, {"outcome": "grpo", "ktae": {"history": "prompt"}}, 2),
+                ({"request_id": "rt"}, {"outcome": "grpo", "ktae": {"history": "prompt"}}, 2),
+                ({"request_id": "rt"}, {"outcome": "grpo", "ktae": {"history": "prompt"}}, 2),
+                ({}, {"outcome": "grpo", "ktae": {}, "cscr": {}}, 1),
+                ({}, "grpo", 1),
+            ]
+        ):
+            groups = random_groups(
+                np.random.default_rng(i), [f"g{j}" for j in range(8)], teacher=True
+            )
+            request = {"namespace": NS, "estimator": estimator, "groups": groups, **extra}
+            CountingConnection.sends = 0
+            await serve(store, request)
+            assert CountingConnection.sends == want, (i, estimator)
+        CountingConnection.sends = 0
+        await store.token_stats(NS, "key", 10)
+        assert CountingConnection.sends == 1
+    finally:
+        await store.close()
+
+
+async def test_a_restart_between_requests_costs_no_request(redis_server: RedisServer) -> None:
+    """Pooled connections die with the old process; the next request reconnects and counts."""
+    store = RedisStatsStore(redis_server.url)
+    try:
+        assert (await serve(store, body(9, ["r"]))).counted
+        redis_server.restart()
+        served = await serve(store, body(10, ["r"], request_id="after-restart"))
+        assert served.history == "applied" and served.counted and store.status == "up"
+    finally:
+        await store.close()
+
+
+async def test_a_resent_write_pipeline_applies_nothing_twice(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a redis-py retry after a broken connection does: the same claim, the same chunks."""
+    import uuid
+
+    from advantage_service.stats import redis_store
+
+    fixed = uuid.uuid4()
+    monkeypatch.setattr(redis_store.uuid, "uuid4", lambda: fixed)
+    store = RedisStatsStore(redis_server.url)
+    try:
+        served = await serve(store, body(11, ["s", "t"], request_id="resent"))
+        query = history_query(served.req.batch)
+        before = (await store.read_history(NS, query), await store.token_stats(NS, "key", 10**6))
+        update = await _update_of(store, body(12, ["s", "t"]))
+        assert await store.record(NS, "resent", update), "the same claim: a resend of its own"
+        after = (await store.read_history(NS, query), await store.token_stats(NS, "key", 10**6))
+        assert before[1] == after[1]
+        assert before[0] is not None and after[0] is not None
+        assert torch.equal(before[0].values, after[0].values)
+    finally:
+        await store.close()
+
+
+async def _update_of(store: RedisStatsStore, request: dict[str, Any]) -> Any:
+    from advantage_service.api import compute_request
+    from advantage_service.estimators import TermContext
+    from advantage_service.stats import build_updates
+
+    req = parse_request(request)
+    prior = await store.read_history(NS, history_query(req.batch))
+    result = compute_request(req, "cpu", TermContext(ktae_prior=prior, collect_ktae_tables=True))
+    return build_updates(req, result, prior)
