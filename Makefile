@@ -35,6 +35,7 @@ test: install test-deps
 
 bench: install
 	$(BIN)/python bench/bench_estimators.py
+	$(BIN)/python bench/bench_grpc.py
 	$(BIN)/python bench/bench_http.py
 
 lint: install
