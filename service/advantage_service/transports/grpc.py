@@ -91,15 +91,16 @@ def read_tensor(tensor: pb.Tensor, name: str, *, integer: bool, **where: Any) ->
             field=name,
             **where,
         )
-    if len(tensor.data) % dtype.itemsize:
+    data = tensor.data  # each access of a bytes field makes a new bytes object: read it once
+    if len(data) % dtype.itemsize:
         raise RequestError(
             "invalid_shape",
-            f"{name} has {len(tensor.data)} bytes, not a whole number of "
+            f"{name} has {len(data)} bytes, not a whole number of "
             f"{dtype.itemsize}-byte {pb.DType.Name(tensor.dtype)} values",
             field=name,
             **where,
         )
-    raw = np.frombuffer(tensor.data, dtype=dtype)
+    raw = np.frombuffer(data, dtype=dtype)
     # One copy into native order; it also makes the array writable, which torch wants.
     return raw.astype(np.int64 if integer else dtype.newbyteorder("="), copy=True)
 
