@@ -19,6 +19,7 @@ the transport's share is visible. On a shared machine the best round is the leas
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
@@ -182,7 +183,8 @@ def main() -> int:
                 ).to_pybytes()
 
                 def in_process(est: str = estimator) -> None:
-                    compute_batch(batch, est, device, diagnostics=())
+                    # A fresh batch object, as each request is: no cached derived tensors.
+                    compute_batch(dataclasses.replace(batch), est, device, diagnostics=())
                     if device.type == "cuda":
                         torch.cuda.synchronize(device)
 
