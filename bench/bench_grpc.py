@@ -42,7 +42,6 @@ from synthetic import training_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 
-LAUNCHER = ROOT / "tests" / "grpc" / "launcher.py"
 # Idle time before each timed call, so one measure's leftovers do not land on the next.
 SETTLE_SECONDS = 0.2
 
@@ -54,18 +53,12 @@ def free_port() -> int:
 
 
 class Service:
-    """``advantage-service serve`` (or, until serve starts gRPC, the launcher that runs both
-    transports on one engine the same way) on free ports."""
+    """``advantage-service serve`` (HTTP and gRPC on one engine) on free ports."""
 
     def __init__(self, device: str) -> None:
-        from advantage_service.transports import server
-
         self.http_port, self.grpc_port = free_port(), free_port()
         ports = ["--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port)]
-        if hasattr(server, "start_grpc_server"):
-            command = [sys.executable, "-m", "advantage_service", "serve", *ports]
-        else:
-            command = [sys.executable, str(LAUNCHER), *ports]
+        command = [sys.executable, "-m", "advantage_service", "serve", *ports]
         env = {k: v for k, v in os.environ.items() if not k.startswith("ADV_")}
         env.update(ADV_DEVICE=device, ADV_HOST="127.0.0.1", ADV_LOG_LEVEL="warning")
         self.proc = subprocess.Popen(command, env=env)

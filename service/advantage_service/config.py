@@ -44,6 +44,12 @@ class Settings(BaseSettings):
     request_timeout_seconds: float = Field(
         default=60.0, gt=0, description="the longest a client may take to send a request body (408)"
     )
+    stream_max_pending_groups: int = Field(
+        default=4096, ge=1, description="gRPC StreamCompute: incomplete groups held per stream"
+    )
+    stream_max_pending_tokens: int = Field(
+        default=8_388_608, ge=1, description="gRPC StreamCompute: tokens held per stream"
+    )
     shutdown_timeout_seconds: float = Field(
         default=30.0, ge=0, description="on SIGTERM, how long in-flight requests may take to finish"
     )

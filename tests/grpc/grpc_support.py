@@ -1,8 +1,7 @@
 """Helpers for the gRPC tests: a real service process (HTTP and gRPC on one engine), metrics,
 and request builders written without the service's own encoders.
 
-The process is ``advantage-service serve`` once it starts gRPC itself; until then it is
-``tests/grpc/launcher.py``, which runs both transports on one engine the way ``serve`` will.
+The process is ``advantage-service serve``, which runs both transports on one engine.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from advantage_service.estimators import TERMS
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-LAUNCHER = Path(__file__).resolve().parent / "launcher.py"
 STARTUP_SECONDS = 120.0
 POLL_SECONDS = 0.05
 ALL_PRESETS = sorted(presets())
@@ -47,13 +45,6 @@ def poll(condition: Callable[[], Any], timeout: float, what: str) -> Any:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(POLL_SECONDS)
-
-
-def serve_starts_grpc() -> bool:
-    """True once ``advantage-service serve`` starts the gRPC server itself."""
-    from advantage_service.transports import server
-
-    return hasattr(server, "start_grpc_server")
 
 
 def health_status(target: str, service: str = "") -> int | None:
@@ -126,10 +117,7 @@ def start_service(directory: Path, **settings: Any) -> Service:
     env.update({f"ADV_{k.upper()}": str(v) for k, v in settings.items()})
     env.update(ADV_DEVICE="cpu", ADV_HOST="127.0.0.1", ADV_LOG_LEVEL="warning")
     ports = ["--http-port", str(http_port), "--grpc-port", str(grpc_port)]
-    if serve_starts_grpc():
-        command = [sys.executable, "-m", "advantage_service", "serve", *ports]
-    else:
-        command = [sys.executable, str(LAUNCHER), *ports]
+    command = [sys.executable, "-m", "advantage_service", "serve", *ports]
     log = directory / f"service-{http_port}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)

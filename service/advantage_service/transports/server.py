@@ -1,4 +1,4 @@
-"""``advantage-service serve``: the HTTP server (uvicorn) around one engine, with a graceful drain.
+"""``advantage-service serve``: HTTP (uvicorn) and gRPC around one engine, with a graceful drain.
 
 On SIGTERM (or Ctrl-C): readiness turns false, the listening sockets close, requests in flight
 finish (up to ADV_SHUTDOWN_TIMEOUT_SECONDS), then the process exits 0. A second Ctrl-C forces.
@@ -19,6 +19,7 @@ import uvicorn
 
 from ..config import Settings
 from ..engine import Engine
+from .grpc import start_grpc_server, stop_grpc_server
 from .http import create_app
 
 log = logging.getLogger("advantage_service.server")
@@ -67,10 +68,12 @@ async def run(settings: Settings) -> int:
             lifespan="on",
         )
     )
-    # The gRPC server starts here, beside HTTP and on the same engine (grpc.aio on this loop):
-    # start it before waiting, and stop it with a grace period in `drain` below.
+    # gRPC beside HTTP, on the same engine and event loop (grpc.aio).
+    grpc_server = await start_grpc_server(engine, settings, settings.host, settings.grpc_port)
+    grpc_stopping: asyncio.Future[None] | None = None
 
     def drain(sig: signal.Signals) -> None:
+        nonlocal grpc_stopping
         if http.should_exit:
             if sig == signal.SIGINT:
                 http.force_exit = True
@@ -78,6 +81,9 @@ async def run(settings: Settings) -> int:
         log.info("%s: draining (readiness is now false)", sig.name)
         engine.draining = True
         http.should_exit = True
+        grpc_stopping = asyncio.ensure_future(
+            stop_grpc_server(grpc_server, settings.shutdown_timeout_seconds)
+        )
 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -87,6 +93,7 @@ async def run(settings: Settings) -> int:
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
+        await (grpc_stopping or stop_grpc_server(grpc_server, settings.shutdown_timeout_seconds))
         await asyncio.to_thread(engine.close)
     return 0 if http.started else 1
 
