@@ -342,3 +342,24 @@ def test_flat_batch_shape_errors(kwargs, field):
     with pytest.raises(RequestError) as info:
         RolloutBatch.from_flat(**args)
     assert info.value.field == field
+
+
+def test_grpo_with_epsilon_zero_gives_zero_for_a_group_of_equal_rewards():
+    req = base_request()
+    req["estimator"] = {"outcome": {"name": "grpo", "epsilon": 0}}
+    for r in req["groups"][0]["rollouts"]:
+        r["reward"] = 0.5
+    out = compute(req, device="cpu")
+    for r in out["groups"][0]["rollouts"]:
+        assert np.all(r["advantages"] == 0)
+    assert np.all(np.isfinite(out["groups"][1]["rollouts"][0]["advantages"]))
+
+
+def test_clip_beyond_float32_range_clips_nothing():
+    req = base_request()
+    plain = compute(req, device="cpu")
+    req["estimator"] = {"outcome": "grpo", "clip": 1e308}
+    clipped = compute(req, device="cpu")
+    for g1, g2 in zip(plain["groups"], clipped["groups"], strict=True):
+        for r1, r2 in zip(g1["rollouts"], g2["rollouts"], strict=True):
+            np.testing.assert_array_equal(r1["advantages"], r2["advantages"])

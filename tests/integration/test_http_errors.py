@@ -205,11 +205,6 @@ def test_huge_numbers_are_422_not_a_crash(server: Server) -> None:
         assert response.status_code == 422, (body[:80], response.text)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="estimators/registry.py Param.coerce calls float() on an unbounded JSON integer "
-    "(OverflowError, answered 500); fixed there, this test passes and must lose its mark",
-)
 def test_huge_integer_parameter_is_422(server: Server) -> None:
     estimator = '{"outcome": {"name": "grpo", "epsilon": 1' + "0" * 400 + "}}"
     body = '{"estimator": ' + estimator + ', "groups": []}'

@@ -39,6 +39,12 @@ def group_mean_std(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
     return mean.masked_fill(single, 0.0), std.masked_fill(single, 1.0)
 
 
+def divide_by_spread(values: torch.Tensor, spread: torch.Tensor) -> torch.Tensor:
+    """values / spread, with 0 / 0 = 0: with epsilon 0, a group of equal rewards has no spread
+    and no deviation from its mean, and gets no advantage (not NaN)."""
+    return torch.where(spread > 0, values / spread, torch.zeros_like(values))
+
+
 def centered(batch: RolloutBatch) -> torch.Tensor:
     """r_i - mean_g, float64 (B,)."""
     mean, _ = group_mean_std(batch)
@@ -56,7 +62,7 @@ def grpo(batch: RolloutBatch, params: Mapping[str, Any]) -> torch.Tensor:
     mean, std = group_mean_std(batch)
     a = batch.rewards.double() - mean[batch.group_index]
     if params["norm_by_std"]:
-        a = a / (std[batch.group_index] + params["epsilon"])
+        a = divide_by_spread(a, std[batch.group_index] + params["epsilon"])
     return a
 
 
@@ -160,5 +166,5 @@ def grpo_passk(batch: RolloutBatch, params: Mapping[str, Any]) -> torch.Tensor:
     margin = best_value - second
     if params["norm_by_std"]:
         _, std = group_mean_std(batch)
-        margin = margin / (std + params["epsilon"])
+        margin = divide_by_spread(margin, std + params["epsilon"])
     return torch.where(is_best, margin[batch.group_index], torch.zeros_like(r))

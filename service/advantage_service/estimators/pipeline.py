@@ -141,7 +141,9 @@ def compute_batch(
     if spec.whiten:
         advantages = whiten(advantages)
     if spec.clip is not None:
-        advantages = advantages.clamp(-spec.clip, spec.clip)
+        # A bound past float32's range clips nothing (and torch refuses to convert it).
+        bound = min(spec.clip, torch.finfo(advantages.dtype).max)
+        advantages = advantages.clamp(-bound, bound)
     return AdvantageResult(
         advantages=advantages,
         scalars=scalars.float(),

@@ -62,7 +62,10 @@ class Param:
             raise RequestError(
                 "invalid_parameter", f"{where} must be a number, got {value!r}", field=where
             )
-        number = float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # a JSON integer beyond float range
+            number = math.inf
         if not math.isfinite(number):
             raise RequestError(
                 "out_of_range", f"{where} must be finite, got {value!r}", field=where
