@@ -5,7 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from advantage_service.estimators.fisher import fisher_two_sided, pvalue_grid
+from advantage_service.estimators.fisher import (
+    fisher_two_sided,
+    fisher_two_sided_grouped,
+    pvalue_grid,
+)
 from scipy.stats import fisher_exact
 
 MAX_MARGIN = 24
@@ -62,3 +66,15 @@ def test_pvalue_grid_marks_impossible_tables_with_one():
     # k = a + b = 3 with a = 0 would need b = 3 > n2 = 1.
     assert grid[0, 3, 0].item() == 1.0
     assert grid.shape == (1, 4, 3)
+
+
+def test_grouped_fisher_equals_per_table_fisher():
+    gen = torch.Generator().manual_seed(0)
+    n1 = torch.randint(0, 20, (7,), generator=gen)
+    n2 = torch.randint(0, 20, (7,), generator=gen)
+    group = torch.randint(0, 7, (500,), generator=gen)
+    a = (torch.rand(500, generator=gen) * (n1[group] + 1)).long()
+    b = (torch.rand(500, generator=gen) * (n2[group] + 1)).long()
+    grouped = fisher_two_sided_grouped(n1, n2, group, a, b)
+    per_table = fisher_two_sided(n1[group], n2[group], a, b)
+    torch.testing.assert_close(grouped, per_table, rtol=0, atol=0)

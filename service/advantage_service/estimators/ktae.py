@@ -21,7 +21,7 @@ import torch
 from ..batch import RolloutBatch
 from ..errors import RequestError
 from .baselines import group_sum
-from .fisher import fisher_two_sided, pvalue_grid
+from .fisher import fisher_two_sided_grouped, margin_grid
 from .registry import Param, TermContext, TermOutput, register_term
 
 # "p is 1" within float rounding: such a token carries no evidence, so its Fisher factor is 0.
@@ -168,11 +168,7 @@ def association_lookup(
     information gain and Cohen's h are computed on the small grid of possible tables per distinct
     margin pair and gathered, instead of once per (group, token).
     """
-    c1, c2 = n_c.long(), n_w.long()
-    stride = int(c2.max()) + 1
-    margins, margin_of_group = torch.unique(c1 * stride + c2, return_inverse=True)
-    m1, m2 = margins // stride, margins % stride
-    p = pvalue_grid(m1, m2)  # (P, K, X): [margin, a + b, a]
+    p, margin_of_group, m1, m2 = margin_grid(n_c.long(), n_w.long())  # p: [margin, a + b, a]
     _, k_count, x_count = p.shape
     dev = p.device
     a_grid = torch.arange(x_count, dtype=torch.float64, device=dev)[None, None, :]
@@ -364,9 +360,10 @@ def ktae(batch: RolloutBatch, params: Mapping[str, Any], ctx: TermContext) -> Te
         pa, pb, poc, pow_ = prior.lookup(tables.group, tables.token)
         a, b, occ_c, occ_w = tables.a + pa, tables.b + pb, tables.occ_c + poc, tables.occ_w + pow_
         # Decayed history makes counts fractional; the exact test needs whole tables.
-        p = fisher_two_sided(
-            torch.round(n_c[g]).long(),
-            torch.round(n_w[g]).long(),
+        p = fisher_two_sided_grouped(
+            torch.round(n_c).long(),
+            torch.round(n_w).long(),
+            g,
             torch.round(a).long(),
             torch.round(b).long(),
         )
