@@ -27,6 +27,7 @@ from .errors import LimitExceeded, RequestError
 from .estimators import AdvantageResult, TermContext, resolve_device
 from .metrics import TOKEN_SAMPLE, Metrics
 from .request import ComputeRequest, parse_request
+from .stats import HistoryPrior, StatsStore, build_updates, history_query, make_store, wants_history
 
 log = logging.getLogger("advantage_service.engine")
 
@@ -146,6 +147,30 @@ class Engine:
         self.draining = False
         self.metrics.max_inflight.set(settings.max_inflight)
         self.metrics.build_info.labels(__version__, self.device.type).set(1)
+        self.store: StatsStore = make_store(
+            settings.redis_url,
+            ttl_seconds=settings.stats_ttl_seconds,
+            **(
+                {
+                    "on_error": lambda op: self.metrics.stats_store_errors_total.labels(op).inc(),
+                    "on_duration": lambda op, sec: self.metrics.stats_store_duration_seconds.labels(
+                        op
+                    ).observe(sec),
+                    "on_up": lambda up: self.metrics.stats_store_up.set(1 if up else 0),
+                }
+                if settings.redis_url
+                else {}
+            ),
+        )
+        if not settings.redis_url:
+            self.metrics.stats_store_up.set(1)
+        # Statistics are written after the answer, by one worker of their own so that they never
+        # take a compute worker from an admitted request; at most this many wait at once.
+        self._stats_executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="advantage-stats"
+        )
+        self._pending_writes: set[asyncio.Task[None]] = set()
+        self.max_pending_writes = 4 * settings.max_inflight
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -180,10 +205,35 @@ class Engine:
     def close(self) -> None:
         """Wait for running computations, then stop the workers."""
         self._executor.shutdown(wait=True)
+        self._stats_executor.shutdown(wait=True)
+
+    async def start(self) -> None:
+        """Connect the stats store (a store that is down is retried with backoff later)."""
+        up = await self.store.ping()
+        log.info("stats store: %s", self.store.status if up else "down (will retry)")
+
+    async def flush(self, timeout: float | None = None) -> None:
+        """Wait (up to ``timeout`` s) for scheduled statistics writes, then close the store."""
+        pending = list(self._pending_writes)
+        if pending:
+            log.info("flushing %d statistics writes", len(pending))
+            _, late = await asyncio.wait(pending, timeout=timeout)
+            for task in late:
+                task.cancel()
+        await self.store.close()
 
     def stats_store_status(self) -> str:
-        """``memory`` (embedded store), ``up`` or ``down`` (Redis). Hook for the stats store."""
-        return "memory"
+        """``memory`` (embedded store), ``up`` or ``down`` (Redis)."""
+        return self.store.status
+
+    async def refresh_stats_store(self) -> str:
+        """Ping the store (reconnecting after an outage, within its backoff); its status."""
+        await self.store.ping()
+        return self.store.status
+
+    async def token_stats(self, namespace: str, order: str, limit: int) -> dict[str, Any] | None:
+        """The namespace's vocabulary statistics (None while the store is down)."""
+        return await self.store.token_stats(namespace, order, limit)
 
     # ---- admission ------------------------------------------------------------------------------
 
@@ -262,11 +312,11 @@ class Engine:
             req = request if isinstance(request, ComputeRequest) else await self._run(request)
             label = req.estimator.label
             self.check_limits(req)
-            context, history = await self._read_history(req)
+            context, history, prior = await self._read_history(req)
             result, seconds = await self._run(self._compute_sync, req, context)
             summary = summarize(req, self.device, seconds * 1000.0, history)
             self.metrics.compute_duration_seconds.labels(label, self.device.type).observe(seconds)
-            await self._write_stats(req, result)
+            self._write_stats(req, result, prior)
             encoded = None if encode is None else await self._run(encode, req, result, summary)
         except RequestError as exc:
             self.record_rejection(transport, exc.status, exc.code, label)
@@ -337,18 +387,47 @@ class Engine:
             sample = result.advantages[::stride][:TOKEN_SAMPLE].cpu().numpy()
             m.token_advantage.observe_many(sample.astype(np.float64), label)
 
-    # ---- statistics store hooks -----------------------------------------------------------------
+    # ---- statistics store ---------------------------------------------------------------------
 
-    async def _read_history(self, req: ComputeRequest) -> tuple[TermContext | None, str]:
-        """KTAE history for the request's prompts, and the summary's ``history`` value.
+    async def _read_history(
+        self, req: ComputeRequest
+    ) -> tuple[TermContext | None, str, HistoryPrior | None]:
+        """The TermContext to compute with, the summary's ``history`` value (``none``,
+        ``applied`` or ``unavailable``) and the prior read (None when not read)."""
+        if not wants_history(req):
+            return None, "none", None
+        query = await self._run(history_query, req.batch, req.ignore_token_ids)
+        prior = await self.store.read_history(req.namespace, query)
+        if prior is None:  # store down: compute without history, write none back
+            return None, "unavailable", None
+        context = TermContext(ktae_prior=prior.to(self.device), collect_ktae_tables=True)
+        return context, "applied", prior
 
-        Hook for the stats store: returns the TermContext to compute with (None: a fresh one)
-        and ``none`` (history not asked for), ``applied`` or ``unavailable``. Without a store,
-        history asked for is unavailable, as in the in-process API.
-        """
-        wants = req.estimator.terms.get("ktae", {}).get("history", "none") != "none"
-        return None, "unavailable" if wants else "none"
+    def _write_stats(
+        self, req: ComputeRequest, result: AdvantageResult, prior: HistoryPrior | None
+    ) -> None:
+        """Schedule the history and statistics writes; they run after the answer is sent."""
+        if len(self._pending_writes) >= self.max_pending_writes:
+            # The store is slower than the traffic: drop this request's statistics rather than
+            # let pending writes (and their tensors) grow without bound.
+            self.metrics.stats_store_errors_total.labels("record_dropped").inc()
+            return
+        task = asyncio.get_running_loop().create_task(self._record(req, result, prior))
+        self._pending_writes.add(task)
+        task.add_done_callback(self._pending_writes.discard)
 
-    async def _write_stats(self, req: ComputeRequest, result: AdvantageResult) -> None:
-        """Hook for the stats store: schedule writes of history and vocabulary statistics."""
-        return None
+    async def _record(
+        self, req: ComputeRequest, result: AdvantageResult, prior: HistoryPrior | None
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            update = await loop.run_in_executor(
+                self._stats_executor, build_updates, req, result, prior
+            )
+            request_id = req.request_id if req.client_request_id else None
+            await self.store.record(req.namespace, request_id, update)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # statistics must never take the service down
+            log.exception("statistics write for request %s failed", req.request_id)
+            self.metrics.stats_store_errors_total.labels("record").inc()

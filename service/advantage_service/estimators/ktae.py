@@ -209,6 +209,14 @@ class KeyTokenTables:
     keep: torch.Tensor | None
     num_tokens: int
 
+    @classmethod
+    def empty(cls, num_tokens: int, device: torch.device) -> KeyTokenTables:
+        """No tables (no tokens, or every group without contrast)."""
+        i = torch.zeros(0, dtype=torch.int64, device=device)
+        f = torch.zeros(0, dtype=torch.float64, device=device)
+        keep = torch.zeros(num_tokens, dtype=torch.bool, device=device)
+        return cls(i, i, f, f, f, f, i, i, keep, num_tokens)
+
     def spread(self, values: torch.Tensor) -> torch.Tensor:
         """Per-table ``values`` (M,) -> per-token (N,), 0 at tokens that were not tabulated."""
         kept = torch.empty(self.order.numel(), dtype=values.dtype, device=values.device)
@@ -345,12 +353,13 @@ def ktae(batch: RolloutBatch, params: Mapping[str, Any], ctx: TermContext) -> Te
     if not ctx.collect_ktae_tables and not bool(contrast.all()):
         # Groups without both correct and wrong rollouts score 0: skip their tokens entirely.
         drop = ~contrast[batch.group_index]
-        if bool(drop.all()):
-            bonus = torch.zeros(batch.num_tokens, dtype=torch.float32, device=device)
-            return TermOutput(bonus=bonus, diagnostics={"ktae_score": bonus})
-    if batch.num_tokens == 0:
-        bonus = torch.zeros(0, dtype=torch.float32, device=device)
-        return TermOutput(bonus=bonus, diagnostics={"ktae_score": bonus})
+    if batch.num_tokens == 0 or (drop is not None and bool(drop.all())):
+        bonus = torch.zeros(batch.num_tokens, dtype=torch.float32, device=device)
+        empty = KeyTokenTables.empty(batch.num_tokens, device)
+        score = torch.zeros(0, dtype=torch.float64, device=device)
+        return TermOutput(
+            bonus=bonus, diagnostics={"ktae_score": bonus}, extras={"tables": empty, "score": score}
+        )
     tables = tabulate(batch, correct, drop, ctx.ignore_token_ids)
     g = tables.group
     if prior is None:
@@ -376,9 +385,9 @@ def ktae(batch: RolloutBatch, params: Mapping[str, Any], ctx: TermContext) -> Te
     score = key_token_score(strength, h, tf, params["scale"])
     bonus = tables.spread(score.float())
     out = TermOutput(bonus=bonus, diagnostics={"ktae_score": bonus})
-    if ctx.collect_ktae_tables:
-        out.extras["tables"] = tables
-        out.extras["score"] = score
+    # The tables and their scores feed vocabulary statistics and history (see stats/).
+    out.extras["tables"] = tables
+    out.extras["score"] = score
     return out
 
 

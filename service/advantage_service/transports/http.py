@@ -17,7 +17,7 @@ from functools import partial
 from typing import Annotated, Any, Literal
 
 import orjson
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -185,6 +185,21 @@ class EstimatorListing(BaseModel):
     terms: list[TermInfo]
     options: list[ParamInfo] = Field(description="estimator-level parameters (whiten, clip)")
     diagnostics: list[str] = Field(description="names a request may list in `return`")
+
+
+class TokenStat(BaseModel):
+    token_id: int
+    correct_rollouts: int = Field(description="rollouts with reward > 0 containing the token")
+    wrong_rollouts: int = Field(description="rollouts with reward <= 0 containing the token")
+    occurrences: int
+    key_score: float | None = Field(description="mean KTAE score where KTAE scored the token")
+    mean_sensitivity: float | None = Field(description="mean CSCR sensitivity where CSCR ran")
+
+
+class TokenStats(BaseModel):
+    namespace: str
+    rollouts_counted: int
+    tokens: list[TokenStat]
 
 
 class Health(BaseModel):
@@ -479,12 +494,14 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if not engine.warm:
             await asyncio.to_thread(engine.warm_up)
+            await engine.start()
         log.info("ready on %s (max_inflight=%d)", engine.device, settings.max_inflight)
         try:
             yield
         finally:
             engine.draining = True
             if owned:
+                await engine.flush(timeout=settings.shutdown_timeout_seconds)
                 await asyncio.to_thread(engine.close)
 
     app = FastAPI(
@@ -576,6 +593,31 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     async def estimators() -> dict[str, Any]:
         return listing
 
+    @app.get(
+        "/v1/stats/tokens",
+        summary="Vocabulary statistics of a namespace, counted over every request",
+        response_model=TokenStats,
+        responses={
+            422: _error_content("an unknown order or an out-of-range limit"),
+            503: _error_content("the stats store (Redis) is unreachable; retry later"),
+        },
+        tags=["statistics"],
+    )
+    async def token_stats(
+        namespace: Annotated[str, Query(min_length=1, max_length=128)] = "default",
+        order: Annotated[
+            Literal["key", "sensitivity", "occurrences"],
+            Query(description="key: |mean KTAE score| descending; sensitivity; occurrences"),
+        ] = "key",
+        limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
+    ) -> Response:
+        stats = await engine.token_stats(namespace, order, limit)
+        if stats is None:
+            return _error_response(
+                503, _detail("stats_unavailable", "the stats store is unreachable; retry later")
+            )
+        return JSONResponse(stats)
+
     @app.get("/healthz", summary="The process is alive", response_model=Health, tags=["ops"])
     async def healthz() -> dict[str, Any]:
         return {"status": "ok"}
@@ -588,7 +630,9 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         tags=["ops"],
     )
     async def readyz() -> Response:
-        body: dict[str, Any] = {"ready": engine.ready, "stats_store": engine.stats_store_status()}
+        store = await engine.refresh_stats_store()
+        # A store that is down degrades history; the service still serves: readiness stays true.
+        body: dict[str, Any] = {"ready": engine.ready, "stats_store": store}
         if not engine.ready:
             body["reason"] = "draining" if engine.draining else "warming up"
         return JSONResponse(body, status_code=200 if engine.ready else 503)

@@ -94,6 +94,7 @@ async def run(settings: Settings) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         await (grpc_stopping or stop_grpc_server(grpc_server, settings.shutdown_timeout_seconds))
+        await engine.flush(timeout=settings.shutdown_timeout_seconds)
         await asyncio.to_thread(engine.close)
     return 0 if http.started else 1
 
