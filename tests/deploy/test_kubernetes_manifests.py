@@ -232,14 +232,23 @@ def test_shutdown_fits_in_the_termination_grace_period(
     assert pre_stop + drain < pod["terminationGracePeriodSeconds"]
 
 
-def test_auth_tokens_come_from_an_optional_secret_reference(
-    rendered: dict[str, list[Manifest]],
+@pytest.mark.parametrize("name", RENDERINGS)
+def test_auth_tokens_come_from_a_mounted_secret(
+    name: str, rendered: dict[str, list[Manifest]]
 ) -> None:
-    env = {e["name"]: e for e in container(rendered["base"])["env"]}
-    ref = env["ADV_AUTH_TOKENS"]["valueFrom"]["secretKeyRef"]
-    assert ref == {"name": "advantage-service-auth", "key": "tokens", "optional": True}
+    main = container(rendered[name])
+    pod = deployment(rendered[name])["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if "secret" in v]
+    assert volume["secret"]["secretName"] == "advantage-service-auth"
+    assert volume["secret"]["optional"] is False, "without tokens the service would run open"
+    (mount,) = [m for m in main["volumeMounts"] if m["name"] == volume["name"]]
+    # A subPath mount never sees an updated Secret; the service reloads the file when it changes.
+    assert "subPath" not in mount and mount["readOnly"] is True
+    env = {e["name"]: e.get("value") for e in main["env"]}
+    (item,) = volume["secret"]["items"]
+    assert env["ADV_AUTH_TOKENS_FILE"] == f"{mount['mountPath']}/{item['path']}"
     # Referenced, never shipped: no Secret with a token in it lives in the repository.
-    assert not [d for r in rendered.values() for d in r if d["kind"] == "Secret"]
+    assert not [d for d in rendered[name] if d["kind"] == "Secret"]
 
 
 @pytest.mark.parametrize("name", RENDERINGS)
