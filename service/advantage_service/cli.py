@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the HTTP and gRPC service",
         description="Every flag overrides its ADV_* environment variable (ADV_HOST, ...); the "
         "limits are set by ADV_MAX_INFLIGHT, ADV_MAX_REQUEST_TOKENS, ADV_MAX_BODY_BYTES, "
-        "ADV_MAX_GROUP_SIZE.",
+        "ADV_MAX_GROUP_SIZE, ADV_REQUEST_TIMEOUT_SECONDS; docs/reliability.md has them all.",
     )
     serve.add_argument("--host", help="interface to listen on (default 127.0.0.1)")
     serve.add_argument("--http-port", type=int, help="HTTP port (default 8000)")
@@ -74,6 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--redis-url", help="Redis stats store (default: embedded, in memory)")
     serve.add_argument(
         "--log-level", choices=["critical", "error", "warning", "info", "debug"], help="log level"
+    )
+    serve.add_argument("--log-format", choices=["json", "text"], help="log lines (default json)")
+    serve.add_argument("--tls-cert", help="PEM certificate chain: HTTPS and gRPC over TLS")
+    serve.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    serve.add_argument(
+        "--tls-client-ca", help="PEM CA bundle: mutual TLS, clients must present a certificate"
+    )
+    serve.add_argument(
+        "--auth-tokens-file", help='bearer tokens, JSON {"tokens": {"<token>": ["namespace"]}}'
     )
     serve.set_defaults(run=_serve)
     return parser

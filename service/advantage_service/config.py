@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MIB = 1024 * 1024
@@ -42,7 +42,16 @@ class Settings(BaseSettings):
         default=1024, ge=1, description="rollouts in one group; above it the answer is 413"
     )
     request_timeout_seconds: float = Field(
-        default=60.0, gt=0, description="the longest a client may take to send a request body (408)"
+        default=60.0,
+        gt=0,
+        description="per-request compute deadline (504 / DEADLINE_EXCEEDED after it); also the "
+        "time to receive a body unless ADV_BODY_TIMEOUT_SECONDS is set",
+    )
+    body_timeout_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        description="the longest a client may take to send a request body (408); unset: "
+        "ADV_REQUEST_TIMEOUT_SECONDS",
     )
     stream_max_pending_groups: int = Field(
         default=4096, ge=1, description="gRPC StreamCompute: incomplete groups held per stream"
@@ -50,10 +59,43 @@ class Settings(BaseSettings):
     stream_max_pending_tokens: int = Field(
         default=8_388_608, ge=1, description="gRPC StreamCompute: tokens held per stream"
     )
+    stream_max_open: int = Field(
+        default=64, ge=1, description="gRPC StreamCompute calls open at once (RESOURCE_EXHAUSTED)"
+    )
+    max_connections: int = Field(
+        default=1024,
+        ge=1,
+        description="HTTP connections and gRPC calls handled at once (HTTP 503 / gRPC "
+        "RESOURCE_EXHAUSTED beyond): bounds what the service holds for clients it has not admitted",
+    )
     shutdown_timeout_seconds: float = Field(
         default=30.0, ge=0, description="on SIGTERM, how long in-flight requests may take to finish"
     )
+    shutdown_delay_seconds: float = Field(
+        default=0.0,
+        ge=0,
+        description="on SIGTERM, how long readiness is false before the listeners close (time "
+        "for load balancers to stop sending)",
+    )
+    auth_tokens_file: str | None = Field(
+        default=None,
+        description='bearer tokens: a JSON file {"tokens": {"<token>": ["ns", ...] | ["*"]}}; '
+        "unset: no authentication",
+    )
+    auth_reload_seconds: float = Field(
+        default=10.0, gt=0, description="how often the tokens file is checked for changes"
+    )
+    tls_cert: str | None = Field(
+        default=None, description="PEM certificate chain (HTTPS, gRPC TLS)"
+    )
+    tls_key: str | None = Field(default=None, description="PEM private key of tls_cert")
+    tls_client_ca: str | None = Field(
+        default=None, description="PEM CA bundle: clients must present a certificate it signed"
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    log_format: Literal["json", "text"] = Field(
+        default="json", description="json: one JSON object per line; text: for a terminal"
+    )
 
     @field_validator("device")
     @classmethod
@@ -62,7 +104,24 @@ class Settings(BaseSettings):
             return value
         raise ValueError("device must be auto, cpu, cuda or cuda:N")
 
-    @field_validator("log_level", mode="before")
+    @model_validator(mode="after")
+    def _tls_pair(self) -> Settings:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key go together: give both or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+        return self
+
+    @property
+    def body_timeout(self) -> float:
+        """Seconds to receive a request body (ADV_BODY_TIMEOUT_SECONDS, else the deadline)."""
+        return self.body_timeout_seconds or self.request_timeout_seconds
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
+
+    @field_validator("log_level", "log_format", mode="before")
     @classmethod
     def _lower(cls, value: object) -> object:
         return value.lower() if isinstance(value, str) else value

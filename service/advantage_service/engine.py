@@ -6,7 +6,6 @@ loop, statistics hooks and metrics. No wire types here: a transport hands in a d
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import threading
@@ -21,10 +20,12 @@ import torch
 
 from . import __version__
 from .api import compute_request, summarize
+from .auth import Authenticator, Principal
 from .batch import RolloutBatch
 from .config import Settings
 from .errors import LimitExceeded, RequestError
 from .estimators import AdvantageResult, TermContext, resolve_device
+from .logs import access
 from .metrics import TOKEN_SAMPLE, Metrics
 from .request import ComputeRequest, parse_request
 from .stats import HistoryPrior, StatsStore, build_updates, history_query, make_store, wants_history
@@ -66,16 +67,52 @@ class Saturated(Exception):
         }
 
 
+def deadline_exceeded(seconds: float) -> RequestError:
+    """The answer to a request whose computation outlived ``ADV_REQUEST_TIMEOUT_SECONDS``
+    (HTTP 504, gRPC DEADLINE_EXCEEDED)."""
+    return RequestError(
+        "deadline_exceeded",
+        f"the computation took longer than {seconds:g} s (ADV_REQUEST_TIMEOUT_SECONDS): "
+        "split the batch or retry later",
+        status=504,
+    )
+
+
 class Slot:
-    """One admitted request. Release it once (a context manager does)."""
+    """One admitted request. Release it once (a context manager does).
+
+    A worker thread cannot be interrupted, so a request answered before its worker finished
+    (deadline, cancellation) keeps its slot until the worker is done: :meth:`hold` ties the
+    slot to a worker's future, and the release waits for every held future.
+    """
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
         self._released = False
+        self._freed = False
+        self._busy: set[asyncio.Future[Any]] = set()
+
+    def hold(self, future: asyncio.Future[Any]) -> None:
+        """Keep the slot taken until ``future`` (a worker's) is done."""
+        self._busy.add(future)
+        future.add_done_callback(self._worker_done)
+
+    def _worker_done(self, future: asyncio.Future[Any]) -> None:
+        self._busy.discard(future)
+        if not future.cancelled():
+            future.exception()  # retrieved: an abandoned worker's error is not "never retrieved"
+        if self._released and not self._busy:
+            self._free()
 
     def release(self) -> None:
         if not self._released:
             self._released = True
+            if not self._busy:
+                self._free()
+
+    def _free(self) -> None:
+        if not self._freed:
+            self._freed = True
             self._engine._release()
 
     def __enter__(self) -> Slot:
@@ -146,6 +183,14 @@ class Engine:
         self.warm = False
         self.draining = False
         self.metrics.max_inflight.set(settings.max_inflight)
+        # Raises TokensFileError for a bad tokens file: the service must not start open by
+        # mistake.
+        self.auth = Authenticator(
+            settings.auth_tokens_file,
+            reload_seconds=settings.auth_reload_seconds,
+            on_reload=lambda outcome: self.metrics.auth_reloads_total.labels(outcome).inc(),
+            on_tokens=self.metrics.auth_tokens.set,
+        )
         self.metrics.build_info.labels(__version__, self.device.type).set(1)
         self.store: StatsStore = make_store(
             settings.redis_url,
@@ -208,12 +253,19 @@ class Engine:
         self._stats_executor.shutdown(wait=True)
 
     async def start(self) -> None:
-        """Connect the stats store (a store that is down is retried with backoff later)."""
+        """Connect the stats store (a store that is down is retried with backoff later) and
+        start watching the tokens file."""
         up = await self.store.ping()
         log.info("stats store: %s", self.store.status if up else "down (will retry)")
+        if self.auth.enabled:
+            log.info("authentication: %s", self.auth.describe())
+        else:
+            log.warning("AUTHENTICATION IS OFF: %s", self.auth.describe())
+        self.auth.start()
 
     async def flush(self, timeout: float | None = None) -> None:
         """Wait (up to ``timeout`` s) for scheduled statistics writes, then close the store."""
+        await self.auth.stop()
         pending = list(self._pending_writes)
         if pending:
             log.info("flushing %d statistics writes", len(pending))
@@ -231,8 +283,13 @@ class Engine:
         await self.store.ping()
         return self.store.status
 
-    async def token_stats(self, namespace: str, order: str, limit: int) -> dict[str, Any] | None:
-        """The namespace's vocabulary statistics (None while the store is down)."""
+    async def token_stats(
+        self, namespace: str, order: str, limit: int, principal: Principal | None = None
+    ) -> dict[str, Any] | None:
+        """The namespace's vocabulary statistics (None while the store is down); raises a 403
+        :class:`~advantage_service.auth.AuthError` when ``principal`` may not read it."""
+        if principal is not None:
+            principal.authorize(namespace)
         return await self.store.token_stats(namespace, order, limit)
 
     # ---- admission ------------------------------------------------------------------------------
@@ -295,36 +352,68 @@ class Engine:
         encode: Encoder[T] | None = None,
         slot: Slot | None = None,
         started: float | None = None,
+        principal: Principal | None = None,
     ) -> Computed[T]:
-        """Decode (when given a decoder), check limits, compute, record, encode.
+        """Decode (when given a decoder), authorise, check limits, compute, record, encode.
 
         Every step that costs more than microseconds runs in a worker thread, so the event loop
         keeps answering health checks and metrics. Takes an admission slot unless the transport
         already holds one (``slot``, from :meth:`admit`, taken before reading a large body).
-        Raises :class:`RequestError` (422/413) for the client's mistakes and :class:`Saturated`.
+        ``principal`` (from :attr:`auth`) must allow the request's namespace (403 otherwise).
+        Raises :class:`RequestError` (422/413, 403, 504 past ``ADV_REQUEST_TIMEOUT_SECONDS``)
+        and :class:`Saturated`. The answer comes on time at the deadline; the slot stays taken
+        until the worker really finishes, so admission never overcommits.
         """
         started = time.perf_counter() if started is None else started
         own = slot is None
         if slot is None:
             slot = self.admit(transport)
         label = UNKNOWN_ESTIMATOR
+        req: ComputeRequest | None = None
+        summary: dict[str, Any] | None = None
+        limit = self.settings.request_timeout_seconds
+        deadline = asyncio.timeout(limit)
         try:
-            req = request if isinstance(request, ComputeRequest) else await self._run(request)
-            label = req.estimator.label
-            self.check_limits(req)
-            context, history, prior = await self._read_history(req)
-            result, seconds = await self._run(self._compute_sync, req, context)
-            summary = summarize(req, self.device, seconds * 1000.0, history)
-            self.metrics.compute_duration_seconds.labels(label, self.device.type).observe(seconds)
-            self._write_stats(req, result, prior)
-            encoded = None if encode is None else await self._run(encode, req, result, summary)
+            try:
+                async with deadline:
+                    req = (
+                        request
+                        if isinstance(request, ComputeRequest)
+                        else await self._run(slot, request)
+                    )
+                    label = req.estimator.label
+                    if principal is not None:
+                        principal.authorize(req.namespace)
+                    self.check_limits(req)
+                    context, history, prior = await self._read_history(req, slot)
+                    result, seconds = await self._run(slot, self._compute_sync, req, context)
+                    summary = summarize(req, self.device, seconds * 1000.0, history)
+                    self.metrics.compute_duration_seconds.labels(label, self.device.type).observe(
+                        seconds
+                    )
+                    self._write_stats(req, result, prior)
+                    encoded = (
+                        None
+                        if encode is None
+                        else await self._run(slot, encode, req, result, summary)
+                    )
+            except TimeoutError:
+                if not deadline.expired():
+                    raise
+                raise deadline_exceeded(limit) from None
         except RequestError as exc:
-            self.record_rejection(transport, exc.status, exc.code, label)
+            self.record_rejection(
+                transport, exc.status, exc.code, label, req, started=started, principal=principal
+            )
             raise
         except asyncio.CancelledError:
+            # The client went away (gRPC cancels the handler) or shutdown ran out of time.
+            self._access(transport, 499, "cancelled", label, req, None, started, principal)
             raise
         except Exception:
-            self.record_rejection(transport, 500, "internal", label)
+            self.record_rejection(
+                transport, 500, "internal", label, req, started=started, principal=principal
+            )
             raise
         finally:
             if own:
@@ -333,27 +422,82 @@ class Engine:
         self.metrics.requests_total.labels(transport, label, "200").inc()
         self.metrics.request_duration_seconds.labels(transport, label).observe(elapsed)
         self._mean_seconds += RETRY_AFTER_SMOOTHING * (elapsed - self._mean_seconds)
+        self._access(transport, 200, None, label, req, summary, started, principal)
         return Computed(req, result, summary, encoded)
 
     def record_rejection(
-        self, transport: str, status: int, error: str, estimator: str = UNKNOWN_ESTIMATOR
+        self,
+        transport: str,
+        status: int,
+        error: str,
+        estimator: str = UNKNOWN_ESTIMATOR,
+        request: ComputeRequest | None = None,
+        *,
+        started: float | None = None,
+        principal: Principal | None = None,
+        namespace: str | None = None,
     ) -> None:
-        """Count a request answered with an error (transports call this for errors they raise
-        before the engine sees the request: unsupported media type, body too large)."""
+        """Count and log a request answered with an error (transports call this for errors they
+        raise before the engine sees the request: unauthenticated, unsupported media type, body
+        too large)."""
         self.metrics.requests_total.labels(transport, estimator, str(status)).inc()
         self.metrics.request_errors_total.labels(transport, error).inc()
+        self._access(
+            transport, status, error, estimator, request, None, started, principal, namespace
+        )
 
-    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` on a compute worker. If the caller is cancelled (shutdown timeout), the
-        slot stays taken until the worker really finishes, so admission never overcommits."""
+    def log_access(
+        self,
+        transport: str,
+        status: int,
+        error: str | None = None,
+        started: float | None = None,
+        principal: Principal | None = None,
+        namespace: str | None = None,
+    ) -> None:
+        """An access line for a request that is not a computation (statistics, listings)."""
+        self._access(
+            transport, status, error, UNKNOWN_ESTIMATOR, None, None, started, principal, namespace
+        )
+
+    def _access(
+        self,
+        transport: str,
+        status: int,
+        error: str | None,
+        estimator: str,
+        req: ComputeRequest | None,
+        summary: dict[str, Any] | None,
+        started: float | None,
+        principal: Principal | None,
+        namespace: str | None = None,
+    ) -> None:
+        batch = req.batch if req is not None else None
+        access(
+            request_id=req.request_id if req is not None else None,
+            namespace=req.namespace if req is not None else namespace,
+            principal=principal.name if principal is not None else None,
+            transport=transport,
+            estimator=estimator,
+            groups=batch.num_groups if batch is not None else None,
+            rollouts=batch.num_rollouts if batch is not None else None,
+            tokens=batch.num_tokens if batch is not None else None,
+            history=summary["history"] if summary is not None else None,
+            compute_ms=round(summary["compute_ms"], 3) if summary is not None else None,
+            total_ms=(
+                round(1000.0 * (time.perf_counter() - started), 3) if started is not None else None
+            ),
+            status=status,
+            error=error,
+        )
+
+    async def _run(self, slot: Slot | None, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on a compute worker. If the caller stops waiting (deadline, client
+        gone, shutdown timeout), ``slot`` stays taken until the worker really finishes."""
         future = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-        try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            # A worker cannot be interrupted: keep holding the slot until it is done.
-            with contextlib.suppress(BaseException):
-                await future
-            raise
+        if slot is not None:
+            slot.hold(future)
+        return await asyncio.shield(future)
 
     def _compute_sync(
         self, req: ComputeRequest, context: TermContext | None, observe: bool = True
@@ -390,13 +534,13 @@ class Engine:
     # ---- statistics store ---------------------------------------------------------------------
 
     async def _read_history(
-        self, req: ComputeRequest
+        self, req: ComputeRequest, slot: Slot | None = None
     ) -> tuple[TermContext | None, str, HistoryPrior | None]:
         """The TermContext to compute with, the summary's ``history`` value (``none``,
         ``applied`` or ``unavailable``) and the prior read (None when not read)."""
         if not wants_history(req):
             return None, "none", None
-        query = await self._run(history_query, req.batch, req.ignore_token_ids)
+        query = await self._run(slot, history_query, req.batch, req.ignore_token_ids)
         prior = await self.store.read_history(req.namespace, query)
         if prior is None:  # store down: compute without history, write none back
             return None, "unavailable", None

@@ -222,6 +222,16 @@ class Metrics:
             "Groups received on streams and not yet complete",
             registry=r,
         )
+        self.auth_reloads_total = Counter(
+            "advantage_auth_reloads_total",
+            "Reloads of the tokens file after a change; outcome=error: it did not parse and the "
+            "previous tokens stay in force",
+            ["outcome"],
+            registry=r,
+        )
+        self.auth_tokens = Gauge(
+            "advantage_auth_tokens", "Bearer tokens in force (0 without a tokens file)", registry=r
+        )
         self.build_info = Gauge(
             "advantage_build_info",
             "Constant 1, labelled with the version and the compute device",

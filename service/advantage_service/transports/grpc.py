@@ -33,6 +33,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from .. import jsonio
+from ..auth import AuthError, Principal
 from ..batch import RolloutBatch
 from ..config import Settings
 from ..engine import UNKNOWN_ESTIMATOR, Engine, Saturated, Slot
@@ -225,11 +226,23 @@ def estimators_message() -> pb.ListEstimatorsResponse:
 # ---- errors ------------------------------------------------------------------------------------
 
 
+# HTTP status of an error -> its gRPC status (422 and everything else: INVALID_ARGUMENT).
+STATUS_CODES = {
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+
 def status_code(exc: RequestError | Saturated) -> grpc.StatusCode:
-    """422 -> INVALID_ARGUMENT; 413 and saturation -> RESOURCE_EXHAUSTED."""
-    if isinstance(exc, Saturated) or exc.status == 413:
+    """422 -> INVALID_ARGUMENT; 413 and saturation -> RESOURCE_EXHAUSTED; 401 ->
+    UNAUTHENTICATED; 403 -> PERMISSION_DENIED; 504 -> DEADLINE_EXCEEDED."""
+    if isinstance(exc, Saturated):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
-    return grpc.StatusCode.INVALID_ARGUMENT
+    return STATUS_CODES.get(exc.status, grpc.StatusCode.INVALID_ARGUMENT)
 
 
 def error_metadata(exc: RequestError | Saturated) -> tuple[tuple[str, str | bytes], ...]:
@@ -435,7 +448,8 @@ class _StreamSession:
     """One StreamCompute call: reads rollouts, assembles groups, computes them on the engine,
     queues the answers for the handler to write."""
 
-    def __init__(self, servicer: AdvantageServicer) -> None:
+    def __init__(self, servicer: AdvantageServicer, principal: Principal) -> None:
+        self.principal = principal
         self.engine = servicer.engine
         self.settings = servicer.settings
         self.limits = servicer.limits
@@ -490,7 +504,10 @@ class _StreamSession:
         """The stream's options, checked once: every group's request is this with its batch."""
         none = np.zeros(0, dtype=np.int64)
         empty = RolloutBatch.from_flat(none, np.zeros(1, dtype=np.int64), [], none, none)
-        return parse_request(options, decode_groups=lambda groups, vocab: empty)
+        template = parse_request(options, decode_groups=lambda groups, vocab: empty)
+        # Every group of the stream is in this namespace: one check for the whole stream.
+        self.principal.authorize(template.namespace)
+        return template
 
     async def _add(self, message: pb.Rollout) -> None:
         gid = message.group_id
@@ -609,7 +626,14 @@ class _StreamSession:
     def _reject(self, exc: RequestError) -> None:
         """Count a group answered with an error before it reached the engine."""
         label = self.template.estimator.label if self.template is not None else UNKNOWN_ESTIMATOR
-        self.engine.record_rejection(TRANSPORT, exc.status, exc.code, label)
+        self.engine.record_rejection(
+            TRANSPORT,
+            exc.status,
+            exc.code,
+            label,
+            principal=self.principal,
+            namespace=self.template.namespace if self.template is not None else None,
+        )
 
     async def _answer(self, response: pb.StreamResponse) -> None:
         await self.outstanding.acquire()
@@ -698,17 +722,39 @@ class AdvantageServicer(pb_grpc.AdvantageServiceServicer):
         self.settings = settings
         self.limits = limits if limits is not None else StreamLimits.from_settings(settings)
         self._estimators = estimators_message()
+        self.open_streams = 0
+
+    async def _authenticate(
+        self, context: grpc.aio.ServicerContext, *, count: bool = True
+    ) -> Principal:
+        """The caller's principal from the ``authorization: Bearer ...`` metadata; ends the
+        call with UNAUTHENTICATED otherwise."""
+        authorization = None
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization":
+                authorization = value.decode() if isinstance(value, bytes) else value
+        try:
+            return self.engine.auth.authenticate(authorization)
+        except AuthError as exc:
+            if count:
+                self.engine.record_rejection(TRANSPORT, exc.status, exc.code)
+            else:
+                self.engine.log_access(TRANSPORT, exc.status, exc.code)
+            await abort(context, exc)
+            raise  # unreachable: abort raises
 
     async def Compute(
         self, request: pb.ComputeRequest, context: grpc.aio.ServicerContext
     ) -> pb.ComputeResponse:
         started = time.perf_counter()
+        principal = await self._authenticate(context)
         try:
             computed = await self.engine.compute(
                 partial(decode_compute_request, request),
                 TRANSPORT,
                 encode=encode_compute_response,
                 started=started,
+                principal=principal,
             )
         except (RequestError, Saturated) as exc:
             await abort(context, exc)
@@ -725,8 +771,24 @@ class AdvantageServicer(pb_grpc.AdvantageServiceServicer):
         request_iterator: AsyncIterator[pb.StreamRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.StreamResponse]:
-        session = _StreamSession(self)
+        principal = await self._authenticate(context)
+        if self.open_streams >= self.settings.stream_max_open:
+            refused = RequestError(
+                "saturated",
+                f"{self.open_streams} streams are open; the limit is "
+                f"{self.settings.stream_max_open} (ADV_STREAM_MAX_OPEN): retry later",
+                field="streams",
+                status=429,
+            )
+            self.engine.record_rejection(TRANSPORT, refused.status, refused.code)
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                refused.message,
+                trailing_metadata=(*error_metadata(refused), (RETRY_AFTER_KEY, "1")),
+            )
+        session = _StreamSession(self, principal)
         metrics = self.engine.metrics
+        self.open_streams += 1
         metrics.stream_open.inc()
         reader = asyncio.create_task(session.read(request_iterator))
         try:
@@ -740,11 +802,13 @@ class AdvantageServicer(pb_grpc.AdvantageServiceServicer):
         finally:
             reader.cancel()
             session.release()
+            self.open_streams -= 1
             metrics.stream_open.dec()
 
     async def ListEstimators(
         self, request: pb.ListEstimatorsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListEstimatorsResponse:
+        await self._authenticate(context, count=False)
         return self._estimators
 
 
@@ -758,6 +822,24 @@ class _Running:
 
 
 _RUNNING: weakref.WeakKeyDictionary[grpc.aio.Server, _Running] = weakref.WeakKeyDictionary()
+
+
+def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
+    """TLS credentials from ``tls_cert``/``tls_key`` (mutual TLS with ``tls_client_ca``);
+    None without TLS."""
+    if not settings.tls_cert or not settings.tls_key:
+        return None
+
+    def read(path: str) -> bytes:
+        with open(path, "rb") as handle:
+            return handle.read()
+
+    ca = read(settings.tls_client_ca) if settings.tls_client_ca else None
+    return grpc.ssl_server_credentials(
+        [(read(settings.tls_key), read(settings.tls_cert))],
+        root_certificates=ca,
+        require_client_auth=ca is not None,
+    )
 
 
 def server_options(settings: Settings) -> list[tuple[str, Any]]:
@@ -781,7 +863,11 @@ async def start_grpc_server(
     """Start ``AdvantageService``, the health service (SERVING once started) and server
     reflection on ``host:port`` (0: a free port; :func:`bound_port` tells which), on the
     running event loop. Stop it with :func:`stop_grpc_server`."""
-    server = grpc.aio.server(options=server_options(settings))
+    # Calls beyond max_connections are refused (RESOURCE_EXHAUSTED) before their message is
+    # held: what the server holds for calls it has not admitted stays bounded.
+    server = grpc.aio.server(
+        options=server_options(settings), maximum_concurrent_rpcs=settings.max_connections
+    )
     pb_grpc.add_AdvantageServiceServicer_to_server(
         AdvantageServicer(engine, settings, limits), server
     )
@@ -796,15 +882,20 @@ async def start_grpc_server(
         server,
     )
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    credentials = server_credentials(settings)
     try:
-        bound = server.add_insecure_port(address)
+        bound = (
+            server.add_secure_port(address, credentials)
+            if credentials is not None
+            else server.add_insecure_port(address)
+        )
     except RuntimeError as exc:
         raise RuntimeError(f"cannot listen for gRPC on {address}: {exc}") from exc
     await server.start()
     for service in ("", SERVICE_NAME):
         await health.set(service, health_pb2.HealthCheckResponse.SERVING)
     _RUNNING[server] = _Running(health, bound)
-    log.info("gRPC on %s:%d", host, bound)
+    log.info("gRPC on %s:%d%s", host, bound, " (TLS)" if credentials is not None else "")
     return server
 
 
@@ -813,9 +904,15 @@ def bound_port(server: grpc.aio.Server) -> int:
     return _RUNNING[server].port
 
 
-async def stop_grpc_server(server: grpc.aio.Server, grace: float | None) -> None:
-    """Report NOT_SERVING, refuse new calls, and give calls in flight ``grace`` seconds."""
-    running = _RUNNING.pop(server, None)
+async def stop_serving(server: grpc.aio.Server) -> None:
+    """Report NOT_SERVING on the health service (calls are still served)."""
+    running = _RUNNING.get(server)
     if running is not None:
         await running.health.enter_graceful_shutdown()
+
+
+async def stop_grpc_server(server: grpc.aio.Server, grace: float | None) -> None:
+    """Report NOT_SERVING, refuse new calls, and give calls in flight ``grace`` seconds."""
+    await stop_serving(server)
+    _RUNNING.pop(server, None)
     await server.stop(grace)

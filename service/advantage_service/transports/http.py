@@ -27,6 +27,7 @@ from starlette.requests import ClientDisconnect
 
 from .. import __version__, jsonio
 from ..api import compute as compute_in_process
+from ..auth import CHALLENGE, AuthError, Principal
 from ..config import Settings
 from ..engine import Engine, Saturated
 from ..errors import LimitExceeded, RequestError
@@ -41,6 +42,8 @@ log = logging.getLogger("advantage_service.http")
 
 JSON = "application/json"
 ARROW = arrow.MEDIA_TYPE
+# The transport label of GET /v1/stats/tokens in access lines and rejection counts.
+STATS_TRANSPORT = "http_stats"
 REF = "#/components/schemas/{model}"
 
 # ---- OpenAPI models (documentation and schema; the hot path never builds them) ----------------
@@ -348,7 +351,9 @@ ADVANTAGE_RESPONSES: dict[int | str, dict[str, Any]] = {
         "description": "per-token advantages; Arrow when Accept prefers " + ARROW,
         "content": {ARROW: {"schema": {"type": "string", "format": "binary"}}},
     },
-    408: _error_content("the body did not arrive within ADV_REQUEST_TIMEOUT_SECONDS"),
+    401: _error_content("no bearer token, or one the service does not know"),
+    403: _error_content("the token does not allow the request's namespace"),
+    408: _error_content("the body did not arrive within ADV_BODY_TIMEOUT_SECONDS"),
     413: _error_content("over ADV_MAX_BODY_BYTES, ADV_MAX_REQUEST_TOKENS or ADV_MAX_GROUP_SIZE"),
     415: _error_content("Content-Type is neither application/json nor " + ARROW),
     422: _error_content("a request the service will not compute; names group, rollout, field"),
@@ -358,6 +363,12 @@ ADVANTAGE_RESPONSES: dict[int | str, dict[str, Any]] = {
             "Retry-After": {"description": "seconds to wait", "schema": {"type": "integer"}}
         },
     },
+    504: _error_content("the computation took longer than ADV_REQUEST_TIMEOUT_SECONDS"),
+}
+# Routes behind the bearer token (the others: health, readiness, metrics, documentation).
+AUTH_RESPONSES: dict[int | str, dict[str, Any]] = {
+    401: ADVANTAGE_RESPONSES[401],
+    403: ADVANTAGE_RESPONSES[403],
 }
 
 
@@ -484,6 +495,29 @@ def _detail(code: str, message: str, field: str | None = None) -> dict[str, Any]
     }
 
 
+class CloseWhenDraining:
+    """ASGI middleware: once the service drains for shutdown, every HTTP answer carries
+    ``Connection: close``, so that clients open new connections (refused once the listener
+    closes) instead of reusing one the server is about to close under them."""
+
+    def __init__(self, app: Any, engine: Engine) -> None:
+        self.app = app
+        self.engine = engine
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_closing(message: Any) -> None:
+            if message["type"] == "http.response.start" and self.engine.draining:
+                headers = [(k, v) for k, v in message.get("headers", []) if k != b"connection"]
+                message = {**message, "headers": [*headers, (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, receive, send_closing)
+
+
 def create_app(settings: Settings | None = None, engine: Engine | None = None) -> FastAPI:
     """The FastAPI application. Without ``engine``, the app makes one and closes it at shutdown."""
     settings = settings if settings is not None else Settings()
@@ -517,10 +551,24 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     )
     app.state.engine = engine
     app.state.settings = settings
+    app.add_middleware(CloseWhenDraining, engine=engine)
+
+    def authenticate(request: Request, transport: str, *, count: bool = True) -> Principal:
+        """The caller's principal from ``Authorization: Bearer``; a 401 otherwise (counted in
+        the request metrics when ``count``, logged always)."""
+        try:
+            return engine.auth.authenticate(request.headers.get("authorization"))
+        except AuthError as exc:
+            if count:
+                engine.record_rejection(transport, exc.status, exc.code)
+            else:
+                engine.log_access(transport, exc.status, exc.code)
+            raise
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, exc: RequestError) -> Response:
-        return _error_response(exc.status, exc.to_dict())
+        headers = {"WWW-Authenticate": CHALLENGE} if exc.status == 401 else None
+        return _error_response(exc.status, exc.to_dict(), headers)
 
     @app.exception_handler(Saturated)
     async def saturated(request: Request, exc: Saturated) -> Response:
@@ -553,6 +601,8 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     )
     async def advantages(request: Request) -> Response:
         started = time.perf_counter()
+        # Before admission: a client without a valid token takes no slot and sends no body.
+        principal = authenticate(request, "http")
         try:
             fmt = request_format(request.headers.get("content-type"))
         except RequestError as exc:
@@ -563,21 +613,23 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         # Admission before the body: a saturated service does not buffer what it will refuse.
         with engine.admit(transport) as slot:
             try:
-                body = await read_body(
-                    request, settings.max_body_bytes, settings.request_timeout_seconds
-                )
+                body = await read_body(request, settings.max_body_bytes, settings.body_timeout)
             except RequestError as exc:
-                engine.record_rejection(transport, exc.status, exc.code)
+                engine.record_rejection(
+                    transport, exc.status, exc.code, started=started, principal=principal
+                )
                 raise
             except ClientDisconnect:
-                engine.record_rejection(transport, 499, "client_disconnected")
+                engine.record_rejection(
+                    transport, 499, "client_disconnected", started=started, principal=principal
+                )
                 return Response(status_code=400)
             decode: Callable[[], ComputeRequest] = partial(
                 arrow.decode_request if fmt == "arrow" else decode_json, body
             )
             encode = arrow.encode_response if arrow_out else encode_json
             computed = await engine.compute(
-                decode, transport, encode=encode, slot=slot, started=started
+                decode, transport, encode=encode, slot=slot, started=started, principal=principal
             )
         if arrow_out:
             assert computed.encoded is not None
@@ -588,9 +640,11 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         "/v1/estimators",
         summary="Every estimator, term and preset with parameters, defaults and ranges",
         response_model=EstimatorListing,
+        responses={401: AUTH_RESPONSES[401]},
         tags=["advantages"],
     )
-    async def estimators() -> dict[str, Any]:
+    async def estimators(request: Request) -> dict[str, Any]:
+        authenticate(request, "http_estimators", count=False)
         return listing
 
     @app.get(
@@ -598,12 +652,14 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         summary="Vocabulary statistics of a namespace, counted over every request",
         response_model=TokenStats,
         responses={
+            **AUTH_RESPONSES,
             422: _error_content("an unknown order or an out-of-range limit"),
             503: _error_content("the stats store (Redis) is unreachable; retry later"),
         },
         tags=["statistics"],
     )
     async def token_stats(
+        request: Request,
         namespace: Annotated[str, Query(min_length=1, max_length=128)] = "default",
         order: Annotated[
             Literal["key", "sensitivity", "occurrences"],
@@ -611,11 +667,21 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         ] = "key",
         limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
     ) -> Response:
-        stats = await engine.token_stats(namespace, order, limit)
+        started = time.perf_counter()
+        principal = authenticate(request, STATS_TRANSPORT, count=False)
+        try:
+            stats = await engine.token_stats(namespace, order, limit, principal)
+        except AuthError as exc:
+            engine.log_access(STATS_TRANSPORT, exc.status, exc.code, started, principal, namespace)
+            raise
         if stats is None:
+            engine.log_access(
+                STATS_TRANSPORT, 503, "stats_unavailable", started, principal, namespace
+            )
             return _error_response(
                 503, _detail("stats_unavailable", "the stats store is unreachable; retry later")
             )
+        engine.log_access(STATS_TRANSPORT, 200, None, started, principal, namespace)
         return JSONResponse(stats)
 
     @app.get("/healthz", summary="The process is alive", response_model=Health, tags=["ops"])

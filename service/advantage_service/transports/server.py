@@ -1,7 +1,9 @@
 """``advantage-service serve``: HTTP (uvicorn) and gRPC around one engine, with a graceful drain.
 
-On SIGTERM (or Ctrl-C): readiness turns false, the listening sockets close, requests in flight
-finish (up to ADV_SHUTDOWN_TIMEOUT_SECONDS), then the process exits 0. A second Ctrl-C forces.
+On SIGTERM (or Ctrl-C): readiness turns false (``/readyz`` 503, gRPC health NOT_SERVING, HTTP
+answers carry ``Connection: close``); after ADV_SHUTDOWN_DELAY_SECONDS the listening sockets
+close; requests and streams in flight finish (up to ADV_SHUTDOWN_TIMEOUT_SECONDS); scheduled
+statistics writes are flushed; then the process exits 0. A second Ctrl-C forces.
 """
 
 from __future__ import annotations
@@ -12,14 +14,18 @@ import contextlib
 import logging
 import math
 import signal
+import ssl
 import sys
 from collections.abc import Generator
+from typing import Any
 
 import uvicorn
 
+from .. import logs
+from ..auth import TokensFileError
 from ..config import Settings
 from ..engine import Engine
-from .grpc import start_grpc_server, stop_grpc_server
+from .grpc import start_grpc_server, stop_grpc_server, stop_serving
 from .http import create_app
 
 log = logging.getLogger("advantage_service.server")
@@ -32,6 +38,11 @@ FLAG_SETTINGS = {
     "device": "device",
     "redis_url": "redis_url",
     "log_level": "log_level",
+    "log_format": "log_format",
+    "tls_cert": "tls_cert",
+    "tls_key": "tls_key",
+    "tls_client_ca": "tls_client_ca",
+    "auth_tokens_file": "auth_tokens_file",
 }
 
 
@@ -54,8 +65,33 @@ class _HTTPServer(uvicorn.Server):
         yield
 
 
+def check_tls(settings: Settings) -> None:
+    """Load the TLS files once before serving, so a wrong path or a key that does not match
+    its certificate is a clear startup error (exit 2), not a failure on the first client."""
+    if not settings.tls_cert or not settings.tls_key:
+        return
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(settings.tls_cert, settings.tls_key)
+        if settings.tls_client_ca:
+            context.load_verify_locations(settings.tls_client_ca)
+    except (OSError, ssl.SSLError) as exc:
+        raise RuntimeError(f"TLS files unusable: {exc}") from None
+
+
+def tls_options(settings: Settings) -> dict[str, Any]:
+    """uvicorn's TLS settings: HTTPS with the certificate, mutual TLS with a client CA."""
+    if not settings.tls_cert:
+        return {}
+    options: dict[str, Any] = {"ssl_certfile": settings.tls_cert, "ssl_keyfile": settings.tls_key}
+    if settings.tls_client_ca:
+        options.update(ssl_ca_certs=settings.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return options
+
+
 async def run(settings: Settings) -> int:
     """Serve until SIGTERM/SIGINT, then drain. Returns the process exit code."""
+    check_tls(settings)
     engine = Engine(settings)
     app = create_app(settings, engine)
     http = _HTTPServer(
@@ -64,26 +100,41 @@ async def run(settings: Settings) -> int:
             host=settings.host,
             port=settings.http_port,
             log_level=settings.log_level,
+            # Our own logging setup (logs.configure) and access lines (the engine's).
+            log_config=None,
+            access_log=False,
+            limit_concurrency=settings.max_connections,
             timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout_seconds),
             lifespan="on",
+            **tls_options(settings),
         )
     )
     # gRPC beside HTTP, on the same engine and event loop (grpc.aio).
     grpc_server = await start_grpc_server(engine, settings, settings.host, settings.grpc_port)
     grpc_stopping: asyncio.Future[None] | None = None
 
+    async def close_listeners() -> None:
+        # Readiness is false already; give load balancers time to stop sending first.
+        await stop_serving(grpc_server)
+        if settings.shutdown_delay_seconds:
+            await asyncio.sleep(settings.shutdown_delay_seconds)
+        http.should_exit = True
+        await stop_grpc_server(grpc_server, settings.shutdown_timeout_seconds)
+
     def drain(sig: signal.Signals) -> None:
         nonlocal grpc_stopping
-        if http.should_exit:
+        if engine.draining:
             if sig == signal.SIGINT:
+                http.should_exit = True
                 http.force_exit = True
             return
-        log.info("%s: draining (readiness is now false)", sig.name)
-        engine.draining = True
-        http.should_exit = True
-        grpc_stopping = asyncio.ensure_future(
-            stop_grpc_server(grpc_server, settings.shutdown_timeout_seconds)
+        log.info(
+            "%s: draining (readiness is now false; listeners close in %g s)",
+            sig.name,
+            settings.shutdown_delay_seconds,
         )
+        engine.draining = True
+        grpc_stopping = asyncio.ensure_future(close_listeners())
 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -96,6 +147,7 @@ async def run(settings: Settings) -> int:
         await (grpc_stopping or stop_grpc_server(grpc_server, settings.shutdown_timeout_seconds))
         await engine.flush(timeout=settings.shutdown_timeout_seconds)
         await asyncio.to_thread(engine.close)
+        log.info("drained: exiting")
     return 0 if http.started else 1
 
 
@@ -106,11 +158,10 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as exc:  # pydantic's ValidationError: a bad flag or ADV_* value
         print(f"advantage-service: invalid settings: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logs.configure(settings.log_level, settings.log_format)
     try:
         return asyncio.run(run(settings))
-    except RuntimeError as exc:  # e.g. --device cuda without a CUDA device
+    except (RuntimeError, TokensFileError) as exc:  # --device cuda without CUDA, a bad file
+        log.critical("cannot start: %s", exc)
         print(f"advantage-service: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,93 @@
+"""Structured logs: one JSON object per line (``ADV_LOG_FORMAT=json``) or text for a terminal.
+
+Every request answered by the service writes one line on the logger ``advantage_service.access``
+(:func:`access`), with the fields of :data:`ACCESS_FIELDS`. Nothing here ever sees a token or
+an ``Authorization`` value: the callers pass named fields only.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any
+
+import orjson
+
+ACCESS_LOGGER = "advantage_service.access"
+access_log = logging.getLogger(ACCESS_LOGGER)
+
+# The fields of an access line, in this order (None where they do not apply).
+ACCESS_FIELDS = (
+    "request_id",
+    "namespace",
+    "principal",
+    "transport",
+    "estimator",
+    "groups",
+    "rollouts",
+    "tokens",
+    "history",
+    "compute_ms",
+    "total_ms",
+    "status",
+    "error",
+)
+
+
+class JsonFormatter(logging.Formatter):
+    """``{"time", "level", "logger", "message", ...fields}`` on one line."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            out.update(fields)
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return orjson.dumps(out, default=str).decode()
+
+
+class TextFormatter(logging.Formatter):
+    """The usual text line, with an access line's fields as ``key=value`` after the message."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            line += " " + " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
+        return line
+
+
+def configure(level: str, fmt: str) -> None:
+    """Send every logger (uvicorn's included) to stderr in ``fmt`` (json or text), at ``level``;
+    access lines at INFO whatever ``level`` is."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logger = logging.getLogger(name)
+        logger.handlers.clear()
+        logger.propagate = True
+    # Access lines are the record of what was served: written whatever the level of the rest.
+    access_log.setLevel(logging.INFO)
+
+
+def access(**fields: Any) -> None:
+    """One access line: ``fields`` are those of :data:`ACCESS_FIELDS` (missing ones: None)."""
+    if access_log.isEnabledFor(logging.INFO):
+        record = {name: fields.get(name) for name in ACCESS_FIELDS}
+        access_log.info("request", extra={"fields": record})
