@@ -275,6 +275,25 @@ def error_from_rpc(exc: grpc.RpcError) -> AdvantageError:
     )
 
 
+def tls_credentials(
+    ca_file: str | None = None, client_cert: str | None = None, client_key: str | None = None
+) -> grpc.ChannelCredentials:
+    """Channel TLS credentials: the service's CA (gRPC's default roots when None) and a
+    client certificate for mutual TLS."""
+
+    def read(path: str | None) -> bytes | None:
+        if path is None:
+            return None
+        with open(path, "rb") as handle:
+            return handle.read()
+
+    return grpc.ssl_channel_credentials(
+        root_certificates=read(ca_file),
+        private_key=read(client_key),
+        certificate_chain=read(client_cert),
+    )
+
+
 def is_retryable(error: AdvantageError) -> bool:
     """UNAVAILABLE (no server yet, a restart) and saturation (HTTP's 429)."""
     return error.grpc_code == "UNAVAILABLE" or error.code == "saturated"
@@ -360,6 +379,10 @@ class GrpcClient:
     exponential backoff on UNAVAILABLE and on saturation (RESOURCE_EXHAUSTED with code
     ``saturated``, honouring retry-after); a stream that loses its server reconnects and sends
     again the rollouts of groups not yet answered.
+
+    ``token``: the bearer token (``authorization`` metadata on every call). TLS: ``ca_file``
+    (the CA that signed the service's certificate) and, for mutual TLS, ``client_cert`` and
+    ``client_key``; or ready-made ``credentials``.
     """
 
     def __init__(
@@ -373,8 +396,17 @@ class GrpcClient:
         max_backoff: float = 10.0,
         credentials: grpc.ChannelCredentials | None = None,
         options: Sequence[tuple[str, Any]] = (),
+        token: str | None = None,
+        ca_file: str | None = None,
+        client_cert: str | None = None,
+        client_key: str | None = None,
     ) -> None:
         channel_options = [*CHANNEL_OPTIONS, *options]
+        if credentials is None and (ca_file or client_cert):
+            credentials = tls_credentials(ca_file, client_cert, client_key)
+        self.metadata: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {token}"),) if token is not None else ()
+        )
         self.channel = (
             grpc.secure_channel(target, credentials, options=channel_options)
             if credentials is not None
@@ -397,7 +429,7 @@ class GrpcClient:
     def _unary(self, method: Any, message: Any) -> Any:
         def attempt() -> Any:
             try:
-                return method(message, timeout=self.timeout)
+                return method(message, timeout=self.timeout, metadata=self.metadata)
             except grpc.RpcError as exc:
                 error = error_from_rpc(exc)
                 if is_retryable(error):
@@ -453,6 +485,7 @@ class GrpcClient:
             call = self.stub.StreamCompute(
                 self._stream_requests(state, attempt, options, replay),
                 timeout=self.stream_timeout,
+                metadata=self.metadata,
             )
             try:
                 for response in call:

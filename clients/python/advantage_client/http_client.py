@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import ssl
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -127,12 +128,27 @@ def error_from_response(response: httpx.Response) -> AdvantageError:
     )
 
 
+def tls_context(
+    ca_file: str | None = None, client_cert: str | None = None, client_key: str | None = None
+) -> ssl.SSLContext:
+    """A client TLS context: the service's CA (system CAs when None), and a client
+    certificate for mutual TLS."""
+    context = ssl.create_default_context(cafile=ca_file)
+    if client_cert:
+        context.load_cert_chain(client_cert, client_key)
+    return context
+
+
 class HttpClient:
     """A client of the HTTP API.
 
     ``wire="arrow"`` (default) sends and receives Arrow IPC: the flat arrays, no per-number
     text; ``"json"`` the JSON contract. ``timeout`` bounds each request (seconds). Retries with
     exponential backoff on connection failures, 429 (honouring Retry-After) and 503.
+
+    ``token``: the bearer token (``Authorization: Bearer``). For an ``https://`` URL,
+    ``ca_file`` is the CA that signed the service's certificate (system CAs when None), and
+    ``client_cert``/``client_key`` the client's certificate for mutual TLS.
     """
 
     def __init__(
@@ -146,12 +162,26 @@ class HttpClient:
         max_backoff: float = 10.0,
         headers: Mapping[str, str] | None = None,
         transport: httpx.BaseTransport | None = None,
+        token: str | None = None,
+        ca_file: str | None = None,
+        client_cert: str | None = None,
+        client_key: str | None = None,
     ) -> None:
         if wire not in ("arrow", "json"):
             raise ValueError("wire must be 'arrow' or 'json'")
         self.wire = wire
+        all_headers = dict(headers or {})
+        if token is not None:
+            all_headers["authorization"] = f"Bearer {token}"
+        verify: ssl.SSLContext | bool = True
+        if ca_file or client_cert:
+            verify = tls_context(ca_file, client_cert, client_key)
         self.http = httpx.Client(
-            base_url=base_url, timeout=timeout, headers=headers, transport=transport
+            base_url=base_url,
+            timeout=timeout,
+            headers=all_headers,
+            transport=transport,
+            verify=verify,
         )
         self.retry = RetryPolicy(retries, backoff, max_backoff)
 
