@@ -28,6 +28,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
@@ -274,6 +275,60 @@ async def abort(context: grpc.aio.ServicerContext, exc: RequestError | Saturated
     await context.abort(status_code(exc), exc.message, trailing_metadata=error_metadata(exc))
 
 
+# ---- messages that do not parse ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """A request message whose bytes are not the message (what the lenient deserializers give
+    instead of raising: gRPC would answer UNKNOWN, or INTERNAL inside a stream)."""
+
+    message: str
+
+    def error(self) -> RequestError:
+        return RequestError(
+            "invalid_protobuf",
+            f"the request message does not parse: {self.message}",
+            field="message",
+        )
+
+
+def lenient(parse: Any) -> Any:
+    """``parse`` (a message's FromString) that returns :class:`Malformed` on corrupt bytes."""
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError as exc:
+            return Malformed(str(exc))
+
+    return deserialize
+
+
+def add_servicer(servicer: AdvantageServicer, server: grpc.aio.Server) -> None:
+    """Register the servicer as the generated ``add_AdvantageServiceServicer_to_server`` does,
+    with deserializers that let a corrupt message be answered INVALID_ARGUMENT."""
+    handlers = {
+        "Compute": grpc.unary_unary_rpc_method_handler(
+            servicer.Compute,
+            request_deserializer=lenient(pb.ComputeRequest.FromString),
+            response_serializer=pb.ComputeResponse.SerializeToString,
+        ),
+        "StreamCompute": grpc.stream_stream_rpc_method_handler(
+            servicer.StreamCompute,
+            request_deserializer=lenient(pb.StreamRequest.FromString),
+            response_serializer=pb.StreamResponse.SerializeToString,
+        ),
+        "ListEstimators": grpc.unary_unary_rpc_method_handler(
+            servicer.ListEstimators,
+            request_deserializer=lenient(pb.ListEstimatorsRequest.FromString),
+            response_serializer=pb.ListEstimatorsResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 # ---- stream assembly ---------------------------------------------------------------------------
 
 
@@ -470,6 +525,8 @@ class _StreamSession:
         try:
             first = True
             async for message in requests:
+                if isinstance(message, Malformed):
+                    raise message.error()
                 kind = message.WhichOneof("kind")
                 if kind == "options":
                     if not first:
@@ -748,6 +805,10 @@ class AdvantageServicer(pb_grpc.AdvantageServiceServicer):
     ) -> pb.ComputeResponse:
         started = time.perf_counter()
         principal = await self._authenticate(context)
+        if isinstance(request, Malformed):
+            error = request.error()
+            self.engine.record_rejection(TRANSPORT, error.status, error.code, principal=principal)
+            await abort(context, error)
         try:
             computed = await self.engine.compute(
                 partial(decode_compute_request, request),
@@ -809,6 +870,8 @@ class AdvantageServicer(pb_grpc.AdvantageServiceServicer):
         self, request: pb.ListEstimatorsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListEstimatorsResponse:
         await self._authenticate(context, count=False)
+        if isinstance(request, Malformed):
+            await abort(context, request.error())
         return self._estimators
 
 
@@ -868,9 +931,7 @@ async def start_grpc_server(
     server = grpc.aio.server(
         options=server_options(settings), maximum_concurrent_rpcs=settings.max_connections
     )
-    pb_grpc.add_AdvantageServiceServicer_to_server(
-        AdvantageServicer(engine, settings, limits), server
-    )
+    add_servicer(AdvantageServicer(engine, settings, limits), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
