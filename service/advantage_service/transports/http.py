@@ -750,6 +750,14 @@ def _document_request_body(app: FastAPI) -> None:
         }
         example = jsonio.loads(jsonio.dumps(compute_in_process(EXAMPLE_REQUEST, device="cpu")))
         operation["responses"]["200"]["content"][JSON]["example"] = example
+        # The statistics an answer fed: a client (or a stateful test) can follow the link.
+        operation["responses"]["200"]["links"] = {
+            "TokenStatistics": {
+                "operationRef": "#/paths/~1v1~1stats~1tokens/get",
+                "parameters": {"namespace": "$response.body#/namespace"},
+                "description": "the vocabulary statistics of the request's namespace",
+            }
+        }
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
