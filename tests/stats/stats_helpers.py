@@ -8,12 +8,15 @@ from typing import Any
 
 import numpy as np
 import oracle
+import pytest
 from advantage_service.api import compute_request
 from advantage_service.estimators import AdvantageResult, TermContext
 from advantage_service.request import ComputeRequest, parse_request
 from advantage_service.stats import (
     HistoryPrior,
     StatsStore,
+    StatsUpdate,
+    TokenStatsUpdate,
     build_updates,
     history_query,
     wants_history,
@@ -27,6 +30,7 @@ class Served:
     prior: HistoryPrior | None
     history: str  # none | applied | unavailable
     counted: bool
+    update: StatsUpdate
 
 
 async def serve(store: StatsStore, body: dict[str, Any]) -> Served:
@@ -42,7 +46,40 @@ async def serve(store: StatsStore, body: dict[str, Any]) -> Served:
     update = build_updates(req, result, prior)
     request_id = req.request_id if req.client_request_id else None
     counted = await store.record(req.namespace, request_id, update)
-    return Served(req, result, prior, history, counted)
+    return Served(req, result, prior, history, counted, update)
+
+
+def assert_token_stats_are_the_sum(
+    stats: dict[str, Any] | None, updates: list[TokenStatsUpdate]
+) -> None:
+    """``stats`` (a ``token_stats`` body, every token) holds the per-token sums of ``updates``,
+    added up here one token at a time."""
+    assert stats is not None
+    assert stats["rollouts_counted"] == sum(u.rollouts for u in updates)
+    names = ("correct", "wrong", "occurrences", "key_sum", "key_count", "sens_sum", "sens_count")
+    sums: dict[int, dict[str, float]] = {}
+    for update in updates:
+        for i, token in enumerate(update.tokens.tolist()):
+            row = sums.setdefault(token, dict.fromkeys(names, 0.0))
+            for name in names:
+                row[name] += float(getattr(update, name)[i])
+    rows = {row["token_id"]: row for row in stats["tokens"]}
+    assert sorted(rows) == sorted(sums)
+    for token, want in sums.items():
+        row = rows[token]
+        assert row["correct_rollouts"] == want["correct"]
+        assert row["wrong_rollouts"] == want["wrong"]
+        assert row["occurrences"] == want["occurrences"]
+        if want["key_count"]:
+            key = want["key_sum"] / want["key_count"]
+            assert row["key_score"] == pytest.approx(key, rel=1e-12, abs=1e-15)
+        else:
+            assert row["key_score"] is None
+        if want["sens_count"]:
+            sens = want["sens_sum"] / want["sens_count"]
+            assert row["mean_sensitivity"] == pytest.approx(sens, rel=1e-12)
+        else:
+            assert row["mean_sensitivity"] is None
 
 
 def table_scores(result: AdvantageResult) -> dict[tuple[int, int], float]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -15,7 +16,7 @@ import torch
 from advantage_service.request import parse_request
 from advantage_service.stats import RedisStatsStore, history_query
 from redis_support import RedisServer
-from stats_helpers import random_groups, serve
+from stats_helpers import assert_token_stats_are_the_sum, random_groups, serve
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration]
 
@@ -47,16 +48,18 @@ def fast_store(server: RedisServer, **options: Any) -> RedisStatsStore:
 
 
 async def test_every_key_has_a_ttl(redis_server: RedisServer) -> None:
-    store = RedisStatsStore(redis_server.url, ttl_seconds=600, prefix="ttl")
+    store = RedisStatsStore(redis_server.url, ttl_seconds=600, prefix="ttl", compact_after=2)
     try:
         await serve(store, body(1, ["a", "b"], request_id="r-1"))
         await serve(store, body(2, ["a", "c"]))
+        await serve(store, body(3, ["c"]))
     finally:
         await store.close()
     sync = redis.Redis.from_url(redis_server.url)
     keys = sorted(k.decode() for k in sync.scan_iter(match="ttl:*"))
-    kinds = {k.split(":")[-2] if ":tok:" not in k else "tok" for k in keys}
-    assert {"hist", "tok", "req"} <= kinds and any(k.endswith(":meta") for k in keys)
+    kinds = {k.split("}:")[1].split(":")[0] for k in keys}
+    # A compaction ran (2 pending deltas) and left neither its lock nor staged records behind.
+    assert kinds == {"hist", "req", "write", "tokdelta", "tokstats"}, keys
     assert len(keys) == len(list(sync.scan_iter())), "every key is under the prefix"
     for key in keys:
         assert 0 < sync.ttl(key) <= 600, key
@@ -263,3 +266,128 @@ async def _update_of(store: RedisStatsStore, request: dict[str, Any]) -> Any:
     prior = await store.read_history(NS, history_query(req.batch))
     result = compute_request(req, "cpu", TermContext(ktae_prior=prior, collect_ktae_tables=True))
     return build_updates(req, result, prior)
+
+
+def token_updates(seed: int, count: int) -> list[Any]:
+    """The statistics updates of ``count`` requests without history."""
+    from advantage_service.api import compute_request
+    from advantage_service.estimators import TermContext
+    from advantage_service.stats import build_updates
+
+    rng = np.random.default_rng(seed)
+    updates = []
+    for _ in range(count):
+        request = {
+            "namespace": NS,
+            "estimator": {"outcome": "grpo", "ktae": {}, "cscr": {}},
+            "groups": random_groups(rng, ["u0", "u1"], vocab=30, teacher=True),
+        }
+        req = parse_request(request)
+        result = compute_request(req, "cpu", TermContext(collect_ktae_tables=True))
+        updates.append(build_updates(req, result, None))
+    return updates
+
+
+def pending(server: RedisServer) -> tuple[int, list[str]]:
+    """Pending deltas of NS, and any staged record or lock left behind."""
+    sync = redis.Redis.from_url(server.url)
+    ns = "adv:{ns%3Awith%7Bodd%7Dchars}"
+    leftovers = [k.decode() for k in sync.scan_iter(match=f"{ns}:stage:*")]
+    leftovers += [k.decode() for k in sync.scan_iter(match=f"{ns}:toklock")]
+    return int(sync.llen(f"{ns}:tokdelta")), leftovers
+
+
+async def test_replicas_appending_and_compacting_concurrently_lose_no_counts(
+    redis_server: RedisServer,
+) -> None:
+    a = RedisStatsStore(redis_server.url, compact_after=2)
+    b = RedisStatsStore(redis_server.url, compact_after=3)
+    updates = token_updates(51, 40)
+    try:
+        counted = await asyncio.gather(
+            *((a if i % 2 else b).record(NS, None, update) for i, update in enumerate(updates))
+        )
+        assert all(counted)
+        # The same request id sent to both replicas at once counts exactly once.
+        twice = await asyncio.gather(
+            a.record(NS, "both", updates[0]), b.record(NS, "both", updates[0])
+        )
+        assert sorted(twice) == [False, True]
+        stats = await a.token_stats(NS, "key", 10**6)
+        assert stats == await b.token_stats(NS, "key", 10**6)
+    finally:
+        await a.close()
+        await b.close()
+    assert_token_stats_are_the_sum(stats, [u.tokens for u in updates + updates[:1]])
+    deltas, leftovers = pending(redis_server)
+    assert deltas < 3 and leftovers == []
+
+
+async def test_a_compactor_that_dies_holding_the_lock_leaves_its_deltas_to_the_next(
+    redis_server: RedisServer,
+) -> None:
+    store = RedisStatsStore(redis_server.url, compact_after=2, lock_ms=300)
+    updates = token_updates(53, 8)
+    sync = redis.Redis.from_url(redis_server.url)
+    # A replica took the lock (and maybe read the deltas) and died: its lock only expires.
+    assert sync.set(store.lock_key(NS), "dead", nx=True, px=300)
+    try:
+        for update in updates[:4]:
+            assert await store.record(NS, None, update)
+        assert pending(redis_server)[0] == 4, "no compaction while the lock is held"
+        assert_token_stats_are_the_sum(
+            await store.token_stats(NS, "key", 10**6), [u.tokens for u in updates[:4]]
+        )
+        await asyncio.sleep(0.35)
+        for update in updates[4:]:
+            assert await store.record(NS, None, update)
+        assert_token_stats_are_the_sum(
+            await store.token_stats(NS, "key", 10**6), [u.tokens for u in updates]
+        )
+    finally:
+        await store.close()
+    deltas, leftovers = pending(redis_server)
+    assert deltas < 2 and leftovers == []
+
+
+async def test_a_compactor_that_lost_its_lock_commits_nothing(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compacts slowly: its lock expires, B takes it and compacts the same deltas. A's
+    commit must then be refused, or those deltas would count twice."""
+    from advantage_service.stats import redis_store
+
+    slow = redis_store.RedisStatsStore(redis_server.url, compact_after=100, lock_ms=200)
+    fast = redis_store.RedisStatsStore(redis_server.url, compact_after=100, lock_ms=200)
+    updates = token_updates(57, 6)
+    merge = redis_store._merge_records
+    calls = []
+
+    def merge_slowly_the_first_time(records: list[bytes | None]) -> bytes:
+        calls.append(len(records))
+        if len(calls) == 1:
+            time.sleep(0.4)
+        return merge(records)
+
+    monkeypatch.setattr(redis_store, "_merge_records", merge_slowly_the_first_time)
+    sync = redis.Redis.from_url(redis_server.url)
+    try:
+        for update in updates[:4]:
+            assert await slow.record(NS, None, update)
+        assert sync.set(slow.lock_key(NS), "slow", nx=True, px=200)
+        slow_compaction = asyncio.create_task(slow._compact(NS, "slow"))
+        await asyncio.sleep(0.25)  # the slow one is merging; its lock has expired
+        assert sync.set(fast.lock_key(NS), "fast", nx=True, px=200)
+        await fast._compact(NS, "fast")
+        assert pending(redis_server)[0] == 0
+        assert await fast.record(NS, None, updates[4])
+        await slow_compaction
+        assert calls == [5, 5], "both read the compacted record and the 4 deltas"
+        assert pending(redis_server) == (1, []), "the refused commit trimmed nothing"
+        assert await slow.record(NS, None, updates[5])
+        assert_token_stats_are_the_sum(
+            await slow.token_stats(NS, "key", 10**6), [u.tokens for u in updates]
+        )
+    finally:
+        await slow.close()
+        await fast.close()

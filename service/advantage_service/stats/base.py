@@ -12,12 +12,11 @@ the store writes H' = d (H + current), with ``current`` the group's own counts a
 request's ``history_decay``: the next visit's prior is the decayed sum. A group visited for the
 first time has H = 0, so its scores equal the no-history scores.
 
-Decay is lazy for tokens a visit does not contain. Each prompt carries a clock c = sum of log2 d
-over its visits; every stored token row carries the clock of its last write, and its value now is
-the stored value times 2^(c_now - c_row). A visit therefore reads and writes only the tokens of
-the current group (Redis HMGET of those fields), not the prompt's whole history, and the result
-equals eager decay of every token (bit for bit at the default d = 0.5, whose steps are exact
-powers of two). d = 0 steps the clock by -2048, which takes every older row to exactly 0.
+Decay is eager: a visit decays every stored token of the prompt, those it does not contain too,
+and drops the rows whose a + b + occ_c + occ_w falls below 1e-3 (``blobs.PRUNE_BELOW``), so a
+prompt keeps the tokens of its last ~10 visits (at d = 0.5), not every token it ever saw.
+d = 0 forgets everything. A prompt's history is one record (``blobs``: float64 totals, float32
+per-token values): a visit reads it whole and writes it whole.
 
 What is written: only when the read succeeded. A request that asked for history while the store
 was down is computed without it (``summary.history = "unavailable"``) and writes no history, so an
@@ -61,7 +60,6 @@ The engine's order of calls, per request:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -74,13 +72,8 @@ from ..estimators import AdvantageResult
 from ..estimators.cscr import sensitivity
 from ..estimators.ktae import KeyTokenTables
 from ..request import ComputeRequest
+from .blobs import TOKEN_DTYPE, VALUE_DTYPE, PromptHistory, TokenStatsUpdate, merge_history
 
-# A stored row: four counts and the prompt clock at the write (float64, little-endian).
-ROW_FIELDS = 5
-ROW_BYTES = 8 * ROW_FIELDS
-ROW_DTYPE = np.dtype("<f8")
-# Clock step of d = 0: 2^-2048 is exactly 0 in float64, so every older row vanishes.
-ZERO_DECAY_STEP = -2048.0
 # (group, token) keys pack the token id (< 2^31, see batch.INT32_LIMIT) into the low 32 bits.
 TOKEN_BITS = 32
 
@@ -92,11 +85,6 @@ def wants_history(req: ComputeRequest) -> bool:
     """True when the request's KTAE term asked for per-prompt history."""
     ktae = req.estimator.terms.get("ktae")
     return ktae is not None and ktae["history"] != "none"
-
-
-def decay_step(decay: float) -> float:
-    """How far one visit with ``history_decay`` moves a prompt's clock (log2 of the decay)."""
-    return math.log2(decay) if decay > 0 else ZERO_DECAY_STEP
 
 
 # ---- what a visit reads ---------------------------------------------------------------------
@@ -123,21 +111,65 @@ def history_query(
     batch: RolloutBatch, ignore_token_ids: Sequence[int] | None = None
 ) -> HistoryQuery:
     """The distinct (group, token id) pairs of ``batch`` outside ``ignore_token_ids``: exactly
-    the tables KTAE builds, so every lookup it makes is answered. One sort over the batch."""
+    the tables KTAE builds, so every lookup it makes is answered.
+
+    Token ids are a vocabulary's, so the pairs are usually marked in a dense (group, token id)
+    bitmap, whose nonzero positions come out sorted: no sort of the batch's tokens. Sparse ids
+    (a bitmap much larger than the batch) fall back to one sort.
+    """
+    prompt_ids = list(batch.prompt_ids or batch.group_ids)
+    if batch.tokens.device.type == "cpu":
+        return _history_query_numpy(batch, ignore_token_ids, prompt_ids)
+    return _history_query_torch(batch, ignore_token_ids, prompt_ids)
+
+
+def _history_query_torch(
+    batch: RolloutBatch, ignore_token_ids: Sequence[int] | None, prompt_ids: list[str]
+) -> HistoryQuery:
+    """``history_query`` on the batch's device (an accelerator)."""
+    g_count = batch.num_groups
     tokens = batch.tokens.long()
     group = batch.group_index[batch.rollout_of_token]
     if ignore_token_ids:
         keep = ~torch.isin(tokens, torch.as_tensor(list(ignore_token_ids), device=tokens.device))
         tokens, group = tokens[keep], group[keep]
-    keys = torch.unique((group << TOKEN_BITS) | tokens)
-    counts = torch.bincount(keys >> TOKEN_BITS, minlength=batch.num_groups)
-    offsets = torch.zeros(batch.num_groups + 1, dtype=torch.int64, device=keys.device)
-    offsets[1:] = torch.cumsum(counts, 0)
-    return HistoryQuery(
-        prompt_ids=list(batch.prompt_ids or batch.group_ids),
-        offsets=offsets.cpu().numpy(),
-        tokens=(keys & ((1 << TOKEN_BITS) - 1)).cpu().numpy(),
-    )
+    vocab = int(tokens.max()) + 1 if tokens.numel() else 1
+    if g_count * vocab <= max(8 * tokens.numel(), 1 << 16):
+        present = torch.zeros(g_count * vocab, dtype=torch.bool, device=tokens.device)
+        present[group * vocab + tokens] = True
+        flat = torch.nonzero(present).squeeze(1)
+        bounds = torch.arange(g_count + 1, device=flat.device) * vocab
+        offsets = torch.searchsorted(flat, bounds)
+        pair_tokens = flat % vocab
+    else:
+        keys = torch.unique((group << TOKEN_BITS) | tokens)
+        counts = torch.bincount(keys >> TOKEN_BITS, minlength=g_count)
+        offsets = torch.zeros(g_count + 1, dtype=torch.int64, device=counts.device)
+        offsets[1:] = torch.cumsum(counts, 0)
+        pair_tokens = keys & ((1 << TOKEN_BITS) - 1)
+    return HistoryQuery(prompt_ids, offsets.cpu().numpy(), pair_tokens.cpu().numpy())
+
+
+def _history_query_numpy(
+    batch: RolloutBatch, ignore_token_ids: Sequence[int] | None, prompt_ids: list[str]
+) -> HistoryQuery:
+    """``history_query`` on the CPU: numpy's scatter and nonzero are ~3x torch's there."""
+    tokens = batch.tokens.numpy()
+    group = np.repeat(batch.group_index.numpy(), batch.lengths.numpy())
+    if ignore_token_ids:
+        keep = ~np.isin(tokens, np.asarray(list(ignore_token_ids), np.int64))
+        tokens, group = tokens[keep], group[keep]
+    g_count = batch.num_groups
+    vocab = int(tokens.max()) + 1 if tokens.size else 1
+    if g_count * vocab <= max(8 * tokens.size, 1 << 16):
+        present = np.zeros(g_count * vocab, bool)
+        present[group.astype(np.int64) * vocab + tokens] = True
+        flat = np.flatnonzero(present)
+        offsets = np.searchsorted(flat, np.arange(g_count + 1) * vocab)
+        return HistoryQuery(prompt_ids, offsets, flat % vocab)
+    keys = np.unique((group.astype(np.int64) << TOKEN_BITS) | tokens)
+    offsets = np.searchsorted(keys >> TOKEN_BITS, np.arange(g_count + 1))
+    return HistoryQuery(prompt_ids, offsets, keys & ((1 << TOKEN_BITS) - 1))
 
 
 # ---- the prior KTAE merges -----------------------------------------------------------------
@@ -147,49 +179,19 @@ def history_query(
 class HistoryPrior:
     """Decayed counts from earlier visits, in the form ``ktae()`` merges.
 
-    ``n_c``, ``n_w``, ``len_c``, ``len_w``, ``clock``: float64 (G,) per group of the batch (0 for
-    a group without history). ``keys``: int64 (K,) ascending, group << 32 | token id;
-    ``values``: float64 (K, 4) effective a, b, occ_c, occ_w of each key.
+    ``n_c``, ``n_w``, ``len_c``, ``len_w``: float64 (G,) per group of the batch (0 for a group
+    without history). ``keys``: int64 (K,) ascending, group << 32 | token id; ``values``:
+    float64 (K, 4) a, b, occ_c, occ_w of each key. ``stored``: per group, the prompt's whole
+    stored history as read (None: none), which the write merges into; it stays on the CPU.
     """
 
     n_c: torch.Tensor
     n_w: torch.Tensor
     len_c: torch.Tensor
     len_w: torch.Tensor
-    clock: torch.Tensor
     keys: torch.Tensor
     values: torch.Tensor
-
-    @classmethod
-    def from_stored(
-        cls, totals: np.ndarray, offsets: np.ndarray, tokens: np.ndarray, rows: np.ndarray
-    ) -> HistoryPrior:
-        """The prior from stored values: ``totals`` float64 (G, 5) = n_c, n_w, len_c, len_w,
-        clock; ``rows`` float64 (K, 5) = a, b, occ_c, occ_w, clock at write, for the query's
-        (CSR ``offsets``, ``tokens``) pairs, zeros where a token has no stored row."""
-        totals_t = torch.from_numpy(np.ascontiguousarray(totals, dtype=np.float64)).reshape(-1, 5)
-        rows_t = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float64)).reshape(-1, 5)
-        g_count = totals_t.shape[0]
-        group = torch.repeat_interleave(
-            torch.arange(g_count), torch.from_numpy(np.diff(offsets).astype(np.int64))
-        )
-        clock = totals_t[:, 4]
-        # Lazy decay: a row written at clock c_row is worth 2^(c_now - c_row) of itself now.
-        age = (clock[group] - rows_t[:, 4]).clamp(max=0.0)
-        values = rows_t[:, :4] * torch.exp2(age)[:, None]
-        # a <= n_c etc. hold exactly; the clamp only removes rounding of the decay factors, so
-        # the rounded Fisher table stays a valid table.
-        values = torch.minimum(values, totals_t[group, :4])
-        keys = (group << TOKEN_BITS) | torch.from_numpy(tokens.astype(np.int64, copy=False))
-        return cls(
-            n_c=totals_t[:, 0].clone(),
-            n_w=totals_t[:, 1].clone(),
-            len_c=totals_t[:, 2].clone(),
-            len_w=totals_t[:, 3].clone(),
-            clock=clock.clone(),
-            keys=keys,
-            values=values,
-        )
+    stored: list[PromptHistory | None] | None = None
 
     @property
     def num_groups(self) -> int:
@@ -197,27 +199,22 @@ class HistoryPrior:
 
     def to(self, device: torch.device | str) -> HistoryPrior:
         """The same prior with its tensors on ``device`` (the batch's)."""
-        return HistoryPrior(
-            *(
-                t.to(device, non_blocking=True)
-                for t in (
-                    self.n_c,
-                    self.n_w,
-                    self.len_c,
-                    self.len_w,
-                    self.clock,
-                    self.keys,
-                    self.values,
-                )
-            )
+        n_c, n_w, len_c, len_w, keys, values = (
+            t.to(device, non_blocking=True)
+            for t in (self.n_c, self.n_w, self.len_c, self.len_w, self.keys, self.values)
         )
+        return HistoryPrior(n_c, n_w, len_c, len_w, keys, values, self.stored)
 
     def lookup(
         self, group: torch.Tensor, token: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Prior a, b, occ_c, occ_w (float64 (M,) each) of (group, token id) pairs (int64 (M,)),
-        zeros where there is none. One searchsorted over the sorted keys."""
+        zeros where there is none. One searchsorted over the sorted keys, none when the pairs
+        are exactly the prior's keys (KTAE's tables of the query's batch)."""
         query = (group.long() << TOKEN_BITS) | token.long()
+        if query.shape == self.keys.shape and torch.equal(query, self.keys):
+            a, b, occ_c, occ_w = self.values.unbind(1)
+            return a, b, occ_c, occ_w
         if self.keys.numel() == 0:
             zero = torch.zeros(query.shape, dtype=torch.float64, device=query.device)
             return zero, zero, zero, zero
@@ -228,42 +225,51 @@ class HistoryPrior:
         return a, b, occ_c, occ_w
 
 
+def prior_from_stored(query: HistoryQuery, stored: Sequence[PromptHistory | None]) -> HistoryPrior:
+    """The prior of ``query`` from each of its prompts' stored history (None: none): per prompt
+    one searchsorted of the query's tokens in the stored token ids."""
+    g_count = len(query.prompt_ids)
+    totals = np.zeros((g_count, 4), np.float64)
+    values = np.zeros((query.tokens.size, 4), np.float64)
+    for g, history in enumerate(stored):
+        if history is None:
+            continue
+        totals[g] = history.totals
+        lo, hi = int(query.offsets[g]), int(query.offsets[g + 1])
+        if hi == lo or not history.rows:
+            continue
+        want = query.tokens[lo:hi].astype(TOKEN_DTYPE)
+        idx = np.searchsorted(history.tokens, want)
+        np.minimum(idx, history.rows - 1, out=idx)
+        block = values[lo:hi]
+        block[...] = history.values[idx]
+        block[history.tokens[idx] != want] = 0.0
+        # a <= n_c etc. hold exactly; the clamp only removes the float32 rounding of stored
+        # values, so the rounded Fisher table stays a valid table.
+        np.minimum(block, history.totals, out=block)
+    group = np.repeat(np.arange(g_count, dtype=np.int64), np.diff(query.offsets))
+    totals_t = torch.from_numpy(totals)
+    return HistoryPrior(
+        n_c=totals_t[:, 0].clone(),
+        n_w=totals_t[:, 1].clone(),
+        len_c=totals_t[:, 2].clone(),
+        len_w=totals_t[:, 3].clone(),
+        keys=torch.from_numpy((group << TOKEN_BITS) | query.tokens.astype(np.int64, copy=False)),
+        values=torch.from_numpy(values),
+        stored=list(stored),
+    )
+
+
 # ---- what a request writes ------------------------------------------------------------------
 
 
 @dataclass
 class HistoryUpdate:
-    """New stored values H' = d (H + current) for the batch's prompts.
-
-    ``prompt_ids``: G strings; ``totals``: float64 (G, 5) n_c, n_w, len_c, len_w, clock;
-    ``offsets``: int64 (G+1,) and ``tokens``: int64 (K,) the rows' token ids per prompt (CSR);
-    ``rows``: float64 (K, 5) a, b, occ_c, occ_w, clock.
-    """
+    """New stored history H' = d (H + current) of the batch's prompts: ``prompts[g]`` is what
+    ``prompt_ids[g]`` stores (rows merged over the union of token ids and pruned)."""
 
     prompt_ids: list[str]
-    totals: np.ndarray
-    offsets: np.ndarray
-    tokens: np.ndarray
-    rows: np.ndarray
-
-
-@dataclass
-class TokenStatsUpdate:
-    """Increments of the namespace's vocabulary statistics, one entry per distinct token id.
-
-    ``tokens``: int64 (T,) ascending; ``correct``/``wrong``/``occurrences``/``key_count``/
-    ``sens_count``: int64 (T,); ``key_sum``/``sens_sum``: float64 (T,).
-    """
-
-    rollouts: int
-    tokens: np.ndarray
-    correct: np.ndarray
-    wrong: np.ndarray
-    occurrences: np.ndarray
-    key_sum: np.ndarray
-    key_count: np.ndarray
-    sens_sum: np.ndarray
-    sens_count: np.ndarray
+    prompts: list[PromptHistory]
 
 
 @dataclass
@@ -284,6 +290,25 @@ def _empty_tables(device: torch.device) -> KeyTokenTables:
     return KeyTokenTables(i, i, f, f, f, f, i, i, None, 0)
 
 
+def _stored_of(prior: HistoryPrior) -> list[PromptHistory | None]:
+    """What the prior says is stored per group: its ``stored`` as read, else (a prior built by
+    hand) its own keys and values."""
+    if prior.stored is not None:
+        return prior.stored
+    keys = prior.keys.cpu().numpy()
+    values = prior.values.cpu().numpy()
+    totals = torch.stack([prior.n_c, prior.n_w, prior.len_c, prior.len_w], 1).cpu().numpy()
+    bounds = np.searchsorted(keys >> TOKEN_BITS, np.arange(prior.num_groups + 1))
+    return [
+        PromptHistory(
+            totals[g],
+            (keys[lo:hi] & ((1 << TOKEN_BITS) - 1)).astype(TOKEN_DTYPE),
+            values[lo:hi].astype(VALUE_DTYPE),
+        )
+        for g, (lo, hi) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True))
+    ]
+
+
 def _history_update(
     batch: RolloutBatch,
     tables: KeyTokenTables,
@@ -297,26 +322,44 @@ def _history_update(
     n_c = _segment_sum(batch.group_index, correct, g_count)
     len_c = _segment_sum(batch.group_index, lengths * correct, g_count)
     len_all = _segment_sum(batch.group_index, lengths, g_count)
-    current_totals = torch.stack(
-        [n_c, batch.group_sizes.double() - n_c, len_c, len_all - len_c], dim=1
-    )
-    prior_totals = torch.stack([prior.n_c, prior.n_w, prior.len_c, prior.len_w], dim=1)
-    clock = prior.clock + decay_step(decay)
-    totals = torch.cat([decay * (prior_totals + current_totals), clock[:, None]], dim=1)
+    totals = torch.stack([n_c, batch.group_sizes.double() - n_c, len_c, len_all - len_c], dim=1)
 
-    # The tables hold this request's own counts; the prior lookup is what KTAE merged.
-    current = torch.stack([tables.a, tables.b, tables.occ_c, tables.occ_w], dim=1)
-    previous = torch.stack(prior.lookup(tables.group, tables.token), dim=1)
-    rows = torch.cat([decay * (previous + current), clock[tables.group][:, None]], dim=1)
-    offsets = torch.zeros(g_count + 1, dtype=torch.int64, device=rows.device)
-    offsets[1:] = torch.cumsum(torch.bincount(tables.group, minlength=g_count), 0)
-    return HistoryUpdate(
-        prompt_ids=list(batch.prompt_ids or batch.group_ids),
-        totals=totals.cpu().numpy(),
-        offsets=offsets.cpu().numpy(),
-        tokens=tables.token.cpu().numpy(),
-        rows=rows.cpu().numpy(),
-    )
+    # The tables hold this request's own counts, one row per (group, token id).
+    keys = (tables.group << TOKEN_BITS) | tables.token
+    current = torch.stack([tables.a, tables.b, tables.occ_c, tables.occ_w], dim=1).double()
+    if keys.numel() > 1 and not bool((keys[1:] > keys[:-1]).all()):
+        keys, order = torch.sort(keys)
+        current = current[order]
+    keys_np, current_np = keys.cpu().numpy(), current.cpu().numpy()
+    bounds = np.searchsorted(keys_np >> TOKEN_BITS, np.arange(g_count + 1)).tolist()
+    totals_np = totals.cpu().numpy()
+    stored = _stored_of(prior)
+    token_mask = (1 << TOKEN_BITS) - 1
+    prompts = [
+        merge_history(
+            stored[g],
+            totals_np[g],
+            keys_np[bounds[g] : bounds[g + 1]] & token_mask,
+            current_np[bounds[g] : bounds[g + 1]],
+            decay,
+        )
+        for g in range(g_count)
+    ]
+    return HistoryUpdate(prompt_ids=list(batch.prompt_ids or batch.group_ids), prompts=prompts)
+
+
+def _distinct_tokens(
+    tokens: torch.Tensor,
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """The distinct token ids (ascending) and a map of token ids to their index among them.
+    Token ids are a vocabulary's: usually a dense table, no sort; sparse ids take one sort."""
+    vocab = int(tokens.max()) + 1 if tokens.numel() else 0
+    if vocab <= max(4 * tokens.numel(), 1 << 20):
+        present = torch.bincount(tokens, minlength=vocab) > 0
+        index = torch.cumsum(present, 0) - 1
+        return torch.nonzero(present).squeeze(1), lambda t: index[t]
+    uniq = torch.unique(tokens)
+    return uniq, lambda t: torch.searchsorted(uniq, t)
 
 
 def build_updates(
@@ -334,7 +377,8 @@ def build_updates(
     tokens = batch.tokens.long()
     rollout = batch.rollout_of_token
 
-    uniq, dense = torch.unique(tokens, return_inverse=True)
+    uniq, dense_of = _distinct_tokens(tokens)
+    dense = dense_of(tokens)
     t_count = int(uniq.numel())
     occurrences = torch.bincount(dense, minlength=t_count)
     # Presence: one entry per distinct (rollout, token) pair.
@@ -368,7 +412,7 @@ def build_updates(
             n_c, n_w = n_c + prior.n_c, n_w + prior.n_w
         # Key scores of the tables KTAE scored: groups with both correct and wrong rollouts.
         scored = ((n_c > 0) & (n_w > 0))[tables.group]
-        table_dense = torch.searchsorted(uniq, tables.token[scored])
+        table_dense = dense_of(tables.token[scored])
         key_sum.index_add_(0, table_dense, score[scored].double())
         key_count.index_add_(0, table_dense, torch.ones_like(table_dense))
 
@@ -501,8 +545,8 @@ __all__ = [
     "StoreStatus",
     "TokenStatsUpdate",
     "build_updates",
-    "decay_step",
     "history_query",
+    "prior_from_stored",
     "token_stats_response",
     "wants_history",
 ]

@@ -1,0 +1,262 @@
+"""The stored forms of history and vocabulary statistics, and how they merge.
+
+Redis stores these bytes (string and list values); the in-memory store keeps the same records
+undecoded (float32 values included). Both share one merge, so they give the same numbers.
+
+History of one (namespace, prompt): ``ADVH`` blob, little-endian::
+
+    magic b"ADVH" | version u32 | rows u64 | n_c, n_w, len_c, len_w f64
+    | values f32 (rows, 4): a, b, occ_c, occ_w | token ids i32 (rows,), strictly ascending
+
+float32 values: a visit reads the prompt's whole blob, so its bytes are the read's cost; float32
+halves them against float64. Counts that are dyadic with at most 24 significant bits (whole
+counts decayed by the default 0.5, or 0.25) are stored exactly; others carry a relative rounding
+of at most 6e-8 per visit, which does not grow over visits (each visit decays the older error
+with the count). The totals stay float64.
+
+Vocabulary statistics: ``ADVT`` blob, one per request (a delta) or per namespace (compacted)::
+
+    magic b"ADVT" | version u32 | flags u32 | rows u32 | rollouts u64
+    | present float columns f64 (rows,) each | present count columns i32 or i64 (rows,) each
+    | token ids i32 (rows,), strictly ascending
+
+``flags`` bit i: column ``TOKEN_COLUMNS[i]`` is present (absent columns are all zero, e.g. the
+KTAE and CSCR ones of a GRPO request); bit ``WIDE_BIT``: counts are i64 (else i32). Every block
+starts 8-byte aligned, so the decoder's ``np.frombuffer`` views need no copy.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+HISTORY_MAGIC = b"ADVH"
+TOKENS_MAGIC = b"ADVT"
+VERSION = 1
+HISTORY_HEADER = struct.Struct("<4sIQ4d")
+TOKENS_HEADER = struct.Struct("<4sIIIQ")
+VALUE_DTYPE = np.dtype("<f4")
+TOKEN_DTYPE = np.dtype("<i4")
+
+# A merged history row whose a + b + occ_c + occ_w falls below this is dropped. Its effect on a
+# later score is below 1e-3 / n of a proportion, and without the cut a prompt would keep every
+# token it ever saw. At decay 0.5 a token seen once leaves ~10 visits after its last appearance.
+PRUNE_BELOW = 1e-3
+
+FLOAT_COLUMNS = ("key_sum", "sens_sum")
+COUNT_COLUMNS = ("correct", "wrong", "occurrences", "key_count", "sens_count")
+TOKEN_COLUMNS = FLOAT_COLUMNS + COUNT_COLUMNS
+WIDE_BIT = 1 << len(TOKEN_COLUMNS)
+INT32_MAX = 2**31 - 1
+
+
+# ---- history -------------------------------------------------------------------------------
+
+
+@dataclass
+class PromptHistory:
+    """The stored history of one prompt: ``totals`` float64 (4,) n_c, n_w, len_c, len_w;
+    ``tokens`` int32 (R,) strictly ascending; ``values`` float32 (R, 4) a, b, occ_c, occ_w."""
+
+    totals: np.ndarray
+    tokens: np.ndarray
+    values: np.ndarray
+
+    @property
+    def rows(self) -> int:
+        return int(self.tokens.size)
+
+
+def encode_history(history: PromptHistory) -> bytes:
+    values = np.ascontiguousarray(history.values, dtype=VALUE_DTYPE)
+    tokens = np.ascontiguousarray(history.tokens, dtype=TOKEN_DTYPE)
+    header = HISTORY_HEADER.pack(
+        HISTORY_MAGIC, VERSION, tokens.size, *np.asarray(history.totals, np.float64).tolist()
+    )
+    return b"".join((header, values.tobytes(), tokens.tobytes()))
+
+
+def decode_history(blob: bytes | None) -> PromptHistory | None:
+    """The blob's history (views into ``blob``, no copy); None when absent or not one of ours."""
+    if blob is None or len(blob) < HISTORY_HEADER.size:
+        return None
+    magic, version, rows, *totals = HISTORY_HEADER.unpack_from(blob)
+    start = HISTORY_HEADER.size
+    if magic != HISTORY_MAGIC or version != VERSION or len(blob) != start + 20 * rows:
+        return None
+    values = np.frombuffer(blob, VALUE_DTYPE, 4 * rows, start).reshape(rows, 4)
+    tokens = np.frombuffer(blob, TOKEN_DTYPE, rows, start + 16 * rows)
+    return PromptHistory(np.array(totals, np.float64), tokens, values)
+
+
+def merge_history(
+    stored: PromptHistory | None,
+    totals: np.ndarray,
+    tokens: np.ndarray,
+    values: np.ndarray,
+    decay: float,
+) -> PromptHistory:
+    """H' = decay (H + current) over the union of token ids, rows below ``PRUNE_BELOW`` dropped.
+
+    ``totals`` float64 (4,), ``tokens`` int (M,) strictly ascending and ``values`` float64
+    (M, 4): this visit's own counts. A merge of two sorted lists (no sort), in float64, rounded
+    to float32 once.
+    """
+    if stored is None:
+        stored = PromptHistory(np.zeros(4), np.zeros(0, TOKEN_DTYPE), np.zeros((0, 4), VALUE_DTYPE))
+    old, n_old = stored.tokens, stored.rows
+    cur = np.asarray(tokens).astype(TOKEN_DTYPE)
+    # Where each current token falls among the stored ones, and which are already stored.
+    pos = np.searchsorted(old, cur)
+    found = old[np.minimum(pos, max(n_old - 1, 0))] == cur if n_old else np.zeros(cur.size, bool)
+    new = ~found
+    n_new = int(new.sum())
+    # Final places of the new tokens: each moves past the stored tokens below it and the new
+    # ones before it; the stored rows fill the other places in order.
+    is_new = np.zeros(n_old + n_new, bool)
+    is_new[np.arange(n_new) + pos[new]] = True
+    is_old = ~is_new
+    merged_tokens = np.empty(n_old + n_new, TOKEN_DTYPE)
+    merged_tokens[is_old] = old
+    merged_tokens[is_new] = cur[new]
+    merged = np.empty((n_old + n_new, 4), np.float64)
+    merged[is_old] = stored.values
+    merged[np.flatnonzero(is_old)[pos[found]]] += values[found]
+    merged[is_new] = values[new]
+    merged *= decay
+    keep = merged @ np.ones(4) >= PRUNE_BELOW
+    return PromptHistory(
+        decay * (np.asarray(stored.totals, np.float64) + totals),
+        merged_tokens[keep],
+        merged[keep].astype(VALUE_DTYPE),
+    )
+
+
+# ---- vocabulary statistics ---------------------------------------------------------------------
+
+
+@dataclass
+class TokenStatsUpdate:
+    """Vocabulary statistics, one entry per distinct token id: one request's increments, or a
+    namespace's sums.
+
+    ``tokens``: int64 (T,) ascending; ``correct``/``wrong``/``occurrences``/``key_count``/
+    ``sens_count``: int64 (T,); ``key_sum``/``sens_sum``: float64 (T,).
+    """
+
+    rollouts: int
+    tokens: np.ndarray
+    correct: np.ndarray
+    wrong: np.ndarray
+    occurrences: np.ndarray
+    key_sum: np.ndarray
+    key_count: np.ndarray
+    sens_sum: np.ndarray
+    sens_count: np.ndarray
+
+
+def empty_token_stats() -> TokenStatsUpdate:
+    i, f = np.zeros(0, np.int64), np.zeros(0, np.float64)
+    return TokenStatsUpdate(0, i, i, i, i, f, i, f, i)
+
+
+def token_columns(stats: TokenStatsUpdate) -> dict[str, np.ndarray]:
+    """The columns ``token_stats_response`` takes."""
+    return {"token_id": stats.tokens, **{name: getattr(stats, name) for name in TOKEN_COLUMNS}}
+
+
+def encode_token_stats(stats: TokenStatsUpdate) -> bytes:
+    rows = int(stats.tokens.size)
+    present = [np.asarray(getattr(stats, name)) for name in TOKEN_COLUMNS]
+    flags = sum(1 << i for i, column in enumerate(present) if column.any())
+    counts = [present[i] for i in range(len(FLOAT_COLUMNS), len(present)) if flags >> i & 1]
+    wide = any(int(np.abs(c).max()) > INT32_MAX for c in counts)
+    count_dtype = np.dtype("<i8" if wide else "<i4")
+    parts = [
+        TOKENS_HEADER.pack(
+            TOKENS_MAGIC, VERSION, flags | (WIDE_BIT if wide else 0), rows, int(stats.rollouts)
+        )
+    ]
+    for i, column in enumerate(present):
+        if flags >> i & 1:
+            dtype = np.dtype("<f8") if i < len(FLOAT_COLUMNS) else count_dtype
+            parts.append(np.ascontiguousarray(column, dtype).tobytes())
+    parts.append(np.ascontiguousarray(stats.tokens, TOKEN_DTYPE).tobytes())
+    return b"".join(parts)
+
+
+def decode_token_stats(blob: bytes | None) -> TokenStatsUpdate | None:
+    """The blob's statistics (int64/float64 columns); None when absent or not one of ours."""
+    if blob is None or len(blob) < TOKENS_HEADER.size:
+        return None
+    magic, version, flags, rows, rollouts = TOKENS_HEADER.unpack_from(blob)
+    if magic != TOKENS_MAGIC or version != VERSION:
+        return None
+    count_dtype = np.dtype("<i8" if flags & WIDE_BIT else "<i4")
+    offset = TOKENS_HEADER.size
+    columns: dict[str, np.ndarray] = {}
+    for i, name in enumerate(TOKEN_COLUMNS):
+        is_float = i < len(FLOAT_COLUMNS)
+        if not flags >> i & 1:
+            columns[name] = np.zeros(rows, np.float64 if is_float else np.int64)
+            continue
+        dtype = np.dtype("<f8") if is_float else count_dtype
+        if len(blob) < offset + dtype.itemsize * rows:
+            return None
+        column = np.frombuffer(blob, dtype, rows, offset)
+        columns[name] = column if is_float else column.astype(np.int64)
+        offset += dtype.itemsize * rows
+    if len(blob) != offset + 4 * rows:
+        return None
+    tokens = np.frombuffer(blob, TOKEN_DTYPE, rows, offset).astype(np.int64)
+    return TokenStatsUpdate(rollouts=int(rollouts), tokens=tokens, **columns)
+
+
+def merge_token_stats(parts: Sequence[TokenStatsUpdate]) -> TokenStatsUpdate:
+    """The sum of several statistics tables, over the union of their token ids."""
+    parts = [p for p in parts if p.tokens.size or p.rollouts]
+    if not parts:
+        return empty_token_stats()
+    if len(parts) == 1:
+        return parts[0]
+    rollouts = sum(int(p.rollouts) for p in parts)
+    tokens = np.concatenate([p.tokens for p in parts])
+    if tokens.size == 0:
+        empty = empty_token_stats()
+        empty.rollouts = rollouts
+        return empty
+    largest = int(tokens.max())
+    if largest < max(4 * tokens.size, 1 << 20):
+        # Token ids are a vocabulary's: count into a dense array, no sort.
+        present = np.bincount(tokens, minlength=largest + 1) > 0
+        uniq = np.flatnonzero(present)
+        index, size = tokens, largest + 1
+    else:
+        uniq, index = np.unique(tokens, return_inverse=True)
+        present, size = None, uniq.size
+    columns = {}
+    for name in TOKEN_COLUMNS:
+        values = np.concatenate([getattr(p, name) for p in parts])
+        summed = np.bincount(index, weights=values, minlength=size)
+        if present is not None:
+            summed = summed[present]
+        columns[name] = summed if name in FLOAT_COLUMNS else np.rint(summed).astype(np.int64)
+    return TokenStatsUpdate(rollouts=rollouts, tokens=uniq, **columns)
+
+
+__all__ = [
+    "PRUNE_BELOW",
+    "PromptHistory",
+    "TokenStatsUpdate",
+    "decode_history",
+    "decode_token_stats",
+    "empty_token_stats",
+    "encode_history",
+    "encode_token_stats",
+    "merge_history",
+    "merge_token_stats",
+    "token_columns",
+]
