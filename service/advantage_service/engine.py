@@ -182,6 +182,8 @@ class Engine:
         self._mean_seconds = 1.0
         self.warm = False
         self.draining = False
+        # Set when the listeners close on shutdown: transports refuse new calls (UNAVAILABLE).
+        self.closing = False
         self.metrics.max_inflight.set(settings.max_inflight)
         # Raises TokensFileError for a bad tokens file: the service must not start open by
         # mistake.

@@ -64,6 +64,9 @@ ROLLOUT_INDEX_KEY = "advantage-rollout-index"
 FIELD_KEY = "advantage-field-bin"
 RETRY_AFTER_KEY = "retry-after"
 INTERNAL_MESSAGE = "internal error; see the service log"
+SHUTTING_DOWN = RequestError(
+    "shutting_down", "the service is shutting down; retry on another replica", status=503
+)
 
 # Stream limits when the settings do not carry them.
 DEFAULT_STREAM_MAX_PENDING_GROUPS = 4096
@@ -785,7 +788,10 @@ class AdvantageServicer(pb_grpc.AdvantageServiceServicer):
         self, context: grpc.aio.ServicerContext, *, count: bool = True
     ) -> Principal:
         """The caller's principal from the ``authorization: Bearer ...`` metadata; ends the
-        call with UNAUTHENTICATED otherwise."""
+        call with UNAUTHENTICATED otherwise (and with UNAVAILABLE once the service is closing
+        for shutdown: the client retries elsewhere)."""
+        if self.engine.closing:
+            await abort(context, SHUTTING_DOWN)
         authorization = None
         for key, value in context.invocation_metadata() or ():
             if key == "authorization":

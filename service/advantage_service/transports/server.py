@@ -30,6 +30,9 @@ from .http import create_app
 
 log = logging.getLogger("advantage_service.server")
 
+# On shutdown, how long new gRPC calls are refused (UNAVAILABLE) before the server stops.
+GRPC_REFUSE_BEFORE_STOP_SECONDS = 0.25
+
 # CLI flag (argparse dest) -> settings field; a flag given overrides the ADV_* variable.
 FLAG_SETTINGS = {
     "host": "host",
@@ -119,6 +122,10 @@ async def run(settings: Settings) -> int:
         if settings.shutdown_delay_seconds:
             await asyncio.sleep(settings.shutdown_delay_seconds)
         http.should_exit = True
+        # gRPC calls the server has received but not yet handed to a handler would be
+        # cancelled by the stop: refuse new calls cleanly (UNAVAILABLE) for a moment first.
+        engine.closing = True
+        await asyncio.sleep(GRPC_REFUSE_BEFORE_STOP_SECONDS)
         await stop_grpc_server(grpc_server, settings.shutdown_timeout_seconds)
 
     def drain(sig: signal.Signals) -> None:
