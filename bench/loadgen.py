@@ -7,7 +7,8 @@ time waiting on the service, not encoding (client and server share the machine's
 
 An answer is ``ok`` (HTTP 200, gRPC OK, a stream that answered every group), ``refused`` (a
 request sent after the shutdown signal and turned away cleanly: connection refused or reset,
-HTTP 503, gRPC UNAVAILABLE) or ``failed`` (anything else, and any refusal before the signal).
+HTTP 503, gRPC UNAVAILABLE or CANCELLED) or ``failed`` (anything else, and any refusal before
+the signal).
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ from advantage_client.http_client import arrow_request_body
 
 ARROW = "application/vnd.apache.arrow.stream"
 KINDS = ("http", "grpc", "http", "grpc_stream")
-REFUSED_GRPC = (grpc.StatusCode.UNAVAILABLE,)
+# After the shutdown signal: UNAVAILABLE (the server refused the call, or its port is closed),
+# and CANCELLED for a call that reached the server in the instant its gRPC server began to stop
+# (gRPC cancels such calls without handing them to the service; they were never computed).
+REFUSED_GRPC = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 VOCAB = 151_936
 
 
@@ -340,14 +344,18 @@ def summarize(
     }
 
 
-def rss_summary(samples: list[tuple[float, int]], warm_from: float) -> dict[str, float]:
+def rss_summary(samples: list[tuple[float, int]], warm_from: float) -> dict[str, Any]:
     """RSS in MiB: at the end of warm-up (first sample at or after ``warm_from``), the peak
     after it, and the last sample."""
     mib = 1024 * 1024
     after = [rss for t, rss in samples if t >= warm_from] or [rss for _, rss in samples]
+    t0 = samples[0][0] if samples else 0.0
+    every = max(1, len(samples) // 12)
     return {
         "start_mib": round(after[0] / mib, 1),
         "peak_mib": round(max(after) / mib, 1),
         "end_mib": round(after[-1] / mib, 1),
         "first_mib": round(samples[0][1] / mib, 1) if samples else 0.0,
+        # (seconds into the run, MiB), about a dozen points: the shape of the curve.
+        "timeline": [(round(t - t0), round(rss / mib)) for t, rss in samples[::every]],
     }
