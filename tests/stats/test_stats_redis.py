@@ -59,7 +59,7 @@ async def test_every_key_has_a_ttl(redis_server: RedisServer) -> None:
     keys = sorted(k.decode() for k in sync.scan_iter(match="ttl:*"))
     kinds = {k.split("}:")[1].split(":")[0] for k in keys}
     # A compaction ran (2 pending deltas) and left neither its lock nor staged records behind.
-    assert kinds == {"hist", "req", "write", "tokdelta", "tokstats"}, keys
+    assert kinds == {"history", "claim", "write", "tokdelta", "tokstats"}, keys
     assert len(keys) == len(list(sync.scan_iter())), "every key is under the prefix"
     for key in keys:
         assert 0 < sync.ttl(key) <= 600, key
@@ -391,3 +391,22 @@ async def test_a_compactor_that_lost_its_lock_commits_nothing(
     finally:
         await slow.close()
         await fast.close()
+
+
+async def test_keys_of_the_earlier_layout_are_left_alone(redis_server: RedisServer) -> None:
+    """A deploy over a Redis holding the hash layout: its keys must not fail reads or writes
+    (a GET of a hash answers WRONGTYPE); they just expire."""
+    sync = redis.Redis.from_url(redis_server.url)
+    ns = "adv:{ns%3Awith%7Bodd%7Dchars}"
+    sync.hset(f"{ns}:hist:old", mapping={"t": b"x" * 40, "5": b"y" * 40})
+    sync.hset(f"{ns}:req:old-id", "claim", "someone")
+    sync.hset(f"{ns}:tok:occ", "5", 3)
+    store = RedisStatsStore(redis_server.url)
+    try:
+        for _ in range(2):
+            served = await serve(store, body(61, ["old"], request_id="old-id"))
+            assert served.history == "applied" and store.status == "up"
+        assert served.prior is not None and float(served.prior.n_c[0] + served.prior.n_w[0]) > 0
+    finally:
+        await store.close()
+    assert sync.type(f"{ns}:hist:old") == b"hash"

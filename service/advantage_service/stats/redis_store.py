@@ -4,16 +4,19 @@ Layout (``P`` = prefix, ``{N}`` = the namespace percent-encoded, in braces so th
 Cluster keeps a namespace's keys in one slot, which multi-key scripts need). Record formats are
 in :mod:`.blobs`.
 
-- ``P:{N}:hist:<prompt id>``: string, the KTAE history of one prompt (an ``ADVH`` record).
+- ``P:{N}:history:<prompt id>``: string, the KTAE history of one prompt (an ``ADVH`` record).
 - ``P:{N}:tokdelta``: list, one ``ADVT`` record per counted request (its statistics increments),
   appended at the right, oldest at the left.
 - ``P:{N}:tokstats``: string, the ``ADVT`` record of every delta compacted so far.
 - ``P:{N}:toklock``: string, held (``SET NX PX``) by the one replica compacting.
-- ``P:{N}:req:<request id>``: string, the claim of a counted request. ``P:{N}:write:<claim>``:
+- ``P:{N}:claim:<request id>``: string, the claim of a counted request. ``P:{N}:write:<claim>``:
   the same for a request without an id, kept five minutes (it only guards against resends).
 - ``P:{N}:stage:<claim>:<i>``: what a write pipeline or a compaction stages before its commit
   script moves it into place (O(1) ``RENAME``/``LMOVE``: megabytes never pass through Lua);
   expires after a minute if the commit never comes.
+
+No name is one of the earlier layout's (``hist:`` and ``req:`` hashes, ``tok:`` hashes,
+``meta``): those are never read, so they cannot answer WRONGTYPE, and expire with their TTL.
 
 Every write sets the key's TTL; a write also refreshes ``tokstats``, so a namespace's statistics
 expire ``ttl_seconds`` after its last write.
@@ -217,7 +220,7 @@ class RedisStatsStore:
         return f"{self.prefix}:{{{quote(namespace, safe='')}}}"
 
     def history_key(self, namespace: str, prompt_id: str) -> str:
-        return f"{self._ns(namespace)}:hist:{prompt_id}"
+        return f"{self._ns(namespace)}:history:{prompt_id}"
 
     def delta_key(self, namespace: str) -> str:
         return f"{self._ns(namespace)}:tokdelta"
@@ -232,7 +235,7 @@ class RedisStatsStore:
         return f"{self._ns(namespace)}:stage:{claim}:{i}"
 
     def request_key(self, namespace: str, request_id: str) -> str:
-        return f"{self._ns(namespace)}:req:{request_id}"
+        return f"{self._ns(namespace)}:claim:{request_id}"
 
     # ---- reachability ------------------------------------------------------------------------
 
