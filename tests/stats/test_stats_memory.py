@@ -36,3 +36,25 @@ async def test_memory_entries_expire_after_the_ttl() -> None:
         "tokens": [],
     }
     assert (await serve(store, body)).counted, "the request id expired with the rest"
+
+
+async def test_memory_store_stays_bounded_and_forgets_the_oldest_prompts_first() -> None:
+    store = MemoryStatsStore(max_history_bytes=4_000, max_request_ids=50, max_namespaces=3)
+    rng = np.random.default_rng(1)
+    for visit in range(40):
+        body = {
+            "namespace": f"ns-{visit % 5}",
+            "request_id": f"r-{visit}",
+            "estimator": {"outcome": "grpo", "ktae": {"history": "prompt"}},
+            "groups": random_groups(rng, [f"p-{visit}"]),
+        }
+        assert (await serve(store, body)).counted
+        assert store.history_bytes <= 4_000
+    assert len(store._requests) <= 50
+    assert len(store._tokens) <= 3
+    newest = history_query(parse_request({**body, "groups": random_groups(rng, ["p-39"])}).batch)
+    prior = await store.read_history("ns-4", newest)
+    assert prior is not None and float(prior.n_c[0] + prior.n_w[0]) > 0, "newest kept"
+    oldest = history_query(parse_request({**body, "groups": random_groups(rng, ["p-0"])}).batch)
+    prior = await store.read_history("ns-0", oldest)
+    assert prior is not None and float(prior.n_c[0] + prior.n_w[0]) == 0.0, "oldest evicted"

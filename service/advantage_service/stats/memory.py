@@ -6,6 +6,11 @@ both backends give the same numbers. The
 vocabulary statistics are merged into one table per namespace at every write (there are no
 replicas to append concurrently). Every entry expires ``ttl_seconds`` after its last write, as
 Redis keys do.
+
+Memory is bounded whatever the traffic: history records by their total bytes
+(``max_history_bytes``), remembered request ids and namespaces by count. Past a bound the entry
+written longest ago is evicted first (as Redis with ``maxmemory-policy volatile-lru`` would),
+so a long run forgets its oldest prompts instead of growing.
 """
 
 from __future__ import annotations
@@ -32,20 +37,43 @@ from .blobs import (
 )
 
 DEFAULT_TTL_SECONDS = 7 * 24 * 3600
+DEFAULT_MAX_HISTORY_BYTES = 512 * 2**20
+DEFAULT_MAX_REQUEST_IDS = 1_000_000
+DEFAULT_MAX_NAMESPACES = 1024
+
+
+def _history_bytes(history: PromptHistory) -> int:
+    return int(history.tokens.nbytes + history.values.nbytes + history.totals.nbytes) + 200
 
 
 class MemoryStatsStore:
     """The in-memory :class:`~advantage_service.stats.base.StatsStore`."""
 
     def __init__(
-        self, ttl_seconds: float = DEFAULT_TTL_SECONDS, *, now: Callable[[], float] = time.monotonic
+        self,
+        ttl_seconds: float = DEFAULT_TTL_SECONDS,
+        *,
+        now: Callable[[], float] = time.monotonic,
+        max_history_bytes: int = DEFAULT_MAX_HISTORY_BYTES,
+        max_request_ids: int = DEFAULT_MAX_REQUEST_IDS,
+        max_namespaces: int = DEFAULT_MAX_NAMESPACES,
     ) -> None:
         self.ttl_seconds = ttl_seconds
         self._now = now
+        self.max_history_bytes = max_history_bytes
+        self.max_request_ids = max_request_ids
+        self.max_namespaces = max_namespaces
+        # Insertion-ordered: re-inserting on every write keeps the oldest write first.
         self._history: dict[tuple[str, str], tuple[float, PromptHistory]] = {}
+        self._history_bytes = 0
         self._tokens: dict[str, tuple[float, TokenStatsUpdate]] = {}
         self._requests: dict[tuple[str, str], float] = {}
         self._next_sweep = 0.0
+
+    @property
+    def history_bytes(self) -> int:
+        """Bytes held by history records (bounded by ``max_history_bytes``)."""
+        return self._history_bytes
 
     @property
     def status(self) -> StoreStatus:
@@ -56,6 +84,7 @@ class MemoryStatsStore:
 
     async def close(self) -> None:
         self._history.clear()
+        self._history_bytes = 0
         self._tokens.clear()
         self._requests.clear()
 
@@ -72,17 +101,31 @@ class MemoryStatsStore:
             key = (namespace, request_id)
             if self._requests.get(key, 0.0) > now:
                 return False
+            self._requests.pop(key, None)
             self._requests[key] = now + self.ttl_seconds
+            while len(self._requests) > self.max_request_ids:
+                del self._requests[next(iter(self._requests))]
         expires = now + self.ttl_seconds
         if update.history is not None:
             for prompt, history in zip(
                 update.history.prompt_ids, update.history.prompts, strict=True
             ):
+                self._drop_history((namespace, prompt))
                 self._history[(namespace, prompt)] = (expires, history)
-        entry = self._tokens.get(namespace)
+                self._history_bytes += _history_bytes(history)
+            while self._history_bytes > self.max_history_bytes and self._history:
+                self._drop_history(next(iter(self._history)))
+        entry = self._tokens.pop(namespace, None)
         table = entry[1] if entry is not None and entry[0] > now else empty_token_stats()
         self._tokens[namespace] = (expires, merge_token_stats([table, update.tokens]))
+        while len(self._tokens) > self.max_namespaces:
+            del self._tokens[next(iter(self._tokens))]
         return True
+
+    def _drop_history(self, key: tuple[str, str]) -> None:
+        entry = self._history.pop(key, None)
+        if entry is not None:
+            self._history_bytes -= _history_bytes(entry[1])
 
     async def token_stats(self, namespace: str, order: str, limit: int) -> dict[str, Any] | None:
         check_order(order)
@@ -95,7 +138,8 @@ class MemoryStatsStore:
         if now < self._next_sweep:
             return
         self._next_sweep = now + min(60.0, self.ttl_seconds / 4)
-        self._history = {k: v for k, v in self._history.items() if v[0] > now}
+        for key in [k for k, v in self._history.items() if v[0] <= now]:
+            self._drop_history(key)
         self._tokens = {k: v for k, v in self._tokens.items() if v[0] > now}
         self._requests = {k: t for k, t in self._requests.items() if t > now}
 
