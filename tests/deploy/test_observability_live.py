@@ -35,29 +35,14 @@ from deploy_support import (
     substitute,
     unknown_metrics,
 )
+from process_support import free_port
+from process_support import poll as wait_for
 
 pytestmark = pytest.mark.integration
 
 STARTUP_SECONDS = 120.0
 JOB = GRAFANA_VARIABLES["job"]
 NAMESPACE = GRAFANA_VARIABLES["namespace"]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.1)
 
 
 def stop(process: subprocess.Popen[bytes]) -> None:

@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,29 +19,11 @@ import numpy as np
 from advantage_service import presets, resolve_estimator
 from advantage_service.estimators import TERMS
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from process_support import free_port, poll
 from prometheus_client.parser import text_string_to_metric_families
 
 STARTUP_SECONDS = 120.0
-POLL_SECONDS = 0.05
 ALL_PRESETS = sorted(presets())
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def poll(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Call ``condition`` until it returns something truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(POLL_SECONDS)
 
 
 def health_status(target: str, service: str = "") -> int | None:

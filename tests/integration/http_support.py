@@ -10,11 +10,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +20,11 @@ import numpy as np
 import pyarrow as pa
 from advantage_service import presets, resolve_estimator
 from advantage_service.estimators import TERMS
+from process_support import free_port, poll
 from prometheus_client.parser import text_string_to_metric_families
 
 ARROW = "application/vnd.apache.arrow.stream"
 STARTUP_SECONDS = 120.0
-POLL_SECONDS = 0.05
 
 # The shared server's limits: small enough that the limit tests stay cheap.
 SHARED_SETTINGS = {
@@ -36,25 +33,6 @@ SHARED_SETTINGS = {
     "max_body_bytes": 1_000_000,
     "max_inflight": 4,
 }
-
-
-def free_port() -> int:
-    """A port nothing listens on right now (the OS picks it for a socket bound to port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def poll(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Call ``condition`` until it returns something truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(POLL_SECONDS)
 
 
 class Server:

@@ -12,13 +12,9 @@ import subprocess
 import time
 from pathlib import Path
 
+from process_support import free_port
+
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _answers_ping(port: int) -> bool:
