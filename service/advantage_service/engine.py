@@ -6,8 +6,10 @@ loop, statistics hooks and metrics. No wire types here: a transport hands in a d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -164,6 +166,17 @@ def check_finite(req: ComputeRequest, result: AdvantageResult) -> None:
         )
 
 
+# Niceness of the statistics worker (and the torch threads it starts, which inherit it): building
+# a request's statistics costs about as much CPU as computing it, and must not slow the next
+# request's compute on a busy machine.
+STATS_NICENESS = 10
+
+
+def _lower_priority() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), STATS_NICENESS)
+
+
 class Engine:
     """The data plane. ``await engine.compute(request, transport)`` from any transport."""
 
@@ -214,7 +227,7 @@ class Engine:
         # Statistics are written after the answer, by one worker of their own so that they never
         # take a compute worker from an admitted request; at most this many wait at once.
         self._stats_executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="advantage-stats"
+            max_workers=1, thread_name_prefix="advantage-stats", initializer=_lower_priority
         )
         self._pending_writes: set[asyncio.Task[None]] = set()
         self.max_pending_writes = 4 * settings.max_inflight
