@@ -126,11 +126,34 @@ class RolloutBatch:
     @cached_property
     def rollout_of_token(self) -> torch.Tensor:
         """int64 (N,): the rollout each token belongs to."""
-        return torch.repeat_interleave(
-            torch.arange(self.num_rollouts, device=self.device),
-            self.lengths,
-            output_size=self.num_tokens,
-        )
+        return self.per_token(torch.arange(self.num_rollouts, device=self.device))
+
+    def per_token(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-rollout ``values`` (B,) repeated over each rollout's tokens: a fresh (N,) tensor.
+
+        int64, int32 or float32. Differences of the values (of their bit patterns, for float32)
+        are scattered at the rollout starts and summed up: one cumulative sum, exact (integer
+        arithmetic), and cheaper than the index ``repeat_interleave`` builds and gathers by.
+        """
+        dtype = values.dtype
+        if dtype == torch.float32:
+            bits = values.view(torch.int32).long()
+        elif dtype in (torch.int64, torch.int32):
+            bits = values.long()
+        else:
+            raise TypeError(f"per_token takes int64, int32 or float32 values, not {dtype}")
+        nonempty = self.lengths > 0
+        starts = self.offsets[:-1][nonempty]
+        vals = bits[nonempty]
+        delta = vals.clone()
+        delta[1:] -= vals[:-1]
+        out = torch.zeros(self.num_tokens, dtype=torch.int64, device=values.device)
+        out[starts] = delta
+        torch.cumsum(out, 0, out=out)
+        if dtype == torch.int64:
+            return out
+        out32 = out.to(torch.int32)
+        return out32.view(torch.float32) if dtype == torch.float32 else out32
 
     @cached_property
     def group_sizes(self) -> torch.Tensor:

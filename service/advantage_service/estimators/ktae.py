@@ -234,22 +234,6 @@ def _segment_sums(flags: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor)
     return (total[ends] - total[starts]).double()
 
 
-def _expand_ints(batch: RolloutBatch, values: torch.Tensor) -> torch.Tensor:
-    """Per-rollout int64 ``values`` (B,) repeated over each rollout's tokens (N,).
-
-    A scatter of differences at rollout starts and one cumulative sum: cheaper than the gather
-    ``repeat_interleave`` does, and exact for integers.
-    """
-    nonempty = batch.lengths > 0
-    starts = batch.offsets[:-1][nonempty]
-    vals = values[nonempty]
-    delta = vals.clone()
-    delta[1:] -= vals[:-1]
-    out = torch.zeros(batch.num_tokens, dtype=torch.int64, device=values.device)
-    out[starts] = delta
-    return torch.cumsum(out, 0, out=out)
-
-
 def tabulate(
     batch: RolloutBatch,
     correct: torch.Tensor,
@@ -280,7 +264,7 @@ def tabulate(
     )
     if drop is not None:
         prefix = prefix.masked_fill(drop, -1)  # a sign bit no real key has
-    key = _expand_ints(batch, prefix)
+    key = batch.per_token(prefix)
     keep = key >= 0 if drop is not None else None
     if ignore is not None and ignore.numel():
         not_ignored = ~torch.isin(batch.tokens, ignore.to(batch.tokens.dtype))

@@ -129,7 +129,7 @@ def compute_batch(
     outputs = {name: TERMS[name].fn(batch, params, ctx) for name, params in spec.terms.items()}
     # a_i w_it + sum_k c_k b_it in float32 (the output precision), built in place in one fresh
     # tensor: weights scale only the outcome term, never a bonus, so they go first.
-    advantages = scalars.float()[batch.rollout_of_token]
+    advantages = batch.per_token(scalars.float())
     for out in outputs.values():
         if out.weight is not None:
             advantages.mul_(out.weight)
