@@ -186,6 +186,60 @@ def association_lookup(
     return strength.reshape(-1)[at], h.reshape(-1)[at]
 
 
+def _score(
+    strength: torch.Tensor,
+    h: torch.Tensor,
+    occ_c: torch.Tensor,
+    occ_w: torch.Tensor,
+    len_c: torch.Tensor,
+    len_w: torch.Tensor,
+    params: Mapping[str, Any],
+) -> torch.Tensor:
+    tf = (
+        tf_contrast(occ_c, occ_w, len_c, len_w, params["tf_k1"], params["tf_b"])
+        if params["tf"]
+        else None
+    )
+    return key_token_score(strength, h, tf, params["scale"])
+
+
+def _score_with_prior(
+    tables: KeyTokenTables,
+    prior: Any,
+    n_c: torch.Tensor,
+    n_w: torch.Tensor,
+    len_c: torch.Tensor,
+    len_w: torch.Tensor,
+    contrast: torch.Tensor,
+    params: Mapping[str, Any],
+) -> torch.Tensor:
+    """Scores of tables whose counts include decayed history (fractional counts).
+
+    Only tables of groups with contrast (after merging) are scored: the others are 0 and, with
+    history, are tabulated only so that their counts can be written back.
+    """
+    score = torch.zeros(tables.group.numel(), dtype=torch.float64, device=tables.group.device)
+    scored = torch.nonzero(contrast[tables.group]).squeeze(1)
+    if scored.numel() == 0:
+        return score
+    g = tables.group[scored]
+    # (looked up for every table: the store answers exactly these pairs without a search)
+    pa, pb, poc, pow_ = prior.lookup(tables.group, tables.token)
+    a, b = tables.a[scored] + pa[scored], tables.b[scored] + pb[scored]
+    occ_c, occ_w = tables.occ_c[scored] + poc[scored], tables.occ_w[scored] + pow_[scored]
+    # The exact test needs whole tables: decayed counts are rounded for it (only for it).
+    p = fisher_two_sided_grouped(
+        torch.round(n_c).long(),
+        torch.round(n_w).long(),
+        g,
+        torch.round(a).long(),
+        torch.round(b).long(),
+    )
+    strength, h = association(a, b, n_c[g], n_w[g], p, params)
+    score[scored] = _score(strength, h, occ_c, occ_w, len_c[g], len_w[g], params)
+    return score
+
+
 # ---- the batched contingency tables -----------------------------------------------------------
 
 
@@ -345,28 +399,12 @@ def ktae(batch: RolloutBatch, params: Mapping[str, Any], ctx: TermContext) -> Te
             bonus=bonus, diagnostics={"ktae_score": bonus}, extras={"tables": empty, "score": score}
         )
     tables = tabulate(batch, correct, drop, ctx.ignore_token_ids)
-    g = tables.group
     if prior is None:
+        g = tables.group
         strength, h = association_lookup(n_c, n_w, g, tables.a, tables.b, params)
-        a, b, occ_c, occ_w = tables.a, tables.b, tables.occ_c, tables.occ_w
+        score = _score(strength, h, tables.occ_c, tables.occ_w, len_c[g], len_w[g], params)
     else:
-        pa, pb, poc, pow_ = prior.lookup(tables.group, tables.token)
-        a, b, occ_c, occ_w = tables.a + pa, tables.b + pb, tables.occ_c + poc, tables.occ_w + pow_
-        # Decayed history makes counts fractional; the exact test needs whole tables.
-        p = fisher_two_sided_grouped(
-            torch.round(n_c).long(),
-            torch.round(n_w).long(),
-            g,
-            torch.round(a).long(),
-            torch.round(b).long(),
-        )
-        strength, h = association(a, b, n_c[g], n_w[g], p, params)
-    tf = (
-        tf_contrast(occ_c, occ_w, len_c[g], len_w[g], params["tf_k1"], params["tf_b"])
-        if params["tf"]
-        else None
-    )
-    score = key_token_score(strength, h, tf, params["scale"])
+        score = _score_with_prior(tables, prior, n_c, n_w, len_c, len_w, contrast, params)
     bonus = tables.spread(score.float())
     out = TermOutput(bonus=bonus, diagnostics={"ktae_score": bonus})
     # The tables and their scores feed vocabulary statistics and history (see stats/).
