@@ -148,3 +148,25 @@ def test_ktae_densifies_token_ids_when_the_packed_key_would_overflow(monkeypatch
     for g1, g2 in zip(expected["groups"], got["groups"], strict=True):
         for r1, r2 in zip(g1["rollouts"], g2["rollouts"], strict=True):
             np.testing.assert_array_equal(r1["advantages"], r2["advantages"])
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32, torch.float64])
+def test_repeat_runs_equals_repeat_interleave_for_every_bit_pattern(dtype):
+    from advantage_service.batch import repeat_runs
+
+    gen = torch.Generator().manual_seed(3)
+    runs = torch.randint(1, 6, (200,), generator=gen)
+    if dtype.is_floating_point:
+        # Every float32 bit pattern class: signs, zeros, subnormals, infinities, huge and tiny.
+        special = torch.tensor(
+            [0.0, -0.0, 1e-45, -1e-45, 3.4e38, -3.4e38, float("inf"), float("-inf"), 1.0, -1.0],
+            dtype=dtype,
+        )
+        values = torch.cat([special, torch.randn(190, generator=gen, dtype=dtype) * 1e6])
+    else:
+        values = torch.randint(-(2**31), 2**31 - 1, (200,), generator=gen).to(dtype)
+    starts = torch.cumsum(runs, 0) - runs
+    got = repeat_runs(values, starts, int(runs.sum()))
+    want = torch.repeat_interleave(values, runs)
+    assert got.dtype == dtype
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))  # bit for bit (-0.0 too)

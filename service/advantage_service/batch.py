@@ -46,6 +46,36 @@ def _to_tensor(value: Any, dtype: torch.dtype, name: str) -> torch.Tensor:
     return tensor.to(dtype)
 
 
+def repeat_runs(values: torch.Tensor, starts: torch.Tensor, total: int) -> torch.Tensor:
+    """``values[i]`` repeated over positions [starts[i], starts[i + 1]) of a fresh (total,)
+    tensor; ``starts`` strictly increasing from 0 (non-empty runs covering every position).
+
+    For int64, int32 and float32, differences of the values (of their bit patterns, for
+    float32) are scattered at the run starts and summed up: one cumulative sum, exact (integer
+    arithmetic), and cheaper than the index ``repeat_interleave`` builds and gathers by. Other
+    dtypes take ``repeat_interleave``.
+    """
+    dtype = values.dtype
+    if dtype == torch.float32:
+        bits = values.view(torch.int32).long()
+    elif dtype in (torch.int64, torch.int32):
+        bits = values.long()
+    else:
+        ends = torch.empty_like(starts)
+        ends[:-1] = starts[1:]
+        ends[-1:] = total
+        return torch.repeat_interleave(values, ends - starts, output_size=total)
+    delta = bits.clone()
+    delta[1:] -= bits[:-1]
+    out = torch.zeros(total, dtype=torch.int64, device=values.device)
+    out[starts] = delta
+    torch.cumsum(out, 0, out=out)
+    if dtype == torch.int64:
+        return out
+    out32 = out.to(torch.int32)
+    return out32.view(torch.float32) if dtype == torch.float32 else out32
+
+
 @dataclass(eq=False)
 class RolloutBatch:
     """Groups of rollouts as flat tensors.
@@ -129,31 +159,10 @@ class RolloutBatch:
         return self.per_token(torch.arange(self.num_rollouts, device=self.device))
 
     def per_token(self, values: torch.Tensor) -> torch.Tensor:
-        """Per-rollout ``values`` (B,) repeated over each rollout's tokens: a fresh (N,) tensor.
-
-        int64, int32 or float32. Differences of the values (of their bit patterns, for float32)
-        are scattered at the rollout starts and summed up: one cumulative sum, exact (integer
-        arithmetic), and cheaper than the index ``repeat_interleave`` builds and gathers by.
-        """
-        dtype = values.dtype
-        if dtype == torch.float32:
-            bits = values.view(torch.int32).long()
-        elif dtype in (torch.int64, torch.int32):
-            bits = values.long()
-        else:
-            raise TypeError(f"per_token takes int64, int32 or float32 values, not {dtype}")
+        """Per-rollout ``values`` (B,) repeated over each rollout's tokens: a fresh (N,) tensor
+        (int64, int32 or float32; see :func:`repeat_runs`)."""
         nonempty = self.lengths > 0
-        starts = self.offsets[:-1][nonempty]
-        vals = bits[nonempty]
-        delta = vals.clone()
-        delta[1:] -= vals[:-1]
-        out = torch.zeros(self.num_tokens, dtype=torch.int64, device=values.device)
-        out[starts] = delta
-        torch.cumsum(out, 0, out=out)
-        if dtype == torch.int64:
-            return out
-        out32 = out.to(torch.int32)
-        return out32.view(torch.float32) if dtype == torch.float32 else out32
+        return repeat_runs(values[nonempty], self.offsets[:-1][nonempty], self.num_tokens)
 
     @cached_property
     def group_sizes(self) -> torch.Tensor:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..batch import RolloutBatch
+from ..batch import RolloutBatch, repeat_runs
 from ..errors import RequestError
 from .baselines import group_sum
 from .fisher import fisher_two_sided_grouped, margin_grid
@@ -101,26 +101,46 @@ def cohens_h(
 
 
 def tf_saturation(
-    occurrences: torch.Tensor, length: torch.Tensor, avg_length: torch.Tensor, k1: float, b: float
+    occurrences: torch.Tensor, inv_length: torch.Tensor, k: torch.Tensor, k1: float
 ) -> torch.Tensor:
-    """BM25 term-frequency saturation s = f (k1 + 1) / (f + K), K = k1 (1 - b + b L / avg)."""
-    f = torch.where(length > 0, occurrences / length.clamp(min=1e-300), torch.zeros_like(length))
-    k = k1 * (1.0 - b + b * length / avg_length)
-    return torch.where(f > 0, f * (k1 + 1.0) / (f + k).clamp(min=1e-300), torch.zeros_like(f))
+    """BM25 term-frequency saturation s = f (k1 + 1) / (f + K), f = occurrences / L.
+
+    ``inv_length`` = 1 / L (0 for L = 0, so f = 0) and ``k`` = K > 0 come per table from its
+    group; with f = 0 the formula gives s = 0 without a special case.
+    """
+    f = occurrences * inv_length
+    return f * (k1 + 1.0) / (f + k)
+
+
+def tf_group_constants(
+    length: torch.Tensor, avg_length: torch.Tensor, k1: float, b: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group: 1 / L (0 where L = 0) and K = k1 (1 - b + b L / avg) (1 where it is 0: only
+    with b = 1 and L = 0, where f = 0 and s = 0 anyway)."""
+    inv = torch.where(length > 0, 1.0 / length.clamp(min=1e-300), torch.zeros_like(length))
+    k = k1 * (1.0 - b + b * length / avg_length.clamp(min=1e-300))
+    return inv, torch.where(k > 0, k, torch.ones_like(k))
 
 
 def tf_contrast(
     occ_c: torch.Tensor,
     occ_w: torch.Tensor,
+    group: torch.Tensor,
     len_c: torch.Tensor,
     len_w: torch.Tensor,
     k1: float,
     b: float,
 ) -> torch.Tensor:
-    """s_C / (s_W + 1e-5) - s_W / (s_C + 1e-5): does v occur more densely in correct rollouts?"""
+    """s_C / (s_W + 1e-5) - s_W / (s_C + 1e-5): does v occur more densely in correct rollouts?
+
+    occ_c, occ_w, group: per table (M,); len_c, len_w: total tokens of the correct and wrong
+    rollouts per group (G,), avg = (L_C + L_W) / 2.
+    """
     avg = (len_c + len_w) / 2.0
-    s_c = tf_saturation(occ_c, len_c, avg, k1, b)
-    s_w = tf_saturation(occ_w, len_w, avg, k1, b)
+    inv_c, k_c = tf_group_constants(len_c, avg, k1, b)
+    inv_w, k_w = tf_group_constants(len_w, avg, k1, b)
+    s_c = tf_saturation(occ_c, inv_c[group], k_c[group], k1)
+    s_w = tf_saturation(occ_w, inv_w[group], k_w[group], k1)
     return s_c / (s_w + TF_FLOOR) - s_w / (s_c + TF_FLOOR)
 
 
@@ -148,9 +168,13 @@ def key_token_score(
     strength: torch.Tensor, h: torch.Tensor, tf: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
     """kt = scale tanh(z / 2), z = strength (h + tf contrast)  (steps 5-7)."""
-    x = h if tf is None else h + tf
+    # In place on one fresh tensor: these are the largest arrays after the sort.
+    x = h + tf if tf is not None else h.clone()
+    x.mul_(strength).mul_(0.5).tanh_()
+    if scale != 1.0:
+        x.mul_(scale)
     # (+ 0.0 turns tanh(-0) into 0 so JSON shows no negative zeros)
-    return scale * torch.tanh(strength * x / 2.0) + 0.0
+    return x.add_(0.0)
 
 
 def association_lookup(
@@ -191,12 +215,13 @@ def _score(
     h: torch.Tensor,
     occ_c: torch.Tensor,
     occ_w: torch.Tensor,
+    group: torch.Tensor,
     len_c: torch.Tensor,
     len_w: torch.Tensor,
     params: Mapping[str, Any],
 ) -> torch.Tensor:
     tf = (
-        tf_contrast(occ_c, occ_w, len_c, len_w, params["tf_k1"], params["tf_b"])
+        tf_contrast(occ_c, occ_w, group, len_c, len_w, params["tf_k1"], params["tf_b"])
         if params["tf"]
         else None
     )
@@ -236,7 +261,7 @@ def _score_with_prior(
         torch.round(b).long(),
     )
     strength, h = association(a, b, n_c[g], n_w[g], p, params)
-    score[scored] = _score(strength, h, occ_c, occ_w, len_c[g], len_w[g], params)
+    score[scored] = _score(strength, h, occ_c, occ_w, g, len_c, len_w, params)
     return score
 
 
@@ -262,6 +287,7 @@ class KeyTokenTables:
     run: torch.Tensor
     keep: torch.Tensor | None
     num_tokens: int
+    starts: torch.Tensor | None = None  # int64 (M,): first sorted position of each table
 
     @classmethod
     def empty(cls, num_tokens: int, device: torch.device) -> KeyTokenTables:
@@ -274,7 +300,8 @@ class KeyTokenTables:
     def spread(self, values: torch.Tensor) -> torch.Tensor:
         """Per-table ``values`` (M,) -> per-token (N,), 0 at tokens that were not tabulated."""
         kept = torch.empty(self.order.numel(), dtype=values.dtype, device=values.device)
-        kept[self.order] = torch.repeat_interleave(values, self.run, output_size=kept.numel())
+        starts = self.starts if self.starts is not None else torch.cumsum(self.run, 0) - self.run
+        kept[self.order] = repeat_runs(values, starts, kept.numel())
         if self.keep is None:
             return kept
         out = torch.zeros(self.num_tokens, dtype=values.dtype, device=values.device)
@@ -299,32 +326,35 @@ def tabulate(
     correct: bool (B,). Tokens of rollouts where ``drop`` (bool (B,)) and token ids in ``ignore``
     are left out of the tables.
     """
-    tokens = batch.tokens.to(torch.int64, copy=True)  # modified in place below
+    tokens = batch.tokens
     vocab = None
-    # One int64 key per token, bit-packed as group | token id | correct | rank of the rollout in
-    # its group. Sorting it puts each table's tokens in one run, wrong before correct rollouts,
-    # and the tokens of one rollout next to each other.
+    # One key per token, bit-packed as group | token id | correct | rank of the rollout in its
+    # group. Sorting it puts each table's tokens in one run, wrong before correct rollouts, and
+    # the tokens of one rollout next to each other.
     rank_bits = max(1, (int(batch.group_sizes.max()) - 1).bit_length())
     group_bits = max(1, (batch.num_groups - 1).bit_length())
     vocab_bits = max(1, int(tokens.max()).bit_length()) if tokens.numel() else 1
     if group_bits + vocab_bits + 1 + rank_bits > KEY_BITS:  # huge ids: densify them first
-        vocab, tokens = torch.unique(tokens, return_inverse=True)
+        vocab, tokens = torch.unique(tokens.long(), return_inverse=True)
         vocab_bits = max(1, (vocab.numel() - 1).bit_length())
+    # int32 keys when they fit (a training batch's do): they sort faster and halve the memory
+    # every pass below moves. The sign bit stays free: negative keys mark dropped tokens.
+    key_dtype = torch.int32 if group_bits + vocab_bits + 1 + rank_bits <= 31 else torch.int64
     low_bits = 1 + rank_bits
     prefix = (
         (batch.group_index << (vocab_bits + low_bits))
         | (correct.long() << rank_bits)
         | batch.rank_in_group
-    )
+    ).to(key_dtype)
     if drop is not None:
-        prefix = prefix.masked_fill(drop, -1)  # a sign bit no real key has
+        prefix = prefix.masked_fill(drop, -1)
     key = batch.per_token(prefix)
     keep = key >= 0 if drop is not None else None
     if ignore is not None and ignore.numel():
         not_ignored = ~torch.isin(batch.tokens, ignore.to(batch.tokens.dtype))
         keep = not_ignored if keep is None else keep & not_ignored
     # (a multiply, not <<: the shift has no vectorised CPU kernel)
-    key |= tokens.mul_(1 << low_bits)
+    key |= tokens.to(key_dtype, copy=True).mul_(1 << low_bits)
     if keep is not None:
         key = key[keep]
     key, order = torch.sort(key)
@@ -343,7 +373,7 @@ def tabulate(
     a = _segment_sums(new_rollout & is_correct.bool(), starts, ends)
     present = _segment_sums(new_rollout, starts, ends)
     run = ends - starts
-    heads = table_key[starts]
+    heads = table_key[starts].long()
     token = heads & ((1 << vocab_bits) - 1)
     return KeyTokenTables(
         group=heads >> vocab_bits,
@@ -356,6 +386,7 @@ def tabulate(
         run=run,
         keep=keep,
         num_tokens=batch.num_tokens,
+        starts=starts,
     )
 
 
@@ -402,7 +433,7 @@ def ktae(batch: RolloutBatch, params: Mapping[str, Any], ctx: TermContext) -> Te
     if prior is None:
         g = tables.group
         strength, h = association_lookup(n_c, n_w, g, tables.a, tables.b, params)
-        score = _score(strength, h, tables.occ_c, tables.occ_w, len_c[g], len_w[g], params)
+        score = _score(strength, h, tables.occ_c, tables.occ_w, g, len_c, len_w, params)
     else:
         score = _score_with_prior(tables, prior, n_c, n_w, len_c, len_w, contrast, params)
     bonus = tables.spread(score.float())
