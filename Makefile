@@ -37,6 +37,7 @@ bench: install
 	$(BIN)/python bench/bench_estimators.py
 	$(BIN)/python bench/bench_grpc.py
 	$(BIN)/python bench/bench_http.py
+	$(BIN)/python bench/bench_stats.py
 	$(BIN)/python bench/bench_load.py
 
 lint: install
