@@ -21,22 +21,29 @@ from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field, create_model
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from .. import __version__, jsonio
-from ..api import compute as compute_in_process
 from ..auth import CHALLENGE, AuthError, Principal
 from ..config import Settings
 from ..engine import Engine, Saturated
 from ..errors import LimitExceeded, RequestError
-from ..estimators import OUTCOMES, TERMS, AdvantageResult, Param, presets, resolve_estimator
-from ..estimators.pipeline import all_diagnostics
-from ..estimators.spec import DEFAULT_PRESET, TOP_LEVEL_PARAMS
+from ..estimators import AdvantageResult
 from ..request import ComputeRequest, parse_request
 from ..response import build_response
 from . import arrow
+from .openapi import (
+    ADVANTAGE_RESPONSES,
+    AUTH_RESPONSES,
+    EstimatorListing,
+    Health,
+    Readiness,
+    TokenStats,
+    document_request_body,
+    error_content,
+    estimator_listing,
+)
 
 log = logging.getLogger("advantage_service.http")
 
@@ -44,333 +51,6 @@ JSON = "application/json"
 ARROW = arrow.MEDIA_TYPE
 # The transport label of GET /v1/stats/tokens in access lines and rejection counts.
 STATS_TRANSPORT = "http_stats"
-REF = "#/components/schemas/{model}"
-
-# ---- OpenAPI models (documentation and schema; the hot path never builds them) ----------------
-
-
-class ErrorDetail(BaseModel):
-    code: str = Field(description="stable machine-readable word, e.g. invalid_type")
-    message: str = Field(description="what is wrong, naming the value")
-    group_id: str | None = Field(None, description="the group of the offending value")
-    rollout_index: int | None = Field(None, description="the rollout's index within its group")
-    field: str | None = Field(None, description="the offending field, e.g. reward, logprobs")
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail
-
-    model_config = ConfigDict(
-        json_schema_extra={
-            "example": {
-                "error": {
-                    "code": "length_mismatch",
-                    "message": "logprobs has 2 values for 3 tokens",
-                    "group_id": "prompt-17",
-                    "rollout_index": 0,
-                    "field": "logprobs",
-                }
-            }
-        }
-    )
-
-
-TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
-LogProb = Annotated[float, Field(le=0.0)]
-
-
-class RolloutIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    tokens: list[TokenId] = Field(description="token ids of the completion")
-    reward: Annotated[float, Field(allow_inf_nan=False)] = Field(
-        description="verifier reward; correct means reward > 0"
-    )
-    logprobs: list[LogProb] | None = Field(
-        None, description="the policy's log-probability of each token (one per token)"
-    )
-    teacher_logprobs: dict[str, list[LogProb]] | None = Field(
-        None, description="condition name (e.g. pos, neg) -> log-probabilities, one per token"
-    )
-
-
-class GroupIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    id: str = Field(description="the group's (prompt's) id, unique in the request")
-    rollouts: list[RolloutIn] = Field(min_length=1)
-
-
-class AdvantageRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    request_id: str | None = Field(None, description="echoed back; generated when absent")
-    namespace: str = Field("default", min_length=1, max_length=128)
-    estimator: Any = Field(None, description="a preset name or an estimator object")
-    ignore_token_ids: list[int] | None = Field(
-        None, description="token ids KTAE ignores (end of text, padding)"
-    )
-    vocab_size: int | None = Field(None, ge=1, description="token ids must be below it")
-    return_: list[str] | None = Field(
-        None, alias="return", description="diagnostics to return beside advantages"
-    )
-    groups: list[GroupIn]
-
-
-class Summary(BaseModel):
-    tokens: int
-    rollouts: int
-    groups: int
-    zero_signal_groups: int = Field(description="groups whose rollouts all had the same reward")
-    device: str
-    compute_ms: float
-    history: Literal["none", "applied", "unavailable"]
-
-
-RolloutOut = create_model(  # type: ignore[call-overload]
-    "RolloutOut",
-    advantages=(list[float], Field(description="per-token advantages, float32")),
-    **{
-        name: (
-            float | None if name == "scalar" else list[float] | None,
-            Field(None, description="returned when asked for in `return`"),
-        )
-        for name in all_diagnostics()
-    },
-)
-
-
-class GroupOut(BaseModel):
-    id: str
-    rollouts: list[RolloutOut]  # type: ignore[valid-type]
-
-
-class AdvantageResponse(BaseModel):
-    request_id: str
-    namespace: str
-    estimator: dict[str, Any] = Field(description="the resolved estimator object")
-    groups: list[GroupOut]
-    summary: Summary
-
-
-class ParamInfo(BaseModel):
-    name: str
-    type: Literal["boolean", "number", "string"]
-    default: Any
-    description: str
-    nullable: bool
-    minimum: float | None = None
-    exclusive_minimum: float | None = None
-    maximum: float | None = None
-    choices: list[str] | None = None
-
-
-class OutcomeInfo(BaseModel):
-    name: str
-    description: str
-    formula: str
-    paper: str
-    parameters: list[ParamInfo]
-    whiten_default: bool
-    min_group_size: int
-
-
-class TermInfo(BaseModel):
-    name: str
-    description: str
-    formula: str
-    paper: str
-    parameters: list[ParamInfo]
-    diagnostics: list[str]
-
-
-class EstimatorListing(BaseModel):
-    default: str
-    presets: dict[str, dict[str, Any]] = Field(description="preset name -> resolved estimator")
-    outcomes: list[OutcomeInfo]
-    terms: list[TermInfo]
-    options: list[ParamInfo] = Field(description="estimator-level parameters (whiten, clip)")
-    diagnostics: list[str] = Field(description="names a request may list in `return`")
-
-
-class TokenStat(BaseModel):
-    token_id: int
-    correct_rollouts: int = Field(description="rollouts with reward > 0 containing the token")
-    wrong_rollouts: int = Field(description="rollouts with reward <= 0 containing the token")
-    occurrences: int
-    key_score: float | None = Field(description="mean KTAE score where KTAE scored the token")
-    mean_sensitivity: float | None = Field(description="mean CSCR sensitivity where CSCR ran")
-
-
-class TokenStats(BaseModel):
-    namespace: str
-    rollouts_counted: int
-    tokens: list[TokenStat]
-
-
-class Health(BaseModel):
-    status: Literal["ok"]
-
-
-class Readiness(BaseModel):
-    ready: bool
-    stats_store: Literal["memory", "up", "down"]
-    reason: str | None = None
-
-
-EXAMPLE_REQUEST: dict[str, Any] = {
-    "request_id": "3f6c2a",
-    "namespace": "default",
-    "estimator": "ktae",
-    "ignore_token_ids": [151643],
-    "vocab_size": 151936,
-    "return": ["scalar", "ktae_score"],
-    "groups": [
-        {
-            "id": "prompt-17",
-            "rollouts": [
-                {"tokens": [9707, 11, 1879], "reward": 1.0, "logprobs": [-0.1, -2.3, -0.7]},
-                {"tokens": [9707, 30], "reward": 0.0, "logprobs": [-0.2, -1.6]},
-            ],
-        }
-    ],
-}
-
-
-def param_json_schema(p: Param) -> dict[str, Any]:
-    """JSON Schema of one estimator parameter, from its registry declaration."""
-    kind = {bool: "boolean", float: "number", str: "string"}[p.kind]
-    schema: dict[str, Any] = {"type": kind, "description": p.doc}
-    if p.minimum is not None:
-        schema["exclusiveMinimum" if p.exclusive_minimum else "minimum"] = p.minimum
-    if p.maximum is not None:
-        schema["maximum"] = p.maximum
-    if p.choices is not None:
-        schema["enum"] = list(p.choices)
-    if p.nullable:
-        schema = {"anyOf": [schema, {"type": "null"}], "description": p.doc}
-    if p.default is not None or p.nullable:
-        schema["default"] = p.default
-    return schema
-
-
-def estimator_json_schema() -> dict[str, Any]:
-    """JSON Schema of the request's ``estimator`` field, generated from the registry."""
-    outcome_objects = [
-        {
-            "type": "object",
-            "title": f"outcome {name}",
-            "properties": {
-                "name": {"const": name},
-                **{p.name: param_json_schema(p) for p in outcome.params},
-            },
-            "required": ["name"],
-            "additionalProperties": False,
-        }
-        for name, outcome in OUTCOMES.items()
-    ]
-    outcome_schema = {"anyOf": [{"type": "string", "enum": list(OUTCOMES)}, *outcome_objects]}
-    properties: dict[str, Any] = {"outcome": outcome_schema}
-    for name, term in TERMS.items():
-        properties[name] = {
-            "anyOf": [
-                {
-                    "type": "object",
-                    "properties": {p.name: param_json_schema(p) for p in term.params},
-                    "additionalProperties": False,
-                },
-                {"type": "boolean"},
-                {"type": "null"},
-            ],
-            "description": f"{term.doc} ({term.paper}); true or {{}}: on with defaults",
-        }
-    properties.update({p.name: param_json_schema(p) for p in TOP_LEVEL_PARAMS})
-    return {
-        "anyOf": [
-            {"type": "string", "enum": sorted(presets()), "description": "a preset"},
-            {"type": "object", "properties": properties, "additionalProperties": False},
-            {"type": "null"},
-        ],
-        "description": f"a preset name or an estimator object (default: {DEFAULT_PRESET!r})",
-        "default": DEFAULT_PRESET,
-    }
-
-
-def request_json_schema() -> tuple[dict[str, Any], dict[str, Any]]:
-    """(the request schema, the component schemas it refers to)."""
-    schema = AdvantageRequest.model_json_schema(ref_template=REF, by_alias=True)
-    defs = schema.pop("$defs", {})
-    schema["properties"]["estimator"] = estimator_json_schema()
-    schema["properties"]["return"] = {
-        "anyOf": [
-            {"type": "array", "items": {"type": "string", "enum": list(all_diagnostics())}},
-            {"type": "null"},
-        ],
-        "description": "diagnostics to return beside advantages",
-    }
-    return schema, defs
-
-
-def estimator_listing() -> dict[str, Any]:
-    """Every outcome, term, preset and parameter, from the registry."""
-    return {
-        "default": DEFAULT_PRESET,
-        "presets": {name: resolve_estimator(name).to_dict() for name in presets()},
-        "outcomes": [
-            {
-                "name": o.name,
-                "description": o.doc,
-                "formula": o.formula,
-                "paper": o.paper,
-                "parameters": [p.describe() for p in o.params],
-                "whiten_default": o.whiten_default,
-                "min_group_size": o.min_group_size,
-            }
-            for o in OUTCOMES.values()
-        ],
-        "terms": [
-            {
-                "name": t.name,
-                "description": t.doc,
-                "formula": t.formula,
-                "paper": t.paper,
-                "parameters": [p.describe() for p in t.params],
-                "diagnostics": list(t.diagnostics),
-            }
-            for t in TERMS.values()
-        ],
-        "options": [p.describe() for p in TOP_LEVEL_PARAMS],
-        "diagnostics": list(all_diagnostics()),
-    }
-
-
-def _error_content(description: str) -> dict[str, Any]:
-    return {"model": ErrorResponse, "description": description}
-
-
-ADVANTAGE_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {
-        "model": AdvantageResponse,
-        "description": "per-token advantages; Arrow when Accept prefers " + ARROW,
-        "content": {ARROW: {"schema": {"type": "string", "format": "binary"}}},
-    },
-    401: _error_content("no bearer token, or one the service does not know"),
-    403: _error_content("the token does not allow the request's namespace"),
-    408: _error_content("the body did not arrive within ADV_BODY_TIMEOUT_SECONDS"),
-    413: _error_content("over ADV_MAX_BODY_BYTES, ADV_MAX_REQUEST_TOKENS or ADV_MAX_GROUP_SIZE"),
-    415: _error_content("Content-Type is neither application/json nor " + ARROW),
-    422: _error_content("a request the service will not compute; names group, rollout, field"),
-    429: {
-        **_error_content("ADV_MAX_INFLIGHT requests are computing; retry after Retry-After"),
-        "headers": {
-            "Retry-After": {"description": "seconds to wait", "schema": {"type": "integer"}}
-        },
-    },
-    504: _error_content("the computation took longer than ADV_REQUEST_TIMEOUT_SECONDS"),
-}
-# Routes behind the bearer token (the others: health, readiness, metrics, documentation).
-AUTH_RESPONSES: dict[int | str, dict[str, Any]] = {
-    401: ADVANTAGE_RESPONSES[401],
-    403: ADVANTAGE_RESPONSES[403],
-}
-
 
 # ---- content negotiation ------------------------------------------------------------------------
 
@@ -653,8 +333,8 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         response_model=TokenStats,
         responses={
             **AUTH_RESPONSES,
-            422: _error_content("an unknown order or an out-of-range limit"),
-            503: _error_content("the stats store (Redis) is unreachable; retry later"),
+            422: error_content("an unknown order or an out-of-range limit"),
+            503: error_content("the stats store (Redis) is unreachable; retry later"),
         },
         tags=["statistics"],
     )
@@ -714,50 +394,5 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     listing = estimator_listing()
-    _document_request_body(app)
+    document_request_body(app)
     return app
-
-
-def _document_request_body(app: FastAPI) -> None:
-    """Put the request schemas (JSON and Arrow) and real examples into /openapi.json."""
-    generate = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is not None:
-            return app.openapi_schema
-        schema = generate()
-        components = schema.setdefault("components", {}).setdefault("schemas", {})
-        request_schema, defs = request_json_schema()
-        components.update(defs)
-        components["AdvantageRequest"] = request_schema
-        operation = schema["paths"]["/v1/advantages"]["post"]
-        operation["requestBody"] = {
-            "required": True,
-            "content": {
-                JSON: {
-                    "schema": {"$ref": REF.format(model="AdvantageRequest")},
-                    "example": EXAMPLE_REQUEST,
-                },
-                ARROW: {
-                    "schema": {"type": "string", "format": "binary"},
-                    "description": (
-                        "one row per rollout: group_id utf8, reward float, tokens "
-                        "list<int32>, optional logprobs and teacher.<name> list<float32>; "
-                        "the other request fields as JSON in schema metadata advantage.request"
-                    ),
-                },
-            },
-        }
-        example = jsonio.loads(jsonio.dumps(compute_in_process(EXAMPLE_REQUEST, device="cpu")))
-        operation["responses"]["200"]["content"][JSON]["example"] = example
-        # The statistics an answer fed: a client (or a stateful test) can follow the link.
-        operation["responses"]["200"]["links"] = {
-            "TokenStatistics": {
-                "operationRef": "#/paths/~1v1~1stats~1tokens/get",
-                "parameters": {"namespace": "$response.body#/namespace"},
-                "description": "the vocabulary statistics of the request's namespace",
-            }
-        }
-        return schema
-
-    app.openapi = openapi  # type: ignore[method-assign]
