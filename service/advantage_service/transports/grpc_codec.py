@@ -1,0 +1,277 @@
+"""Messages of ``advantage.v1`` to and from the engine's types: raw little-endian tensors,
+requests, responses, errors (status codes and trailing metadata), and messages that do not
+parse."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from .. import jsonio
+from ..batch import RolloutBatch
+from ..engine import Saturated
+from ..errors import RequestError
+from ..estimators import AdvantageResult
+from ..request import ComputeRequest, parse_request
+from .grpc_gen import advantage_pb2 as pb
+from .openapi import EstimatorListing, estimator_listing
+
+TRANSPORT = "grpc"
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AdvantageService"].full_name
+
+# Wire dtype -> numpy dtype of the raw bytes (little-endian whatever the host).
+WIRE_DTYPES: dict[int, np.dtype[Any]] = {
+    pb.DTYPE_INT32: np.dtype("<i4"),
+    pb.DTYPE_INT64: np.dtype("<i8"),
+    pb.DTYPE_FLOAT32: np.dtype("<f4"),
+    pb.DTYPE_FLOAT64: np.dtype("<f8"),
+}
+# Trailing metadata keys of an error (values of -bin keys are UTF-8 bytes).
+ERROR_CODE_KEY = "advantage-error-code"
+GROUP_ID_KEY = "advantage-group-id-bin"
+ROLLOUT_INDEX_KEY = "advantage-rollout-index"
+FIELD_KEY = "advantage-field-bin"
+RETRY_AFTER_KEY = "retry-after"
+INTERNAL_MESSAGE = "internal error; see the service log"
+SHUTTING_DOWN = RequestError(
+    "shutting_down", "the service is shutting down; retry on another replica", status=503
+)
+
+
+# ---- arrays ------------------------------------------------------------------------------------
+
+
+def read_tensor(tensor: pb.Tensor, name: str, *, integer: bool, **where: Any) -> np.ndarray:
+    """The values of a wire tensor as a writable native array (int64 or float64 for integer
+    dtypes read as floats; the batch casts to its own dtypes)."""
+    dtype = WIRE_DTYPES.get(tensor.dtype)
+    if dtype is None:
+        given = pb.DType.Name(tensor.dtype) if tensor.dtype in pb.DType.values() else tensor.dtype
+        raise RequestError(
+            "invalid_type",
+            f"{name}.dtype must be one of {[pb.DType.Name(d) for d in WIRE_DTYPES]}, got {given}",
+            field=name,
+            **where,
+        )
+    if integer and dtype.kind != "i":
+        raise RequestError(
+            "invalid_type",
+            f"{name} must hold integers, got {pb.DType.Name(tensor.dtype)}",
+            field=name,
+            **where,
+        )
+    data = tensor.data  # each access of a bytes field makes a new bytes object: read it once
+    if len(data) % dtype.itemsize:
+        raise RequestError(
+            "invalid_shape",
+            f"{name} has {len(data)} bytes, not a whole number of "
+            f"{dtype.itemsize}-byte {pb.DType.Name(tensor.dtype)} values",
+            field=name,
+            **where,
+        )
+    raw = np.frombuffer(data, dtype=dtype)
+    # One copy into native order; it also makes the array writable, which torch wants.
+    return raw.astype(np.int64 if integer else dtype.newbyteorder("="), copy=True)
+
+
+def write_tensor(values: np.ndarray) -> pb.Tensor:
+    """A float32 or int64 array as a wire tensor."""
+    kind = pb.DTYPE_FLOAT32 if values.dtype.kind == "f" else pb.DTYPE_INT64
+    wire = WIRE_DTYPES[kind]
+    return pb.Tensor(dtype=kind, data=np.ascontiguousarray(values, dtype=wire).tobytes())
+
+
+# ---- requests and responses -------------------------------------------------------------------
+
+
+def options_object(options: pb.ComputeOptions, request_id: str = "") -> dict[str, Any]:
+    """The wire options as the HTTP JSON request's top-level fields (without ``groups``)."""
+    obj: dict[str, Any] = {}
+    if request_id:
+        obj["request_id"] = request_id
+    if options.namespace:
+        obj["namespace"] = options.namespace
+    which = options.WhichOneof("estimator")
+    if which == "preset":
+        obj["estimator"] = options.preset
+    elif which == "estimator_json":
+        try:
+            obj["estimator"] = jsonio.loads(options.estimator_json)
+        except RequestError as exc:
+            raise RequestError(
+                "invalid_json",
+                f"estimator_json is not valid JSON: {exc.message}",
+                field="estimator_json",
+            ) from exc
+    if options.ignore_token_ids:
+        obj["ignore_token_ids"] = list(options.ignore_token_ids)
+    if options.HasField("vocab_size"):
+        obj["vocab_size"] = int(options.vocab_size)
+    if options.returns:
+        obj["return"] = list(options.returns)
+    return obj
+
+
+def _required(message: Any, name: str) -> pb.Tensor:
+    if not message.HasField(name):
+        raise RequestError("missing_input", f"{name} is required", field=name)
+    tensor: pb.Tensor = getattr(message, name)
+    return tensor
+
+
+def decode_compute_request(request: pb.ComputeRequest) -> ComputeRequest:
+    """A unary request as a validated :class:`ComputeRequest` (the JSON contract's checks)."""
+
+    def batch_from_arrays(groups: Any, vocab_size: int | None) -> RolloutBatch:
+        return RolloutBatch.from_flat(
+            tokens=read_tensor(_required(request, "tokens"), "tokens", integer=True),
+            offsets=read_tensor(_required(request, "offsets"), "offsets", integer=True),
+            group_ids=list(request.group_ids),
+            group_index=read_tensor(_required(request, "group_index"), "group_index", integer=True),
+            rewards=read_tensor(_required(request, "rewards"), "rewards", integer=False),
+            logprobs=(
+                read_tensor(request.logprobs, "logprobs", integer=False)
+                if request.HasField("logprobs")
+                else None
+            ),
+            teacher_logprobs={
+                name: read_tensor(values, f"teacher_logprobs.{name}", integer=False)
+                for name, values in sorted(request.teacher_logprobs.items())
+            },
+            vocab_size=vocab_size,
+        )
+
+    return parse_request(
+        options_object(request.options, request.request_id), decode_groups=batch_from_arrays
+    )
+
+
+def summary_message(summary: Mapping[str, Any]) -> pb.Summary:
+    """The summary's fields the message has (a newer summary key is not an error here)."""
+    fields = pb.Summary.DESCRIPTOR.fields_by_name
+    return pb.Summary(**{k: v for k, v in summary.items() if k in fields and v is not None})
+
+
+def encode_compute_response(
+    req: ComputeRequest, result: AdvantageResult, summary: dict[str, Any]
+) -> pb.ComputeResponse:
+    """The unary response: flat arrays in the request's rollout order."""
+    batch = req.batch
+    response = pb.ComputeResponse(
+        request_id=req.request_id,
+        namespace=req.namespace,
+        estimator_json=jsonio.dumps(req.estimator.to_dict()),
+        group_ids=batch.group_ids,
+        group_index=write_tensor(batch.group_index.cpu().numpy()),
+        offsets=write_tensor(batch.offsets.cpu().numpy()),
+        advantages=write_tensor(result.advantages.cpu().numpy()),
+        summary=summary_message(summary),
+    )
+    for name in req.returns:
+        if name == "scalar":
+            response.scalars.CopyFrom(write_tensor(result.scalars.cpu().numpy()))
+        else:
+            response.diagnostics[name].CopyFrom(
+                write_tensor(result.diagnostics[name].cpu().numpy())
+            )
+    return response
+
+
+def estimators_message() -> pb.ListEstimatorsResponse:
+    # Through the HTTP response model, so the JSON is byte for byte what GET /v1/estimators
+    # answers (the model spells out the optional fields as null).
+    listing = EstimatorListing.model_validate(estimator_listing()).model_dump(mode="json")
+    return pb.ListEstimatorsResponse(
+        default_preset=listing["default"],
+        presets=sorted(listing["presets"]),
+        outcomes=[o["name"] for o in listing["outcomes"]],
+        terms=[t["name"] for t in listing["terms"]],
+        diagnostics=listing["diagnostics"],
+        listing_json=jsonio.dumps(listing),
+    )
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+
+# HTTP status of an error -> its gRPC status (422 and everything else: INVALID_ARGUMENT).
+STATUS_CODES = {
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+
+def status_code(exc: RequestError | Saturated) -> grpc.StatusCode:
+    """422 -> INVALID_ARGUMENT; 413 and saturation -> RESOURCE_EXHAUSTED; 401 ->
+    UNAUTHENTICATED; 403 -> PERMISSION_DENIED; 504 -> DEADLINE_EXCEEDED."""
+    if isinstance(exc, Saturated):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    return STATUS_CODES.get(exc.status, grpc.StatusCode.INVALID_ARGUMENT)
+
+
+def error_metadata(exc: RequestError | Saturated) -> tuple[tuple[str, str | bytes], ...]:
+    """Trailing metadata locating the error (keys in the .proto's header comment)."""
+    detail = exc.to_dict()
+    metadata: list[tuple[str, str | bytes]] = [(ERROR_CODE_KEY, detail["code"])]
+    if detail["group_id"] is not None:
+        metadata.append((GROUP_ID_KEY, str(detail["group_id"]).encode()))
+    if detail["rollout_index"] is not None:
+        metadata.append((ROLLOUT_INDEX_KEY, str(detail["rollout_index"])))
+    if detail["field"] is not None:
+        metadata.append((FIELD_KEY, str(detail["field"]).encode()))
+    if isinstance(exc, Saturated):
+        metadata.append((RETRY_AFTER_KEY, str(exc.retry_after)))
+    return tuple(metadata)
+
+
+def error_message(exc: RequestError) -> pb.Error:
+    error = pb.Error(
+        code=exc.code, message=exc.message, group_id=exc.group_id or "", field=exc.field or ""
+    )
+    if exc.rollout_index is not None:
+        error.rollout_index = exc.rollout_index
+    return error
+
+
+async def abort(context: grpc.aio.ServicerContext, exc: RequestError | Saturated) -> None:
+    """End the call with the error's status, message and trailing metadata (raises)."""
+    await context.abort(status_code(exc), exc.message, trailing_metadata=error_metadata(exc))
+
+
+# ---- messages that do not parse ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """A request message whose bytes are not the message (what the lenient deserializers give
+    instead of raising: gRPC would answer UNKNOWN, or INTERNAL inside a stream)."""
+
+    message: str
+
+    def error(self) -> RequestError:
+        return RequestError(
+            "invalid_protobuf",
+            f"the request message does not parse: {self.message}",
+            field="message",
+        )
+
+
+def lenient(parse: Any) -> Any:
+    """``parse`` (a message's FromString) that returns :class:`Malformed` on corrupt bytes."""
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError as exc:
+            return Malformed(str(exc))
+
+    return deserialize

@@ -1,0 +1,490 @@
+"""``StreamCompute``'s group assembly: rollouts arrive one by one, a group is computed as soon
+as its last rollout is in (one engine request, so its numbers are those of the group computed
+alone). Per stream it bounds the incomplete groups and the tokens they hold, and the responses
+outstanding (computing or not yet written): when that many are out it stops reading, so gRPC
+flow control holds the client back instead of the server buffering without end."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .. import jsonio
+from ..auth import Principal
+from ..batch import RolloutBatch
+from ..config import Settings
+from ..engine import UNKNOWN_ESTIMATOR, Saturated, Slot
+from ..errors import LimitExceeded, RequestError
+from ..estimators import AdvantageResult
+from ..request import ComputeRequest, parse_request
+from .grpc_codec import (
+    INTERNAL_MESSAGE,
+    TRANSPORT,
+    Malformed,
+    error_message,
+    options_object,
+    read_tensor,
+    summary_message,
+    write_tensor,
+)
+from .grpc_gen import advantage_pb2 as pb
+
+if TYPE_CHECKING:
+    from .grpc import AdvantageServicer
+
+log = logging.getLogger("advantage_service.grpc")
+
+# Stream limits when the settings do not carry them.
+DEFAULT_STREAM_MAX_PENDING_GROUPS = 4096
+# Longest wait between two tries for an admission slot for a completed stream group.
+ADMISSION_POLL_MAX_SECONDS = 0.02
+
+# ---- stream assembly ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StreamLimits:
+    """Per-stream bounds: incomplete groups, the tokens they hold, and responses outstanding
+    (computing or not yet written) before the stream stops reading."""
+
+    max_pending_groups: int = DEFAULT_STREAM_MAX_PENDING_GROUPS
+    max_pending_tokens: int = 8_388_608
+    max_outstanding: int = 8
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> StreamLimits:
+        # ADV_STREAM_MAX_PENDING_GROUPS / _TOKENS when the settings define them; by default a
+        # stream holds at most as many tokens as one request may carry.
+        return cls(
+            max_pending_groups=int(
+                getattr(settings, "stream_max_pending_groups", DEFAULT_STREAM_MAX_PENDING_GROUPS)
+            ),
+            max_pending_tokens=int(
+                getattr(settings, "stream_max_pending_tokens", settings.max_request_tokens)
+            ),
+            max_outstanding=2 * settings.max_inflight,
+        )
+
+
+@dataclass
+class _Rollout:
+    rollout_id: str
+    tokens: np.ndarray
+    reward: float
+    logprobs: np.ndarray | None
+    teacher_logprobs: dict[str, np.ndarray]
+
+
+@dataclass
+class _Group:
+    group_id: str
+    size: int
+    rollouts: list[_Rollout] = field(default_factory=list)
+    tokens: int = 0
+    completed_at: float = 0.0
+
+    @property
+    def rollout_ids(self) -> list[str]:
+        return [r.rollout_id for r in self.rollouts]
+
+    def batch(self, vocab_size: int | None) -> RolloutBatch:
+        """The group as a one-group flat batch, rollouts in arrival order."""
+        rollouts = self.rollouts
+        lengths = np.fromiter((r.tokens.size for r in rollouts), np.int64, len(rollouts))
+
+        def per_token(get: Any, name: str) -> np.ndarray:
+            values = []
+            for i, r in enumerate(rollouts):
+                v = get(r)
+                if v is None:
+                    raise RequestError(
+                        "missing_input",
+                        f"{name} is given for some rollouts but not this one; give it for "
+                        "every rollout or none",
+                        group_id=self.group_id,
+                        rollout_index=i,
+                        field=name,
+                    )
+                values.append(v)
+            return np.concatenate(values)
+
+        logprobs = (
+            per_token(lambda r: r.logprobs, "logprobs")
+            if any(r.logprobs is not None for r in rollouts)
+            else None
+        )
+        conditions = sorted({c for r in rollouts for c in r.teacher_logprobs})
+        return RolloutBatch.from_flat(
+            tokens=np.concatenate([r.tokens for r in rollouts]),
+            offsets=np.concatenate([[0], np.cumsum(lengths)]),
+            group_ids=[self.group_id],
+            group_index=np.zeros(len(rollouts), dtype=np.int64),
+            rewards=np.array([r.reward for r in rollouts], dtype=np.float64),
+            logprobs=logprobs,
+            teacher_logprobs={
+                c: per_token(lambda r, c=c: r.teacher_logprobs.get(c), f"teacher_logprobs.{c}")
+                for c in conditions
+            },
+            vocab_size=vocab_size,
+        )
+
+
+def decode_rollout(rollout: pb.Rollout, rollout_index: int) -> _Rollout:
+    """A stream rollout's arrays, checked against its own token count."""
+    where: dict[str, Any] = {"group_id": rollout.group_id, "rollout_index": rollout_index}
+    if not rollout.HasField("tokens"):
+        raise RequestError("missing_input", "tokens is required", field="tokens", **where)
+    if not rollout.HasField("reward"):
+        raise RequestError("missing_input", "reward is required", field="reward", **where)
+    tokens = read_tensor(rollout.tokens, "tokens", integer=True, **where)
+
+    def per_token(tensor: pb.Tensor, name: str) -> np.ndarray:
+        values = read_tensor(tensor, name, integer=False, **where)
+        if values.size != tokens.size:
+            raise RequestError(
+                "length_mismatch",
+                f"{name} has {values.size} values for {tokens.size} tokens",
+                field=name,
+                **where,
+            )
+        return values
+
+    return _Rollout(
+        rollout_id=rollout.rollout_id,
+        tokens=tokens,
+        reward=rollout.reward,
+        logprobs=(
+            per_token(rollout.logprobs, "logprobs") if rollout.HasField("logprobs") else None
+        ),
+        teacher_logprobs={
+            name: per_token(values, f"teacher_logprobs.{name}")
+            for name, values in rollout.teacher_logprobs.items()
+        },
+    )
+
+
+def encode_group_result(
+    group: _Group, req: ComputeRequest, result: AdvantageResult, summary: dict[str, Any]
+) -> pb.StreamResponse:
+    """A computed group: one RolloutResult per rollout, in arrival order."""
+    offsets = req.batch.offsets.cpu().numpy()
+    advantages = result.advantages.cpu().numpy()
+    scalars = result.scalars.cpu().numpy() if "scalar" in req.returns else None
+    diagnostics = {
+        name: result.diagnostics[name].cpu().numpy() for name in req.returns if name != "scalar"
+    }
+    out = pb.GroupResult(
+        group_id=group.group_id,
+        request_id=req.request_id,
+        estimator_json=jsonio.dumps(req.estimator.to_dict()),
+        summary=summary_message(summary),
+    )
+    for i, rollout in enumerate(group.rollouts):
+        start, end = int(offsets[i]), int(offsets[i + 1])
+        item = out.rollouts.add(
+            rollout_id=rollout.rollout_id,
+            rollout_index=i,
+            advantages=write_tensor(advantages[start:end]),
+        )
+        if scalars is not None:
+            item.scalar = float(scalars[i])
+        for name, values in diagnostics.items():
+            item.diagnostics[name].CopyFrom(write_tensor(values[start:end]))
+    return pb.StreamResponse(result=out)
+
+
+def group_error(group_id: str, exc: RequestError, rollout_ids: Sequence[str]) -> pb.StreamResponse:
+    return pb.StreamResponse(
+        error=pb.GroupError(
+            group_id=group_id, error=error_message(exc), rollout_ids=list(rollout_ids)
+        )
+    )
+
+
+class StreamEnd:
+    """The writer's stop mark; ``error`` set: end the call with it instead of OK."""
+
+    def __init__(self, error: RequestError | None = None, internal: bool = False) -> None:
+        self.error = error
+        self.internal = internal
+
+
+class StreamSession:
+    """One StreamCompute call: reads rollouts, assembles groups, computes them on the engine,
+    queues the answers for the handler to write."""
+
+    def __init__(self, servicer: AdvantageServicer, principal: Principal) -> None:
+        self.principal = principal
+        self.engine = servicer.engine
+        self.settings = servicer.settings
+        self.limits = servicer.limits
+        self.metrics = servicer.engine.metrics
+        self.template: ComputeRequest | None = None
+        self.pending: dict[str, _Group] = {}
+        self.pending_tokens = 0
+        # Groups answered with an error -> rollouts of theirs still expected (dropped).
+        self.failed: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self.out: asyncio.Queue[pb.StreamResponse | StreamEnd] = asyncio.Queue()
+        self.outstanding = asyncio.Semaphore(self.limits.max_outstanding)
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    # ---- reading ----------------------------------------------------------------------------
+
+    async def read(self, requests: AsyncIterator[pb.StreamRequest]) -> None:
+        """Consume the client's messages until it half-closes, then flush and mark the end."""
+        try:
+            first = True
+            async for message in requests:
+                if isinstance(message, Malformed):
+                    raise message.error()
+                kind = message.WhichOneof("kind")
+                if kind == "options":
+                    if not first:
+                        raise RequestError(
+                            "invalid_stream",
+                            "options may only be the first message of the stream",
+                            field="options",
+                        )
+                    self.template = self._template(options_object(message.options))
+                elif kind == "rollout":
+                    if self.template is None:
+                        self.template = self._template({})
+                    await self._add(message.rollout)
+                else:
+                    raise RequestError(
+                        "invalid_stream",
+                        "a stream message must carry options or a rollout",
+                        field="kind",
+                    )
+                first = False
+            await self._finish()
+        except RequestError as exc:
+            self._reject(exc)
+            self.out.put_nowait(StreamEnd(exc))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("internal error reading a stream")
+            self.out.put_nowait(StreamEnd(internal=True))
+
+    def _template(self, options: dict[str, Any]) -> ComputeRequest:
+        """The stream's options, checked once: every group's request is this with its batch."""
+        none = np.zeros(0, dtype=np.int64)
+        empty = RolloutBatch.from_flat(none, np.zeros(1, dtype=np.int64), [], none, none)
+        template = parse_request(options, decode_groups=lambda groups, vocab: empty)
+        # Every group of the stream is in this namespace: one check for the whole stream.
+        self.principal.authorize(template.namespace)
+        return template
+
+    async def _add(self, message: pb.Rollout) -> None:
+        gid = message.group_id
+        remaining = self.failed.get(gid)
+        if remaining is not None:
+            # The rest of a group already answered with an error: drop it quietly.
+            if remaining <= 1:
+                del self.failed[gid]
+            else:
+                self.failed[gid] = remaining - 1
+            return
+        group = self.pending.get(gid)
+        index = len(group.rollouts) if group is not None else 0
+        try:
+            group = self._open(message) if group is None else group
+            if message.group_size != group.size:
+                raise RequestError(
+                    "invalid_value",
+                    f"group_size is {message.group_size}, but earlier rollouts of the group "
+                    f"gave {group.size}",
+                    group_id=gid,
+                    rollout_index=index,
+                    field="group_size",
+                )
+            if message.rollout_id and message.rollout_id in group.rollout_ids:
+                raise RequestError(
+                    "duplicate_rollout",
+                    f"rollout_id {message.rollout_id!r} appears twice in the group",
+                    group_id=gid,
+                    rollout_index=index,
+                    field="rollout_id",
+                )
+            rollout = decode_rollout(message, index)
+            held = self.pending_tokens + rollout.tokens.size
+            if held > self.limits.max_pending_tokens:
+                raise LimitExceeded(
+                    f"incomplete groups on this stream would hold {held} tokens; the limit is "
+                    f"{self.limits.max_pending_tokens} (ADV_STREAM_MAX_PENDING_TOKENS): finish "
+                    "groups before sending more",
+                    group_id=gid,
+                    rollout_index=index,
+                    field="tokens",
+                )
+        except RequestError as exc:
+            await self._fail(gid, exc, message)
+            return
+        group.rollouts.append(rollout)
+        group.tokens += rollout.tokens.size
+        self.pending_tokens += rollout.tokens.size
+        if len(group.rollouts) == group.size:
+            self._close(group)
+            group.completed_at = time.perf_counter()
+            await self.outstanding.acquire()
+            task = asyncio.create_task(self._compute(group))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    def _open(self, message: pb.Rollout) -> _Group:
+        """A new pending group for the message's group id (checks id, size and the limit)."""
+        gid = message.group_id
+        if not gid:
+            raise RequestError(
+                "invalid_value", "group_id must be a non-empty string", field="group_id"
+            )
+        size = message.group_size
+        if size < 1:
+            raise RequestError(
+                "invalid_value",
+                "group_size must be at least 1",
+                group_id=gid,
+                rollout_index=0,
+                field="group_size",
+            )
+        if size > self.settings.max_group_size:
+            raise LimitExceeded(
+                f"group {gid!r} has {size} rollouts; the limit is "
+                f"{self.settings.max_group_size} (ADV_MAX_GROUP_SIZE)",
+                group_id=gid,
+                field="group_size",
+            )
+        if len(self.pending) >= self.limits.max_pending_groups:
+            raise LimitExceeded(
+                f"the stream has {len(self.pending)} incomplete groups; the limit is "
+                f"{self.limits.max_pending_groups} (ADV_STREAM_MAX_PENDING_GROUPS): finish "
+                "groups before starting more",
+                group_id=gid,
+                rollout_index=0,
+                field="group_id",
+            )
+        group = _Group(gid, size)
+        self.pending[gid] = group
+        self.metrics.stream_pending_groups.inc()
+        return group
+
+    def _close(self, group: _Group) -> None:
+        """Take a group out of the pending state (complete or failed)."""
+        if self.pending.pop(group.group_id, None) is not None:
+            self.pending_tokens -= group.tokens
+            self.metrics.stream_pending_groups.dec()
+
+    async def _fail(self, gid: str, exc: RequestError, message: pb.Rollout) -> None:
+        """Answer the group with ``exc``, drop what it holds, and drop its later rollouts."""
+        group = self.pending.get(gid)
+        ids = [*(group.rollout_ids if group is not None else []), message.rollout_id]
+        received = len(ids)
+        expected = group.size if group is not None else message.group_size
+        if group is not None:
+            self._close(group)
+        if gid and expected > received:
+            self.failed[gid] = expected - received
+            while len(self.failed) > self.limits.max_pending_groups:
+                self.failed.popitem(last=False)
+        self._reject(exc)
+        await self._answer(group_error(gid, exc, ids))
+
+    def _reject(self, exc: RequestError) -> None:
+        """Count a group answered with an error before it reached the engine."""
+        label = self.template.estimator.label if self.template is not None else UNKNOWN_ESTIMATOR
+        self.engine.record_rejection(
+            TRANSPORT,
+            exc.status,
+            exc.code,
+            label,
+            principal=self.principal,
+            namespace=self.template.namespace if self.template is not None else None,
+        )
+
+    async def _answer(self, response: pb.StreamResponse) -> None:
+        await self.outstanding.acquire()
+        self.out.put_nowait(response)
+
+    async def _finish(self) -> None:
+        """The client half-closed: let computing groups finish, then answer the incomplete."""
+        if self.tasks:
+            await asyncio.gather(*self.tasks)
+        for group in list(self.pending.values()):
+            self._close(group)
+            exc = RequestError(
+                "incomplete_group",
+                f"group {group.group_id!r} has {len(group.rollouts)} of its {group.size} "
+                "rollouts; the stream closed before the rest arrived",
+                group_id=group.group_id,
+                field="group_size",
+            )
+            self._reject(exc)
+            await self._answer(group_error(group.group_id, exc, group.rollout_ids))
+        self.out.put_nowait(StreamEnd())
+
+    # ---- computing --------------------------------------------------------------------------
+
+    async def _admit(self) -> Slot:
+        """An admission slot, waited for: a stream's completed group has nowhere to be retried
+        from, so it waits for a slot where a unary request would be refused. The wait is
+        bounded per stream by ``max_outstanding`` (the stream stops reading meanwhile)."""
+        delay = 0.001
+        while True:
+            if self.engine.inflight < self.settings.max_inflight:
+                with contextlib.suppress(Saturated):
+                    return self.engine.admit(TRANSPORT)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, ADMISSION_POLL_MAX_SECONDS)
+
+    async def _compute(self, group: _Group) -> None:
+        assert self.template is not None
+        template = self.template
+
+        def decode() -> ComputeRequest:
+            return dataclasses.replace(
+                template, batch=group.batch(template.vocab_size), request_id=uuid.uuid4().hex
+            )
+
+        try:
+            with await self._admit() as slot:
+                computed = await self.engine.compute(
+                    decode,
+                    TRANSPORT,
+                    encode=partial(encode_group_result, group),
+                    slot=slot,
+                    started=group.completed_at,
+                )
+            assert computed.encoded is not None
+            response = computed.encoded
+        except RequestError as exc:
+            response = group_error(group.group_id, exc, group.rollout_ids)
+        except asyncio.CancelledError:
+            self.outstanding.release()
+            raise
+        except Exception:
+            log.exception("internal error computing stream group %r", group.group_id)
+            internal = RequestError("internal", INTERNAL_MESSAGE, group_id=group.group_id)
+            response = group_error(group.group_id, internal, group.rollout_ids)
+        self.out.put_nowait(response)
+
+    # ---- teardown ---------------------------------------------------------------------------
+
+    def release(self) -> None:
+        """Free everything the stream holds (on any exit, cancellation included)."""
+        for task in list(self.tasks):
+            task.cancel()
+        for group in list(self.pending.values()):
+            self._close(group)
+        self.failed.clear()
