@@ -11,21 +11,7 @@ import pytest
 import torch
 from advantage_service import RolloutBatch, compute, compute_batch
 from advantage_service.estimators import ktae as ktae_module
-from oracle import random_request
-
-PRESETS = [
-    "grpo",
-    "dr_grpo",
-    "rloo",
-    "reinforce",
-    "reinforce_pp_baseline",
-    "opo",
-    "gpg",
-    "grpo_passk",
-    "ktae",
-    "cscr",
-    "opsd",
-]
+from oracle import PRESETS, random_request
 
 
 def run_cli(args: list[str], stdin: str) -> subprocess.CompletedProcess:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from advantage_service import compute, compute_batch
-from oracle import random_request
+from oracle import PRESETS, random_request
 
 pytestmark = [
     pytest.mark.cuda,
@@ -17,17 +17,7 @@ pytestmark = [
 ]
 
 ESTIMATORS = [
-    "grpo",
-    "dr_grpo",
-    "rloo",
-    "reinforce",
-    "reinforce_pp_baseline",
-    "opo",
-    "gpg",
-    "grpo_passk",
-    "ktae",
-    "cscr",
-    "opsd",
+    *PRESETS,
     {"outcome": "rloo", "ktae": {}, "cscr": {}, "opsd": {"clip": 0.5}, "whiten": True},
 ]
 

@@ -10,8 +10,7 @@ an exact, independent check of the history path end to end.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -21,14 +20,6 @@ from oracle import reference_compute
 from stats.redis_support import RedisServer
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis")
-    server.start()
-    yield server
-    server.stop()
 
 
 def visit(request_id: str, *, history: bool = True, decay: float = 1.0) -> dict[str, Any]:

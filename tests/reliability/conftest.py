@@ -12,7 +12,6 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from stats.redis_support import RedisServer
 from support import Service, Tls, make_tls, start_service
 
 
@@ -33,11 +32,3 @@ def service_factory(tmp_path: Path) -> Iterator[Callable[..., Service]]:
 @pytest.fixture(scope="session")
 def tls(tmp_path_factory: pytest.TempPathFactory) -> Tls:
     return make_tls(tmp_path_factory.mktemp("tls"))
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis")
-    server.start()
-    yield server
-    server.stop()

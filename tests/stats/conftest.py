@@ -6,9 +6,8 @@ The behavioural tests take ``store_factory``/``store`` and run once per backend 
 
 from __future__ import annotations
 
-import os
 import sys
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from advantage_service.stats import MemoryStatsStore, RedisStatsStore, StatsStore
-from redis_support import REDIS_SERVER, RedisServer
 
 StoreFactory = Callable[..., StatsStore]
 
@@ -25,17 +23,6 @@ StoreFactory = Callable[..., StatsStore]
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    """A fresh redis-server on a free port in a temporary directory, stopped after the test."""
-    if not os.path.exists(REDIS_SERVER):
-        pytest.skip("redis-server is not installed (OS package redis-server)")
-    server = RedisServer(tmp_path / "redis")
-    server.start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.integration)])
