@@ -6,10 +6,7 @@ The process is ``advantage-service serve``, which runs both transports on one en
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +16,8 @@ import numpy as np
 from advantage_service import presets, resolve_estimator
 from advantage_service.estimators import TERMS
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from process_support import free_port, poll
-from prometheus_client.parser import text_string_to_metric_families
+from process_support import ServiceProcess, launch_service
 
-STARTUP_SECONDS = 120.0
 ALL_PRESETS = sorted(presets())
 
 
@@ -36,77 +31,22 @@ def health_status(target: str, service: str = "") -> int | None:
             return None
 
 
-class Service:
+class Service(ServiceProcess):
     """One running service process with an HTTP port and a gRPC port."""
 
     def __init__(self, proc: subprocess.Popen[bytes], http_port: int, grpc_port: int, log: Path):
-        self.proc = proc
-        self.url = f"http://127.0.0.1:{http_port}"
+        url = f"http://127.0.0.1:{http_port}"
+        super().__init__(proc, url, log, httpx.Client(base_url=url, timeout=60.0))
         self.target = f"127.0.0.1:{grpc_port}"
-        self.log = log
-        self.http = httpx.Client(base_url=self.url, timeout=60.0)
 
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def wait_ready(self) -> None:
-        def ready() -> bool:
-            if self.proc.poll() is not None:
-                raise AssertionError(
-                    f"service exited with {self.proc.returncode} before ready:\n{self.output()}"
-                )
-            try:
-                http_ready = httpx.get(self.url + "/readyz", timeout=2.0).status_code == 200
-            except httpx.TransportError:
-                return False
-            return (
-                http_ready and health_status(self.target) == health_pb2.HealthCheckResponse.SERVING
-            )
-
-        poll(ready, STARTUP_SECONDS, "the service's /readyz and gRPC health")
-
-    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        """Every sample of /metrics: (name, sorted labels) -> value."""
-        text = self.http.get("/metrics").text
-        return {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text)
-            for s in family.samples
-        }
-
-    def gauge(self, name: str) -> float:
-        return self.metrics()[(name, ())]
-
-    def stop(self, timeout: float = 30.0) -> int:
-        self.http.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return int(self.proc.returncode)
+    def also_ready(self) -> bool:
+        return health_status(self.target) == health_pb2.HealthCheckResponse.SERVING
 
 
 def start_service(directory: Path, **settings: Any) -> Service:
     """A service on free ports, with ``ADV_<NAME>`` variables from ``settings``, on the CPU."""
-    http_port, grpc_port = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ADV_")}
-    env.update({f"ADV_{k.upper()}": str(v) for k, v in settings.items()})
-    env.update(ADV_DEVICE="cpu", ADV_HOST="127.0.0.1", ADV_LOG_LEVEL="warning")
-    ports = ["--http-port", str(http_port), "--grpc-port", str(grpc_port)]
-    command = [sys.executable, "-m", "advantage_service", "serve", *ports]
-    log = directory / f"service-{http_port}.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    service = Service(proc, http_port, grpc_port, log)
-    try:
-        service.wait_ready()
-    except BaseException:
-        service.proc.kill()
-        service.proc.wait(10)
-        raise
+    service = Service(*launch_service(directory, settings))
+    service.ready_or_killed()
     return service
 
 

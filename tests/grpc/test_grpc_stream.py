@@ -16,7 +16,8 @@ from advantage_client.grpc_client import options_message, rollout_message
 from advantage_client.grpc_gen import advantage_pb2 as pb
 from advantage_client.grpc_gen import advantage_pb2_grpc as pb_grpc
 from advantage_service import compute as compute_in_process
-from grpc_support import Service, diagnostics_for, poll, random_groups, stream_rollouts
+from grpc_support import Service, diagnostics_for, random_groups, stream_rollouts
+from process_support import poll
 
 pytestmark = pytest.mark.integration
 

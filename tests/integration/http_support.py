@@ -8,10 +8,7 @@ service's own encoders, so a symmetric codec bug cannot hide.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +17,9 @@ import numpy as np
 import pyarrow as pa
 from advantage_service import presets, resolve_estimator
 from advantage_service.estimators import TERMS
-from process_support import free_port, poll
-from prometheus_client.parser import text_string_to_metric_families
+from process_support import ServiceProcess, launch_service
 
 ARROW = "application/vnd.apache.arrow.stream"
-STARTUP_SECONDS = 120.0
 
 # The shared server's limits: small enough that the limit tests stay cheap.
 SHARED_SETTINGS = {
@@ -35,87 +30,20 @@ SHARED_SETTINGS = {
 }
 
 
-class Server:
-    """One running service process."""
+class Server(ServiceProcess):
+    """One running service process (HTTP at ``url``; ``client`` talks to it)."""
 
     def __init__(self, proc: subprocess.Popen[bytes], port: int, log: Path) -> None:
-        self.proc = proc
+        url = f"http://127.0.0.1:{port}"
+        super().__init__(proc, url, log, httpx.Client(base_url=url, timeout=60.0))
         self.port = port
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = log
-        self.client = httpx.Client(base_url=self.url, timeout=60.0)
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def wait_ready(self) -> None:
-        def ready() -> bool:
-            if self.proc.poll() is not None:
-                raise AssertionError(
-                    f"server exited with {self.proc.returncode} before ready:\n{self.output()}"
-                )
-            try:
-                return httpx.get(self.url + "/readyz", timeout=2.0).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        poll(ready, STARTUP_SECONDS, "the server's /readyz")
-
-    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        """Every sample of /metrics: (name, sorted labels) -> value."""
-        text = self.client.get("/metrics").text
-        return {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text)
-            for s in family.samples
-        }
-
-    def stop(self, timeout: float = 30.0) -> int:
-        self.client.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return int(self.proc.returncode)
+        self.client = self.http
 
 
 def start_server(directory: Path, **settings: Any) -> Server:
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ADV_")}
-    env.update({f"ADV_{k.upper()}": str(v) for k, v in settings.items()})
-    log = directory / f"server-{port}.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "advantage_service",
-                "serve",
-                "--host",
-                "127.0.0.1",
-                "--http-port",
-                str(port),
-                "--grpc-port",
-                str(free_port()),
-                "--device",
-                "cpu",
-                "--log-level",
-                "warning",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
+    proc, port, _, log = launch_service(directory, settings)
     server = Server(proc, port, log)
-    try:
-        server.wait_ready()
-    except BaseException:
-        server.proc.kill()
-        server.proc.wait(10)
-        raise
+    server.ready_or_killed()
     return server
 
 

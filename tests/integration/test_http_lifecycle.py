@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 from advantage_service import compute
-from http_support import Server, poll, random_request
+from http_support import Server, random_request
+from process_support import poll
 
 pytestmark = pytest.mark.integration
 

@@ -15,8 +15,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from http_support import Server, poll
+from http_support import Server
 from oracle import reference_compute
+from process_support import poll
 from stats.redis_support import RedisServer
 
 pytestmark = pytest.mark.integration

@@ -11,10 +11,8 @@ import datetime
 import ipaddress
 import json
 import os
-import signal
 import ssl
 import subprocess
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,11 +25,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from process_support import free_port, poll
-from prometheus_client.parser import text_string_to_metric_families
-
-STARTUP_SECONDS = 120.0
-
+from process_support import ServiceProcess, launch_service
 
 # ---- certificates -------------------------------------------------------------------------------
 
@@ -187,7 +181,7 @@ def bearer(token: str) -> dict[str, str]:
 # ---- the service --------------------------------------------------------------------------------
 
 
-class Service:
+class Service(ServiceProcess):
     """One running service process (HTTP and gRPC on one engine)."""
 
     def __init__(
@@ -199,22 +193,17 @@ class Service:
         tls: Tls | None,
         mutual: bool,
     ) -> None:
-        self.proc = proc
         self.http_port = http_port
         self.grpc_port = grpc_port
         self.scheme = "https" if tls is not None else "http"
-        self.url = f"{self.scheme}://127.0.0.1:{http_port}"
         self.target = f"127.0.0.1:{grpc_port}"
-        self.log = log
         self.tls = tls
         self.mutual = mutual
         verify: ssl.SSLContext | bool = (
             tls.client_context(client=mutual) if tls is not None else True
         )
-        self.http = httpx.Client(base_url=self.url, timeout=60.0, verify=verify)
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
+        url = f"{self.scheme}://127.0.0.1:{http_port}"
+        super().__init__(proc, url, log, httpx.Client(base_url=url, timeout=60.0, verify=verify))
 
     def channel(self, **options: Any) -> grpc.Channel:
         if self.tls is None:
@@ -231,31 +220,8 @@ class Service:
             except grpc.RpcError:
                 return None
 
-    def wait_ready(self) -> None:
-        def ready() -> bool:
-            if self.proc.poll() is not None:
-                raise AssertionError(
-                    f"service exited with {self.proc.returncode} before ready:\n{self.output()}"
-                )
-            try:
-                if self.http.get("/readyz", timeout=2.0).status_code != 200:
-                    return False
-            except httpx.TransportError:
-                return False
-            return self.grpc_health() == health_pb2.HealthCheckResponse.SERVING
-
-        poll(ready, STARTUP_SECONDS, "the service's /readyz and gRPC health")
-
-    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        text = self.http.get("/metrics").text
-        return {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text)
-            for s in family.samples
-        }
-
-    def gauge(self, name: str) -> float:
-        return self.metrics()[(name, ())]
+    def also_ready(self) -> bool:
+        return self.grpc_health() == health_pb2.HealthCheckResponse.SERVING
 
     def access_lines(self) -> list[dict[str, Any]]:
         """The JSON access lines the service has logged so far."""
@@ -267,44 +233,9 @@ class Service:
                     lines.append(record)
         return lines
 
-    def stop(self, timeout: float = 30.0) -> int:
-        self.http.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return int(self.proc.returncode)
 
-
-def service_command(http_port: int, grpc_port: int) -> list[str]:
-    ports = ["--http-port", str(http_port), "--grpc-port", str(grpc_port)]
-    return [sys.executable, "-m", "advantage_service", "serve", *ports]
-
-
-def service_env(settings: Mapping[str, Any]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ADV_")}
-    env.update(ADV_DEVICE="cpu", ADV_HOST="127.0.0.1", ADV_LOG_LEVEL="warning")
-    env.update({f"ADV_{k.upper()}": str(v) for k, v in settings.items()})
-    return env
-
-
-def launch(
-    directory: Path, settings: Mapping[str, Any]
-) -> tuple[subprocess.Popen[bytes], int, int, Path]:
-    """Start the process without waiting for it: (process, http port, grpc port, log)."""
-    http_port, grpc_port = free_port(), free_port()
-    log = directory / f"service-{http_port}.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            service_command(http_port, grpc_port),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=service_env(settings),
-        )
-    return proc, http_port, grpc_port, log
+# Tests that start a service they expect to fail use ``launch`` directly.
+launch = launch_service
 
 
 def start_service(
@@ -317,12 +248,7 @@ def start_service(
         settings.update(tls_cert=tls.server_cert, tls_key=tls.server_key)
         if mutual:
             settings["tls_client_ca"] = tls.ca
-    proc, http_port, grpc_port, log = launch(directory, settings)
+    proc, http_port, grpc_port, log = launch_service(directory, settings)
     service = Service(proc, http_port, grpc_port, log, tls, mutual)
-    try:
-        service.wait_ready()
-    except BaseException:
-        service.proc.kill()
-        service.proc.wait(10)
-        raise
+    service.ready_or_killed()
     return service

@@ -21,7 +21,8 @@ from advantage_service.engine import Engine, Saturated
 from advantage_service.errors import RequestError
 from advantage_service.metrics import Metrics
 from advantage_service.request import parse_request
-from support import Service, poll
+from process_support import poll
+from support import Service
 
 ARROW = "application/vnd.apache.arrow.stream"
 

@@ -17,7 +17,8 @@ from advantage_client.grpc_client import compute_request_message, options_messag
 from advantage_client.grpc_gen import advantage_pb2 as pb
 from advantage_client.grpc_gen import advantage_pb2_grpc as pb_grpc
 from advantage_client.http_client import arrow_request_body
-from support import Service, poll
+from process_support import poll
+from support import Service
 from test_deadline import big_request
 
 pytestmark = pytest.mark.integration

@@ -16,8 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from process_support import poll
 from stats.redis_support import RedisServer
-from support import Service, poll
+from support import Service
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
