@@ -6,6 +6,7 @@ loop, statistics hooks and metrics. No wire types here: a transport hands in a d
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import math
@@ -30,7 +31,7 @@ from .estimators import AdvantageResult, TermContext, resolve_device
 from .logs import access
 from .metrics import TOKEN_SAMPLE, Metrics
 from .request import ComputeRequest, parse_request
-from .stats import HistoryPrior, StatsStore, build_updates, history_query, make_store, wants_history
+from .stats import HistoryPrior, StatsStore, build_updates, make_store, prompt_ids, wants_history
 
 log = logging.getLogger("advantage_service.engine")
 
@@ -400,8 +401,13 @@ class Engine:
                     if principal is not None:
                         principal.authorize(req.namespace)
                     self.check_limits(req)
-                    context, history, prior = await self._read_history(req, slot)
-                    result, seconds = await self._run(slot, self._compute_sync, req, context)
+                    context, read = self._start_history_read(req)
+                    try:
+                        result, seconds = await self._run(slot, self._compute_sync, req, context)
+                        history, prior = await self._history_read(read)
+                    finally:
+                        if read is not None and not read.done():
+                            read.cancel()
                     summary = summarize(req, self.device, seconds * 1000.0, history)
                     self.metrics.compute_duration_seconds.labels(label, self.device.type).observe(
                         seconds
@@ -548,19 +554,40 @@ class Engine:
 
     # ---- statistics store ---------------------------------------------------------------------
 
-    async def _read_history(
-        self, req: ComputeRequest, slot: Slot | None = None
-    ) -> tuple[TermContext | None, str, HistoryPrior | None]:
-        """The TermContext to compute with, the summary's ``history`` value (``none``,
-        ``applied`` or ``unavailable``) and the prior read (None when not read)."""
+    def _start_history_read(
+        self, req: ComputeRequest
+    ) -> tuple[TermContext | None, asyncio.Task[HistoryPrior | None] | None]:
+        """Start reading the request's KTAE history (when it asked for it) and return the
+        TermContext to compute with and the read.
+
+        The read needs only the prompt ids, so the computation starts at once: KTAE builds its
+        tables while the read is in flight and waits for the prior only when it merges it (the
+        context holds a future of it, resolved to None when the read fails or is cancelled, so
+        the worker never waits on a read that will not finish).
+        """
         if not wants_history(req):
-            return None, "none", None
-        query = await self._run(slot, history_query, req.batch, req.ignore_token_ids)
-        prior = await self.store.read_history(req.namespace, query)
-        if prior is None:  # store down: compute without history, write none back
-            return None, "unavailable", None
-        context = TermContext(ktae_prior=prior.to(self.device), collect_ktae_tables=True)
-        return context, "applied", prior
+            return None, None
+        read = asyncio.get_running_loop().create_task(
+            self.store.read_history(req.namespace, prompt_ids(req.batch))
+        )
+        pending: concurrent.futures.Future[HistoryPrior | None] = concurrent.futures.Future()
+
+        def resolve(task: asyncio.Task[HistoryPrior | None]) -> None:
+            prior = None if task.cancelled() or task.exception() else task.result()
+            pending.set_result(None if prior is None else prior.to(self.device))
+
+        read.add_done_callback(resolve)
+        return TermContext(ktae_prior=pending, collect_ktae_tables=True), read
+
+    async def _history_read(
+        self, read: asyncio.Task[HistoryPrior | None] | None
+    ) -> tuple[str, HistoryPrior | None]:
+        """The summary's ``history`` value (``none``, ``applied`` or ``unavailable``) and the
+        prior read (None when not read, or the store was down: then no history is written)."""
+        if read is None:
+            return "none", None
+        prior = await read
+        return ("unavailable", None) if prior is None else ("applied", prior)
 
     def _write_stats(
         self, req: ComputeRequest, result: AdvantageResult, prior: HistoryPrior | None

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import oracle
 import pytest
+import torch
 from advantage_service.api import compute_request
 from advantage_service.estimators import AdvantageResult, TermContext
 from advantage_service.request import ComputeRequest, parse_request
@@ -18,7 +19,7 @@ from advantage_service.stats import (
     StatsUpdate,
     TokenStatsUpdate,
     build_updates,
-    history_query,
+    prompt_ids,
     wants_history,
 )
 
@@ -38,8 +39,7 @@ async def serve(store: StatsStore, body: dict[str, Any]) -> Served:
     req = parse_request(body)
     prior, history = None, "none"
     if wants_history(req):
-        query = history_query(req.batch, req.ignore_token_ids)
-        prior = await store.read_history(req.namespace, query)
+        prior = await store.read_history(req.namespace, prompt_ids(req.batch))
         history = "applied" if prior is not None else "unavailable"
     context = TermContext(ktae_prior=prior, collect_ktae_tables="ktae" in req.estimator.terms)
     result = compute_request(req, "cpu", context)
@@ -47,6 +47,16 @@ async def serve(store: StatsStore, body: dict[str, Any]) -> Served:
     request_id = req.request_id if req.client_request_id else None
     counted = await store.record(req.namespace, request_id, update)
     return Served(req, result, prior, history, counted, update)
+
+
+def assert_same_stored(first: HistoryPrior, second: HistoryPrior) -> None:
+    """Two priors read the same stored history (totals, token ids and values) per prompt."""
+    assert torch.equal(first.n_c, second.n_c) and torch.equal(first.len_w, second.len_w)
+    for one, other in zip(first.stored, second.stored, strict=True):
+        assert (one is None) == (other is None)
+        if one is not None:
+            assert np.array_equal(one.tokens, other.tokens)
+            assert np.array_equal(one.values, other.values)
 
 
 def assert_token_stats_are_the_sum(

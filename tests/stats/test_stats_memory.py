@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from advantage_service.request import parse_request
-from advantage_service.stats import MemoryStatsStore, history_query
+from advantage_service.stats import MemoryStatsStore, prompt_ids
 from stats_helpers import random_groups, serve
 
 pytestmark = pytest.mark.anyio
@@ -22,7 +22,7 @@ async def test_memory_entries_expire_after_the_ttl() -> None:
         "groups": random_groups(rng, ["p"]),
     }
     assert (await serve(store, body)).counted
-    query = history_query(parse_request(body).batch)
+    query = prompt_ids(parse_request(body).batch)
     clock[0] += 59
     assert not (await serve(store, body)).counted
     prior = await store.read_history("ns", query)
@@ -52,9 +52,9 @@ async def test_memory_store_stays_bounded_and_forgets_the_oldest_prompts_first()
         assert store.history_bytes <= 4_000
     assert len(store._requests) <= 50
     assert len(store._tokens) <= 3
-    newest = history_query(parse_request({**body, "groups": random_groups(rng, ["p-39"])}).batch)
+    newest = prompt_ids(parse_request({**body, "groups": random_groups(rng, ["p-39"])}).batch)
     prior = await store.read_history("ns-4", newest)
     assert prior is not None and float(prior.n_c[0] + prior.n_w[0]) > 0, "newest kept"
-    oldest = history_query(parse_request({**body, "groups": random_groups(rng, ["p-0"])}).batch)
+    oldest = prompt_ids(parse_request({**body, "groups": random_groups(rng, ["p-0"])}).batch)
     prior = await store.read_history("ns-0", oldest)
     assert prior is not None and float(prior.n_c[0] + prior.n_w[0]) == 0.0, "oldest evicted"

@@ -30,6 +30,8 @@ P_IS_ONE = 1.0 - 1e-6
 KEY_BITS = 63
 # The reference's floor in the term-frequency ratio; it lets z reach ~1e5 (hence tanh, not exp).
 TF_FLOOR = 1e-5
+# Floor of divisors and logarithms' arguments (x log x at 0 is then 0 * finite = 0).
+TINY = 1e-300
 
 PARAMS = (
     Param("correct_threshold", float, 0.0, "a rollout is correct when its reward is above this"),
@@ -69,35 +71,56 @@ def fisher_factor(p: torch.Tensor) -> torch.Tensor:
     return torch.where(p >= P_IS_ONE, torch.zeros_like(p), torch.exp(-2.0 * p))
 
 
-def binary_entropy(k: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """Entropy in bits of a k-of-n split, 0 log 0 = 0 (and 0 for n = 0)."""
-    q = k / n.clamp(min=1e-300)
-    r = 1.0 - q
-
-    def plogp(x: torch.Tensor) -> torch.Tensor:
-        return torch.where(x > 0, x * torch.log2(x.clamp(min=1e-300)), torch.zeros_like(x))
-
-    return torch.where(n > 0, -(plogp(q) + plogp(r)), torch.zeros_like(q))
+def xlog2x(x: torch.Tensor) -> torch.Tensor:
+    """x log2 x elementwise, 0 at x = 0 (x >= 0): one fresh tensor, no masks."""
+    return x.clamp(min=TINY).log2_().mul_(x)
 
 
 def information_gain(
-    a: torch.Tensor, b: torch.Tensor, n_c: torch.Tensor, n_w: torch.Tensor
+    a: torch.Tensor,
+    b: torch.Tensor,
+    n_c: torch.Tensor,
+    n_w: torch.Tensor,
+    group: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """IG = H(Y) - H(Y | X) in bits: Y correct/wrong, X token present."""
+    """IG = H(Y) - H(Y | X) in bits: Y correct/wrong, X token present.
+
+    With c = n_c - a, d = n_w - b, P = a + b, Q = c + d, n = P + Q (0 log 0 = 0):
+    n IG = n log n - n_c log n_c - n_w log n_w - P log P - Q log Q + a log a + b log b
+    + c log c + d log d: six logarithms per table and none of the entropies' divisions. n_c, n_w
+    broadcast against a, b, or are per group (G,) when ``group`` (M,) maps tables to groups (the
+    terms that depend on the group alone are then computed once per group).
+    """
     n = n_c + n_w
-    present, absent = a + b, n - a - b
-    h_y = binary_entropy(n_c, n)
-    h_y_x = (present * binary_entropy(a, present) + absent * binary_entropy(n_c - a, absent)) / n
-    return h_y - h_y_x
+    n_h_y = xlog2x(n).sub_(xlog2x(n_c)).sub_(xlog2x(n_w))
+    inv_n = torch.where(n > 0, 1.0 / n.clamp(min=TINY), torch.zeros_like(n))
+    if group is not None:
+        n_c, n_w, n = (t.index_select(0, group) for t in (n_c, n_w, n))
+        n_h_y, inv_n = n_h_y.index_select(0, group), inv_n.index_select(0, group)
+    present = a + b
+    s = xlog2x(a).add_(xlog2x(b)).sub_(xlog2x(present))
+    # (the clamps remove float rounding below 0 of differences that are >= 0 exactly)
+    s.add_(xlog2x((n_c - a).clamp_(min=0.0))).add_(xlog2x((n_w - b).clamp_(min=0.0)))
+    s.sub_(xlog2x((n - present).clamp_(min=0.0)))
+    return s.add_(n_h_y).mul_(inv_n)
 
 
 def cohens_h(
-    a: torch.Tensor, b: torch.Tensor, n_c: torch.Tensor, n_w: torch.Tensor
+    a: torch.Tensor,
+    b: torch.Tensor,
+    n_c: torch.Tensor,
+    n_w: torch.Tensor,
+    group: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Cohen's h between presence rates in correct and wrong rollouts: the direction."""
-    return torch.asin(torch.sqrt((a / n_c).clamp(0, 1))) - torch.asin(
-        torch.sqrt((b / n_w).clamp(0, 1))
-    )
+    """Cohen's h between presence rates in correct and wrong rollouts: the direction.
+
+    n_c, n_w as in :func:`information_gain` (per group when ``group`` is given)."""
+    inv_c = torch.where(n_c > 0, 1.0 / n_c.clamp(min=TINY), torch.zeros_like(n_c))
+    inv_w = torch.where(n_w > 0, 1.0 / n_w.clamp(min=TINY), torch.zeros_like(n_w))
+    if group is not None:
+        inv_c, inv_w = inv_c.index_select(0, group), inv_w.index_select(0, group)
+    rate_c = (a * inv_c).clamp_(0.0, 1.0).sqrt_().asin_()
+    return rate_c.sub_((b * inv_w).clamp_(0.0, 1.0).sqrt_().asin_())
 
 
 def tf_saturation(
@@ -109,7 +132,7 @@ def tf_saturation(
     group; with f = 0 the formula gives s = 0 without a special case.
     """
     f = occurrences * inv_length
-    return f * (k1 + 1.0) / (f + k)
+    return (f * (k1 + 1.0)).div_(f.add_(k))
 
 
 def tf_group_constants(
@@ -117,8 +140,8 @@ def tf_group_constants(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per group: 1 / L (0 where L = 0) and K = k1 (1 - b + b L / avg) (1 where it is 0: only
     with b = 1 and L = 0, where f = 0 and s = 0 anyway)."""
-    inv = torch.where(length > 0, 1.0 / length.clamp(min=1e-300), torch.zeros_like(length))
-    k = k1 * (1.0 - b + b * length / avg_length.clamp(min=1e-300))
+    inv = torch.where(length > 0, 1.0 / length.clamp(min=TINY), torch.zeros_like(length))
+    k = k1 * (1.0 - b + b * length / avg_length.clamp(min=TINY))
     return inv, torch.where(k > 0, k, torch.ones_like(k))
 
 
@@ -139,9 +162,13 @@ def tf_contrast(
     avg = (len_c + len_w) / 2.0
     inv_c, k_c = tf_group_constants(len_c, avg, k1, b)
     inv_w, k_w = tf_group_constants(len_w, avg, k1, b)
-    s_c = tf_saturation(occ_c, inv_c[group], k_c[group], k1)
-    s_w = tf_saturation(occ_w, inv_w[group], k_w[group], k1)
-    return s_c / (s_w + TF_FLOOR) - s_w / (s_c + TF_FLOOR)
+
+    def per_table(t: torch.Tensor) -> torch.Tensor:
+        return t.index_select(0, group)
+
+    s_c = tf_saturation(occ_c, per_table(inv_c), per_table(k_c), k1)
+    s_w = tf_saturation(occ_w, per_table(inv_w), per_table(k_w), k1)
+    return (s_c / (s_w + TF_FLOOR)).sub_(s_w.div_(s_c.add_(TF_FLOOR)))
 
 
 def association(
@@ -151,17 +178,21 @@ def association(
     n_w: torch.Tensor,
     p: torch.Tensor,
     params: Mapping[str, Any],
+    group: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(strength, direction) of a table: ((w_F F + w_IG IG) / (w_F + w_IG), Cohen's h).
 
-    0 for both where the group has no contrast (no correct or no wrong rollout)."""
+    0 for both where the group has no contrast (no correct or no wrong rollout). n_c, n_w
+    broadcast against a, b, or are per group (G,) when ``group`` (M,) maps tables to groups."""
     w_f, w_ig = params["fisher_weight"], params["ig_weight"]
-    strength = (w_f * fisher_factor(p) + w_ig * information_gain(a, b, n_c, n_w)) / (w_f + w_ig)
+    strength = fisher_factor(p).mul_(w_f)
+    strength.add_(information_gain(a, b, n_c, n_w, group), alpha=w_ig).div_(w_f + w_ig)
+    h = cohens_h(a, b, n_c, n_w, group)
     contrast = (n_c > 0) & (n_w > 0)
-    zero = torch.zeros_like(strength)
-    return torch.where(contrast, strength, zero), torch.where(
-        contrast, cohens_h(a, b, n_c, n_w), zero
-    )
+    if group is not None:
+        contrast = contrast.index_select(0, group)
+    no_contrast = ~contrast.expand_as(strength)
+    return strength.masked_fill_(no_contrast, 0.0), h.masked_fill_(no_contrast, 0.0)
 
 
 def key_token_score(
@@ -235,34 +266,28 @@ def _score_with_prior(
     n_w: torch.Tensor,
     len_c: torch.Tensor,
     len_w: torch.Tensor,
-    contrast: torch.Tensor,
     params: Mapping[str, Any],
 ) -> torch.Tensor:
-    """Scores of tables whose counts include decayed history (fractional counts).
+    """Scores of tables whose counts include decayed history (fractional counts; n_c, n_w,
+    len_c, len_w: the merged per-group totals).
 
-    Only tables of groups with contrast (after merging) are scored: the others are 0 and, with
-    history, are tabulated only so that their counts can be written back.
+    Every table is scored elementwise (with history nearly every group has contrast; those
+    without score 0 through :func:`association`); the per-group terms are computed per group.
     """
-    score = torch.zeros(tables.group.numel(), dtype=torch.float64, device=tables.group.device)
-    scored = torch.nonzero(contrast[tables.group]).squeeze(1)
-    if scored.numel() == 0:
-        return score
-    g = tables.group[scored]
-    # (looked up for every table: the store answers exactly these pairs without a search)
-    pa, pb, poc, pow_ = prior.lookup(tables.group, tables.token)
-    a, b = tables.a[scored] + pa[scored], tables.b[scored] + pb[scored]
-    occ_c, occ_w = tables.occ_c[scored] + poc[scored], tables.occ_w[scored] + pow_[scored]
+    g = tables.group
+    # float64 (M, 4): the prior's a, b, occ_c, occ_w of each table, 0 for tokens it lacks.
+    merged = prior.lookup(g, tables.token)
+    merged[:, 0] += tables.a
+    merged[:, 1] += tables.b
+    merged[:, 2] += tables.occ_c
+    merged[:, 3] += tables.occ_w
+    a, b, occ_c, occ_w = (column.contiguous() for column in merged.unbind(1))
     # The exact test needs whole tables: decayed counts are rounded for it (only for it).
     p = fisher_two_sided_grouped(
-        torch.round(n_c).long(),
-        torch.round(n_w).long(),
-        g,
-        torch.round(a).long(),
-        torch.round(b).long(),
+        n_c.round().long(), n_w.round().long(), g, a.round().long(), b.round().long()
     )
-    strength, h = association(a, b, n_c[g], n_w[g], p, params)
-    score[scored] = _score(strength, h, occ_c, occ_w, g, len_c, len_w, params)
-    return score
+    strength, h = association(a, b, n_c, n_w, p, params, group=g)
+    return _score(strength, h, occ_c, occ_w, g, len_c, len_w, params)
 
 
 # ---- the batched contingency tables -----------------------------------------------------------
@@ -408,18 +433,12 @@ def ktae(batch: RolloutBatch, params: Mapping[str, Any], ctx: TermContext) -> Te
     lengths = batch.lengths.double()
     len_c = group_sum(batch, lengths * correct)
     len_w = group_sum(batch, lengths) - len_c
-    prior = ctx.ktae_prior
-    if prior is not None:
-        n_c, n_w, len_c, len_w = (
-            n_c + prior.n_c,
-            n_w + prior.n_w,
-            len_c + prior.len_c,
-            len_w + prior.len_w,
-        )
-
     contrast = (n_c > 0) & (n_w > 0)
     drop = None
-    if not ctx.collect_ktae_tables and not bool(contrast.all()):
+    # With history every group is tabulated: its merged counts may have the contrast its own
+    # lack, and its counts are written back.
+    with_history = ctx.ktae_prior is not None
+    if not ctx.collect_ktae_tables and not with_history and not bool(contrast.all()):
         # Groups without both correct and wrong rollouts score 0: skip their tokens entirely.
         drop = ~contrast[batch.group_index]
     if batch.num_tokens == 0 or (drop is not None and bool(drop.all())):
@@ -430,12 +449,20 @@ def ktae(batch: RolloutBatch, params: Mapping[str, Any], ctx: TermContext) -> Te
             bonus=bonus, diagnostics={"ktae_score": bonus}, extras={"tables": empty, "score": score}
         )
     tables = tabulate(batch, correct, drop, ctx.ignore_token_ids)
+    # A history read still in flight has had the tabulation's time to arrive.
+    prior = ctx.resolve_ktae_prior()
     if prior is None:
         g = tables.group
         strength, h = association_lookup(n_c, n_w, g, tables.a, tables.b, params)
         score = _score(strength, h, tables.occ_c, tables.occ_w, g, len_c, len_w, params)
     else:
-        score = _score_with_prior(tables, prior, n_c, n_w, len_c, len_w, contrast, params)
+        n_c, n_w, len_c, len_w = (
+            n_c + prior.n_c,
+            n_w + prior.n_w,
+            len_c + prior.len_c,
+            len_w + prior.len_w,
+        )
+        score = _score_with_prior(tables, prior, n_c, n_w, len_c, len_w, params)
     bonus = tables.spread(score.float())
     out = TermOutput(bonus=bonus, diagnostics={"ktae_score": bonus})
     # The tables and their scores feed vocabulary statistics and history (see stats/).

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,10 +177,17 @@ class TermContext:
 
     ignore_token_ids: torch.Tensor | None = None  # int64 (K,) on the batch's device
     vocab_size: int | None = None
-    # KTAE history merged into the current counts (see stats/); None keeps reference parity.
+    # KTAE history merged into the current counts (see stats/); None keeps reference parity. A
+    # ``concurrent.futures.Future`` of one (its result None: history unavailable) lets the store's
+    # read run while KTAE builds its tables: the term waits for it only when it needs the counts.
     ktae_prior: Any = None
     # Keep every group's KTAE tables (for history and statistics), not only those with contrast.
     collect_ktae_tables: bool = False
+
+    def resolve_ktae_prior(self) -> Any:
+        """The KTAE prior, waiting for it if it is still being read (None: no history)."""
+        prior = self.ktae_prior
+        return prior.result() if isinstance(prior, Future) else prior
 
 
 @dataclass

@@ -11,14 +11,13 @@ from typing import Any
 from .base import (
     ORDERS,
     HistoryPrior,
-    HistoryQuery,
     HistoryUpdate,
     StatsStore,
     StatsUpdate,
     StoreStatus,
     TokenStatsUpdate,
     build_updates,
-    history_query,
+    prompt_ids,
     wants_history,
 )
 from .memory import DEFAULT_TTL_SECONDS, MemoryStatsStore
@@ -42,7 +41,6 @@ __all__ = [
     "DEFAULT_TTL_SECONDS",
     "ORDERS",
     "HistoryPrior",
-    "HistoryQuery",
     "HistoryUpdate",
     "MemoryStatsStore",
     "RedisStatsStore",
@@ -51,7 +49,7 @@ __all__ = [
     "StoreStatus",
     "TokenStatsUpdate",
     "build_updates",
-    "history_query",
     "make_store",
+    "prompt_ids",
     "wants_history",
 ]

@@ -46,14 +46,13 @@ the store's first write claims the id, and writes of a request that did not clai
 
 The engine's order of calls, per request:
 
-1. ``query = history_query(req.batch, req.ignore_token_ids)`` (only when ``wants_history(req)``;
-   tensor work: on a compute worker);
-2. ``prior = await store.read_history(req.namespace, query)``: None means the store is down,
-   ``summary.history = "unavailable"``; otherwise ``"applied"``;
-3. compute with ``TermContext(ktae_prior=prior.to(device) if prior else None,
-   collect_ktae_tables="ktae" in req.estimator.terms)``;
-4. answer;
-5. ``update = build_updates(req, result, prior)`` (tensor work: on a compute worker) and
+1. only when ``wants_history(req)``: start ``store.read_history(req.namespace, prompt_ids)``
+   (the batch's prompt ids; it answers None when the store is down, ``summary.history =
+   "unavailable"``, otherwise ``"applied"``), and at once
+2. compute with ``TermContext(ktae_prior=<a future of the prior>, collect_ktae_tables=True)``:
+   KTAE builds its tables while the read is in flight and waits for it only then;
+3. answer;
+4. ``update = build_updates(req, result, prior)`` (tensor work: on a compute worker) and
    ``await store.record(req.namespace, req.request_id if req.client_request_id else None,
    update)``, scheduled after the answer so that writes never delay it.
 """
@@ -72,7 +71,7 @@ from ..estimators import AdvantageResult
 from ..estimators.cscr import sensitivity
 from ..estimators.ktae import KeyTokenTables
 from ..request import ComputeRequest
-from .blobs import TOKEN_DTYPE, VALUE_DTYPE, PromptHistory, TokenStatsUpdate, merge_history
+from .blobs import VALUE_DTYPE, PromptHistory, TokenStatsUpdate, merge_history
 
 # (group, token) keys pack the token id (< 2^31, see batch.INT32_LIMIT) into the low 32 bits.
 TOKEN_BITS = 32
@@ -87,92 +86,16 @@ def wants_history(req: ComputeRequest) -> bool:
     return ktae is not None and ktae["history"] != "none"
 
 
-# ---- what a visit reads ---------------------------------------------------------------------
+def prompt_ids(batch: RolloutBatch) -> list[str]:
+    """The prompt id of each group, the key of its history (the group id when none was given)."""
+    return list(batch.prompt_ids or batch.group_ids)
 
 
-@dataclass
-class HistoryQuery:
-    """The (prompt, token id) pairs a request's KTAE looks up, grouped by prompt (CSR layout).
+# ---- what a visit reads: the prior KTAE merges -------------------------------------------------
 
-    ``prompt_ids``: G strings in the batch's group order; ``offsets``: int64 (G+1,);
-    ``tokens``: int64 (K,), ascending within each prompt, prompt g owning
-    ``tokens[offsets[g]:offsets[g + 1]]``.
-    """
-
-    prompt_ids: list[str]
-    offsets: np.ndarray
-    tokens: np.ndarray
-
-    def tokens_of(self, g: int) -> np.ndarray:
-        return self.tokens[self.offsets[g] : self.offsets[g + 1]]
-
-
-def history_query(
-    batch: RolloutBatch, ignore_token_ids: Sequence[int] | None = None
-) -> HistoryQuery:
-    """The distinct (group, token id) pairs of ``batch`` outside ``ignore_token_ids``: exactly
-    the tables KTAE builds, so every lookup it makes is answered.
-
-    Token ids are a vocabulary's, so the pairs are usually marked in a dense (group, token id)
-    bitmap, whose nonzero positions come out sorted: no sort of the batch's tokens. Sparse ids
-    (a bitmap much larger than the batch) fall back to one sort.
-    """
-    prompt_ids = list(batch.prompt_ids or batch.group_ids)
-    if batch.tokens.device.type == "cpu":
-        return _history_query_numpy(batch, ignore_token_ids, prompt_ids)
-    return _history_query_torch(batch, ignore_token_ids, prompt_ids)
-
-
-def _history_query_torch(
-    batch: RolloutBatch, ignore_token_ids: Sequence[int] | None, prompt_ids: list[str]
-) -> HistoryQuery:
-    """``history_query`` on the batch's device (an accelerator)."""
-    g_count = batch.num_groups
-    tokens = batch.tokens.long()
-    group = batch.group_index[batch.rollout_of_token]
-    if ignore_token_ids:
-        keep = ~torch.isin(tokens, torch.as_tensor(list(ignore_token_ids), device=tokens.device))
-        tokens, group = tokens[keep], group[keep]
-    vocab = int(tokens.max()) + 1 if tokens.numel() else 1
-    if g_count * vocab <= max(8 * tokens.numel(), 1 << 16):
-        present = torch.zeros(g_count * vocab, dtype=torch.bool, device=tokens.device)
-        present[group * vocab + tokens] = True
-        flat = torch.nonzero(present).squeeze(1)
-        bounds = torch.arange(g_count + 1, device=flat.device) * vocab
-        offsets = torch.searchsorted(flat, bounds)
-        pair_tokens = flat % vocab
-    else:
-        keys = torch.unique((group << TOKEN_BITS) | tokens)
-        counts = torch.bincount(keys >> TOKEN_BITS, minlength=g_count)
-        offsets = torch.zeros(g_count + 1, dtype=torch.int64, device=counts.device)
-        offsets[1:] = torch.cumsum(counts, 0)
-        pair_tokens = keys & ((1 << TOKEN_BITS) - 1)
-    return HistoryQuery(prompt_ids, offsets.cpu().numpy(), pair_tokens.cpu().numpy())
-
-
-def _history_query_numpy(
-    batch: RolloutBatch, ignore_token_ids: Sequence[int] | None, prompt_ids: list[str]
-) -> HistoryQuery:
-    """``history_query`` on the CPU: numpy's scatter and nonzero are ~3x torch's there."""
-    tokens = batch.tokens.numpy()
-    group = np.repeat(batch.group_index.numpy(), batch.lengths.numpy())
-    if ignore_token_ids:
-        keep = ~np.isin(tokens, np.asarray(list(ignore_token_ids), np.int64))
-        tokens, group = tokens[keep], group[keep]
-    g_count = batch.num_groups
-    vocab = int(tokens.max()) + 1 if tokens.size else 1
-    if g_count * vocab <= max(8 * tokens.size, 1 << 16):
-        present = np.zeros(g_count * vocab, bool)
-        present[group.astype(np.int64) * vocab + tokens] = True
-        flat = np.flatnonzero(present)
-        offsets = np.searchsorted(flat, np.arange(g_count + 1) * vocab)
-        return HistoryQuery(prompt_ids, offsets, flat % vocab)
-    keys = np.unique((group.astype(np.int64) << TOKEN_BITS) | tokens)
-    offsets = np.searchsorted(keys >> TOKEN_BITS, np.arange(g_count + 1))
-    return HistoryQuery(prompt_ids, offsets, keys & ((1 << TOKEN_BITS) - 1))
-
-
-# ---- the prior KTAE merges -----------------------------------------------------------------
+# Largest token id for which a lookup marks stored rows in a dense scratch array (16 MiB of
+# int32); beyond it (sparse ids), a binary search per prompt.
+DENSE_LOOKUP_LIMIT = 1 << 22
 
 
 @dataclass
@@ -180,84 +103,100 @@ class HistoryPrior:
     """Decayed counts from earlier visits, in the form ``ktae()`` merges.
 
     ``n_c``, ``n_w``, ``len_c``, ``len_w``: float64 (G,) per group of the batch (0 for a group
-    without history). ``keys``: int64 (K,) ascending, group << 32 | token id; ``values``:
-    float64 (K, 4) a, b, occ_c, occ_w of each key. ``stored``: per group, the prompt's whole
-    stored history as read (None: none), which the write merges into; it stays on the CPU.
+    without history). ``stored``: per group, the prompt's whole stored history as read (None:
+    none); it stays on the CPU. KTAE asks it for the rows of its tables (:meth:`lookup`), and
+    the write merges the request's counts into it.
+
+    The read needs only the prompt ids, so it can run while KTAE builds its tables.
     """
 
     n_c: torch.Tensor
     n_w: torch.Tensor
     len_c: torch.Tensor
     len_w: torch.Tensor
-    keys: torch.Tensor
-    values: torch.Tensor
-    stored: list[PromptHistory | None] | None = None
+    stored: list[PromptHistory | None]
+
+    @classmethod
+    def from_stored(cls, stored: Sequence[PromptHistory | None]) -> HistoryPrior:
+        """The prior of a batch whose group g has the stored history ``stored[g]``."""
+        totals = np.zeros((len(stored), 4), np.float64)
+        for g, history in enumerate(stored):
+            if history is not None:
+                totals[g] = history.totals
+        columns = torch.from_numpy(totals).T.contiguous()
+        return cls(columns[0], columns[1], columns[2], columns[3], list(stored))
 
     @property
     def num_groups(self) -> int:
         return int(self.n_c.numel())
 
+    @property
+    def rows(self) -> int:
+        """Stored (prompt, token id) rows the read brought."""
+        return sum(h.rows for h in self.stored if h is not None)
+
     def to(self, device: torch.device | str) -> HistoryPrior:
-        """The same prior with its tensors on ``device`` (the batch's)."""
-        n_c, n_w, len_c, len_w, keys, values = (
-            t.to(device, non_blocking=True)
-            for t in (self.n_c, self.n_w, self.len_c, self.len_w, self.keys, self.values)
+        """The same prior with its totals on ``device`` (the batch's)."""
+        n_c, n_w, len_c, len_w = (
+            t.to(device, non_blocking=True) for t in (self.n_c, self.n_w, self.len_c, self.len_w)
         )
-        return HistoryPrior(n_c, n_w, len_c, len_w, keys, values, self.stored)
+        return HistoryPrior(n_c, n_w, len_c, len_w, self.stored)
 
-    def lookup(
-        self, group: torch.Tensor, token: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Prior a, b, occ_c, occ_w (float64 (M,) each) of (group, token id) pairs (int64 (M,)),
-        zeros where there is none. One searchsorted over the sorted keys, none when the pairs
-        are exactly the prior's keys (KTAE's tables of the query's batch)."""
-        query = (group.long() << TOKEN_BITS) | token.long()
-        if query.shape == self.keys.shape and torch.equal(query, self.keys):
-            a, b, occ_c, occ_w = self.values.unbind(1)
-            return a, b, occ_c, occ_w
-        if self.keys.numel() == 0:
-            zero = torch.zeros(query.shape, dtype=torch.float64, device=query.device)
-            return zero, zero, zero, zero
-        idx = torch.searchsorted(self.keys, query).clamp(max=self.keys.numel() - 1)
-        found = self.keys[idx] == query
-        values = torch.where(found[:, None], self.values[idx], torch.zeros_like(self.values[idx]))
-        a, b, occ_c, occ_w = values.unbind(1)
-        return a, b, occ_c, occ_w
+    def lookup(self, group: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """Prior a, b, occ_c, occ_w of (group, token id) pairs (int64 (M,) each): float64
+        (M, 4) on ``group``'s device, zeros where there is none.
 
-
-def prior_from_stored(query: HistoryQuery, stored: Sequence[PromptHistory | None]) -> HistoryPrior:
-    """The prior of ``query`` from each of its prompts' stored history (None: none): per prompt
-    one searchsorted of the query's tokens in the stored token ids."""
-    g_count = len(query.prompt_ids)
-    totals = np.zeros((g_count, 4), np.float64)
-    values = np.zeros((query.tokens.size, 4), np.float64)
-    for g, history in enumerate(stored):
-        if history is None:
-            continue
-        totals[g] = history.totals
-        lo, hi = int(query.offsets[g]), int(query.offsets[g + 1])
-        if hi == lo or not history.rows:
-            continue
-        want = query.tokens[lo:hi].astype(TOKEN_DTYPE)
-        idx = np.searchsorted(history.tokens, want)
-        np.minimum(idx, history.rows - 1, out=idx)
-        block = values[lo:hi]
-        block[...] = history.values[idx]
-        block[history.tokens[idx] != want] = 0.0
+        Per prompt, each pair marks its position at its token id in a dense scratch array, and
+        every stored row reads the mark at its own token id back: O(stored rows + pairs), no
+        sort and no search, every array walked in order except the scratch (sparse ids beyond
+        ``DENSE_LOOKUP_LIMIT`` take a binary search instead). Marks left by other prompts are
+        told apart by checking the pair's token id. Pairs sorted by group (KTAE's tables are)
+        need no permutation.
+        """
+        g = group.cpu().numpy()
+        t = token.cpu().numpy()
+        found = np.zeros((g.size, 4), VALUE_DTYPE)
+        histories = [(i, h) for i, h in enumerate(self.stored) if h is not None and h.rows]
+        if g.size == 0 or not histories:
+            return torch.zeros((g.size, 4), dtype=torch.float64, device=group.device)
+        order = None
+        if not bool((g[1:] >= g[:-1]).all()):
+            order = np.argsort(g, kind="stable")
+            g, t = g[order], t[order]
+        bounds = np.searchsorted(g, np.arange(self.num_groups + 1))
+        vocab = max([int(t.max())] + [int(h.tokens[-1]) for _, h in histories])
+        dense = vocab < DENSE_LOOKUP_LIMIT
+        scratch = np.zeros(vocab + 1 if dense else 0, np.int32)
+        positions = np.arange(g.size, dtype=np.int32)
+        # One 16-byte item per row (four float32): rows move as single elements.
+        rows_out = found.view(np.complex128).reshape(-1)
+        for i, history in histories:
+            lo, hi = int(bounds[i]), int(bounds[i + 1])
+            if hi == lo:
+                continue
+            stored_tokens = history.tokens
+            if dense:
+                scratch[t[lo:hi]] = positions[lo:hi]
+                pos = scratch[stored_tokens]
+                np.clip(pos, lo, hi - 1, out=pos)
+                rows = np.flatnonzero(t[pos] == stored_tokens)
+                at = pos[rows]
+            else:
+                want = t[lo:hi]
+                idx = np.minimum(np.searchsorted(stored_tokens, want), history.rows - 1)
+                at = np.flatnonzero(stored_tokens[idx] == want)
+                rows, at = idx[at], at + lo
+            values = np.ascontiguousarray(history.values, VALUE_DTYPE)
+            rows_out[at] = values.view(np.complex128).reshape(-1)[rows]
+        if order is not None:
+            unsorted = np.empty_like(found)
+            unsorted[order] = found
+            found = unsorted
+        prior = torch.from_numpy(found).to(group.device, torch.float64)
         # a <= n_c etc. hold exactly; the clamp only removes the float32 rounding of stored
         # values, so the rounded Fisher table stays a valid table.
-        np.minimum(block, history.totals, out=block)
-    group = np.repeat(np.arange(g_count, dtype=np.int64), np.diff(query.offsets))
-    totals_t = torch.from_numpy(totals)
-    return HistoryPrior(
-        n_c=totals_t[:, 0].clone(),
-        n_w=totals_t[:, 1].clone(),
-        len_c=totals_t[:, 2].clone(),
-        len_w=totals_t[:, 3].clone(),
-        keys=torch.from_numpy((group << TOKEN_BITS) | query.tokens.astype(np.int64, copy=False)),
-        values=torch.from_numpy(values),
-        stored=list(stored),
-    )
+        totals = torch.stack([self.n_c, self.n_w, self.len_c, self.len_w], 1).to(group.device)
+        return torch.minimum(prior, totals.index_select(0, group), out=prior)
 
 
 # ---- what a request writes ------------------------------------------------------------------
@@ -290,25 +229,6 @@ def _empty_tables(device: torch.device) -> KeyTokenTables:
     return KeyTokenTables(i, i, f, f, f, f, i, i, None, 0)
 
 
-def _stored_of(prior: HistoryPrior) -> list[PromptHistory | None]:
-    """What the prior says is stored per group: its ``stored`` as read, else (a prior built by
-    hand) its own keys and values."""
-    if prior.stored is not None:
-        return prior.stored
-    keys = prior.keys.cpu().numpy()
-    values = prior.values.cpu().numpy()
-    totals = torch.stack([prior.n_c, prior.n_w, prior.len_c, prior.len_w], 1).cpu().numpy()
-    bounds = np.searchsorted(keys >> TOKEN_BITS, np.arange(prior.num_groups + 1))
-    return [
-        PromptHistory(
-            totals[g],
-            (keys[lo:hi] & ((1 << TOKEN_BITS) - 1)).astype(TOKEN_DTYPE),
-            values[lo:hi].astype(VALUE_DTYPE),
-        )
-        for g, (lo, hi) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True))
-    ]
-
-
 def _history_update(
     batch: RolloutBatch,
     tables: KeyTokenTables,
@@ -333,7 +253,7 @@ def _history_update(
     keys_np, current_np = keys.cpu().numpy(), current.cpu().numpy()
     bounds = np.searchsorted(keys_np >> TOKEN_BITS, np.arange(g_count + 1)).tolist()
     totals_np = totals.cpu().numpy()
-    stored = _stored_of(prior)
+    stored = prior.stored
     token_mask = (1 << TOKEN_BITS) - 1
     prompts = [
         merge_history(
@@ -345,7 +265,7 @@ def _history_update(
         )
         for g in range(g_count)
     ]
-    return HistoryUpdate(prompt_ids=list(batch.prompt_ids or batch.group_ids), prompts=prompts)
+    return HistoryUpdate(prompt_ids=prompt_ids(batch), prompts=prompts)
 
 
 def _distinct_tokens(
@@ -511,9 +431,10 @@ class StatsStore(Protocol):
         """``memory`` (embedded), ``up`` or ``down`` (Redis, as of the last operation)."""
         ...
 
-    async def read_history(self, namespace: str, query: HistoryQuery) -> HistoryPrior | None:
-        """The prior for the query's prompts (tensors on the CPU; ``.to(device)`` them), zeros
-        for prompts without history; None when the store is unreachable."""
+    async def read_history(self, namespace: str, prompt_ids: Sequence[str]) -> HistoryPrior | None:
+        """The prior of a batch whose groups have these prompt ids (tensors on the CPU;
+        ``.to(device)`` them), zeros for prompts without history; None when the store is
+        unreachable."""
         ...
 
     async def record(self, namespace: str, request_id: str | None, update: StatsUpdate) -> bool:
@@ -538,15 +459,13 @@ class StatsStore(Protocol):
 __all__ = [
     "ORDERS",
     "HistoryPrior",
-    "HistoryQuery",
     "HistoryUpdate",
     "StatsStore",
     "StatsUpdate",
     "StoreStatus",
     "TokenStatsUpdate",
     "build_updates",
-    "history_query",
-    "prior_from_stored",
+    "prompt_ids",
     "token_stats_response",
     "wants_history",
 ]

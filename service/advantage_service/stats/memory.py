@@ -16,16 +16,14 @@ so a long run forgets its oldest prompts instead of growing.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .base import (
     HistoryPrior,
-    HistoryQuery,
     StatsUpdate,
     StoreStatus,
     check_order,
-    prior_from_stored,
     token_stats_response,
 )
 from .blobs import (
@@ -88,11 +86,12 @@ class MemoryStatsStore:
         self._tokens.clear()
         self._requests.clear()
 
-    async def read_history(self, namespace: str, query: HistoryQuery) -> HistoryPrior | None:
+    async def read_history(self, namespace: str, prompt_ids: Sequence[str]) -> HistoryPrior | None:
         now = self._now()
-        entries = [self._history.get((namespace, prompt)) for prompt in query.prompt_ids]
-        stored = [e[1] if e is not None and e[0] > now else None for e in entries]
-        return prior_from_stored(query, stored)
+        entries = [self._history.get((namespace, prompt)) for prompt in prompt_ids]
+        return HistoryPrior.from_stored(
+            [e[1] if e is not None and e[0] > now else None for e in entries]
+        )
 
     async def record(self, namespace: str, request_id: str | None, update: StatsUpdate) -> bool:
         now = self._now()

@@ -58,7 +58,7 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 from urllib.parse import quote
 
@@ -70,14 +70,12 @@ from redis.exceptions import RedisError
 
 from .base import (
     HistoryPrior,
-    HistoryQuery,
     OnDuration,
     OnError,
     OnUp,
     StatsUpdate,
     StoreStatus,
     check_order,
-    prior_from_stored,
     token_stats_response,
 )
 from .blobs import (
@@ -300,18 +298,17 @@ class RedisStatsStore:
 
     # ---- history ---------------------------------------------------------------------------
 
-    async def read_history(self, namespace: str, query: HistoryQuery) -> HistoryPrior | None:
+    async def read_history(self, namespace: str, prompt_ids: Sequence[str]) -> HistoryPrior | None:
         if self._skipping("read_history"):
             return None
-        keys = [self.history_key(namespace, prompt).encode() for prompt in query.prompt_ids]
+        keys = [self.history_key(namespace, prompt).encode() for prompt in prompt_ids]
         commands = [_command(b"GET", key) for key in keys]
         try:
             blobs = await self._call("read_history", lambda: self._execute(self._client, commands))
         except _Unavailable:
             return None
-        return await asyncio.to_thread(
-            lambda: prior_from_stored(query, [decode_history(b) for b in blobs])
-        )
+        # (views into the received bytes: no copy, no worker thread needed)
+        return HistoryPrior.from_stored([decode_history(b) for b in blobs])
 
     # ---- writes ----------------------------------------------------------------------------
 

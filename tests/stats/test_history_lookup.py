@@ -1,0 +1,84 @@
+"""``HistoryPrior.lookup``: the stored rows of (group, token id) pairs, checked against a lookup
+in plain dictionaries, on both of its paths (dense token ids and sparse ones)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from advantage_service.stats import HistoryPrior
+from advantage_service.stats.base import DENSE_LOOKUP_LIMIT
+from advantage_service.stats.blobs import TOKEN_DTYPE, VALUE_DTYPE, PromptHistory
+
+
+def random_history(rng: np.random.Generator, id_space: int, rows: int) -> PromptHistory:
+    tokens = np.unique(rng.integers(0, id_space, size=rows)).astype(TOKEN_DTYPE)
+    values = (rng.integers(0, 9, size=(tokens.size, 4)) * 0.25).astype(VALUE_DTYPE)
+    totals = values.max(axis=0).astype(np.float64) + rng.integers(0, 3, size=4)
+    return PromptHistory(totals, tokens, values)
+
+
+def slow_lookup(
+    stored: list[PromptHistory | None], group: np.ndarray, token: np.ndarray
+) -> np.ndarray:
+    rows = {
+        (g, int(t)): np.minimum(h.values[i].astype(np.float64), h.totals)
+        for g, h in enumerate(stored)
+        if h is not None
+        for i, t in enumerate(h.tokens)
+    }
+    return np.array(
+        [rows.get((int(g), int(t)), np.zeros(4)) for g, t in zip(group, token, strict=True)]
+    ).reshape(-1, 4)
+
+
+@pytest.mark.parametrize("id_space", [60, 5_000, DENSE_LOOKUP_LIMIT + 10, 2**31 - 1])
+@pytest.mark.parametrize("sorted_pairs", [True, False])
+def test_lookup_finds_exactly_the_stored_rows(id_space: int, sorted_pairs: bool) -> None:
+    rng = np.random.default_rng(id_space % 1000 + sorted_pairs)
+    groups = 7
+    stored: list[PromptHistory | None] = [random_history(rng, id_space, 40) for _ in range(groups)]
+    stored[2] = None  # a prompt never seen
+    stored[4] = PromptHistory(np.ones(4), np.zeros(0, TOKEN_DTYPE), np.zeros((0, 4), VALUE_DTYPE))
+    pairs = []
+    for g, history in enumerate(stored):
+        if g == 5:
+            continue  # a group without pairs between groups with some
+        known = history.tokens[::2].astype(np.int64) if history is not None else []
+        fresh = rng.integers(0, id_space, size=15)
+        for t in np.unique(np.concatenate([known, fresh])):
+            pairs.append((g, int(t)))
+    group = np.array([g for g, _ in pairs], np.int64)
+    token = np.array([t for _, t in pairs], np.int64)
+    if not sorted_pairs:
+        perm = rng.permutation(group.size)
+        group, token = group[perm], token[perm]
+    prior = HistoryPrior.from_stored(stored)
+    got = prior.lookup(torch.from_numpy(group), torch.from_numpy(token))
+    assert got.dtype == torch.float64 and got.shape == (group.size, 4)
+    want = slow_lookup(stored, group, token)
+    np.testing.assert_array_equal(got.numpy(), want)
+    assert (got.numpy() != 0).any(axis=1).sum() > 10, "some pairs must have found rows"
+
+
+def test_lookup_clamps_float32_rounding_to_the_totals() -> None:
+    # 0.1 rounded to float32 is above the float64 total 0.1.
+    history = PromptHistory(
+        np.array([0.1, 0.9, 5.0, 5.0]),
+        np.array([3], TOKEN_DTYPE),
+        np.array([[0.1, 0.2, 1.0, 1.0]], VALUE_DTYPE),
+    )
+    assert float(np.float32(0.1)) > 0.1
+    got = HistoryPrior.from_stored([history]).lookup(torch.tensor([0]), torch.tensor([3]))
+    assert float(got[0, 0]) == 0.1 and float(got[0, 1]) == float(np.float32(0.2))
+
+
+def test_lookup_of_no_pairs_and_of_no_history() -> None:
+    empty = torch.zeros(0, dtype=torch.int64)
+    rng = np.random.default_rng(0)
+    prior = HistoryPrior.from_stored([random_history(rng, 50, 10)])
+    assert prior.lookup(empty, empty).shape == (0, 4)
+    none = HistoryPrior.from_stored([None, None])
+    got = none.lookup(torch.tensor([0, 1]), torch.tensor([5, 6]))
+    assert torch.equal(got, torch.zeros(2, 4, dtype=torch.float64))
+    assert none.rows == 0 and float(none.n_c.sum()) == 0.0

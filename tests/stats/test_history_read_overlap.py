@@ -1,0 +1,151 @@
+"""The engine reads KTAE history while KTAE builds its tables.
+
+The read needs only the prompt ids, so the engine starts it and the computation together; the
+computation waits for the prior only where it merges it. These tests hold the read back and
+check that the tables were built meanwhile, that the answer is the one computed with the prior
+in hand, and that a read that fails or outlives the request neither fails it nor strands a
+worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from advantage_service.api import compute_request
+from advantage_service.config import Settings
+from advantage_service.engine import Engine, Saturated
+from advantage_service.errors import RequestError
+from advantage_service.estimators import TermContext
+from advantage_service.estimators import ktae as ktae_module
+from advantage_service.metrics import Metrics
+from advantage_service.request import parse_request
+from advantage_service.stats import HistoryPrior, MemoryStatsStore
+from stats_helpers import random_groups
+
+pytestmark = pytest.mark.anyio
+
+NS = "overlap"
+
+
+class HeldBackStore(MemoryStatsStore):
+    """An in-memory store whose reads take ``delay`` seconds, or fail (``down``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.delay = 0.0
+        self.down = False
+        self.read_done: float | None = None
+
+    async def read_history(self, namespace: str, prompt_ids: Sequence[str]) -> HistoryPrior | None:
+        await asyncio.sleep(self.delay)
+        self.read_done = time.perf_counter()
+        if self.down:
+            return None
+        return await super().read_history(namespace, prompt_ids)
+
+
+def engine_with(store: MemoryStatsStore, **settings: Any) -> Engine:
+    engine = Engine(Settings(device="cpu", **settings), Metrics(process=False))
+    engine.store = store
+    return engine
+
+
+def body(seed: int, prompts: list[str]) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    return {
+        "namespace": NS,
+        "estimator": {"outcome": "grpo", "ktae": {"history": "prompt"}},
+        "return": ["ktae_score"],
+        "groups": random_groups(rng, prompts),
+    }
+
+
+@pytest.fixture
+def tabulations(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """When each KTAE tabulation started."""
+    started: list[float] = []
+    tabulate = ktae_module.tabulate
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        started.append(time.perf_counter())
+        return tabulate(*args, **kwargs)
+
+    monkeypatch.setattr(ktae_module, "tabulate", timed)
+    return started
+
+
+async def test_tables_are_built_while_the_read_is_in_flight_and_the_answer_is_unchanged(
+    tabulations: list[float],
+) -> None:
+    store = HeldBackStore()
+    engine = engine_with(store)
+    prompts = ["a", "b", "c"]
+    await engine.compute(parse_request(body(1, prompts)), "test")
+    await asyncio.gather(*engine._pending_writes)
+    prior = await MemoryStatsStore.read_history(store, NS, prompts)
+    assert prior is not None and prior.rows > 0
+
+    store.delay = 0.5
+    tabulations.clear()
+    req = parse_request(body(2, prompts))
+    computed = await engine.compute(req, "test")
+    assert computed.summary is not None and computed.summary["history"] == "applied"
+    assert tabulations and store.read_done is not None
+    assert tabulations[0] < store.read_done, "KTAE tabulated only after the read finished"
+    # The same numbers as a computation handed the prior before it starts.
+    want = compute_request(
+        parse_request(body(2, prompts)),
+        "cpu",
+        TermContext(ktae_prior=prior, collect_ktae_tables=True),
+    )
+    assert torch.equal(computed.result.advantages, want.advantages)
+    assert torch.equal(computed.result.extras["ktae.score"], want.extras["ktae.score"])
+    assert float(want.extras["ktae.score"].abs().sum()) > 0
+
+
+async def test_a_failed_read_computes_without_history_and_writes_none() -> None:
+    store = HeldBackStore()
+    engine = engine_with(store)
+    await engine.compute(parse_request(body(3, ["p"])), "test")
+    await asyncio.gather(*engine._pending_writes)
+    before = await MemoryStatsStore.read_history(store, NS, ["p"])
+
+    store.delay, store.down = 0.2, True
+    computed = await engine.compute(parse_request(body(4, ["p"])), "test")
+    await asyncio.gather(*engine._pending_writes)
+    assert computed.summary is not None and computed.summary["history"] == "unavailable"
+    plain = compute_request(
+        parse_request(body(4, ["p"])), "cpu", TermContext(collect_ktae_tables=True)
+    )
+    assert torch.equal(computed.result.advantages, plain.advantages)
+    after = await MemoryStatsStore.read_history(store, NS, ["p"])
+    assert before is not None and after is not None
+    assert before.stored[0] is not None and after.stored[0] is not None
+    assert np.array_equal(before.stored[0].values, after.stored[0].values)
+
+
+async def test_a_read_that_outlives_the_request_does_not_strand_its_worker() -> None:
+    store = HeldBackStore()
+    engine = engine_with(store, max_inflight=1, request_timeout_seconds=0.3)
+    store.delay = 30.0
+    with pytest.raises(RequestError) as raised:
+        await engine.compute(parse_request(body(5, ["q"])), "test")
+    assert raised.value.code == "deadline_exceeded"
+    # The only worker was waiting for that read: the cancelled read must release it (the slot
+    # stays taken until the worker finishes, which takes it a moment, not the read's 30 s).
+    store.delay = 0.0
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            computed = await engine.compute(parse_request(body(6, ["q"])), "test")
+            break
+        except Saturated:
+            assert time.monotonic() < deadline, "the worker is still waiting for the read"
+            await asyncio.sleep(0.05)
+    assert computed.summary is not None and computed.summary["history"] == "applied"
