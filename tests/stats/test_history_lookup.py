@@ -82,3 +82,16 @@ def test_lookup_of_no_pairs_and_of_no_history() -> None:
     got = none.lookup(torch.tensor([0, 1]), torch.tensor([5, 6]))
     assert torch.equal(got, torch.zeros(2, 4, dtype=torch.float64))
     assert none.rows == 0 and float(none.n_c.sum()) == 0.0
+
+
+@pytest.mark.parametrize("largest", [50, 2**31 - 1, 2**40])
+def test_distinct_keys_are_torch_unique(largest: int) -> None:
+    from advantage_service.stats.base import _distinct
+
+    rng = np.random.default_rng(largest % 97)
+    keys = torch.from_numpy(rng.integers(0, largest, size=5000, dtype=np.int64))
+    keys[:100] = keys[100:200]  # duplicates for sure
+    got = _distinct(keys)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, torch.unique(keys))
+    assert _distinct(torch.zeros(0, dtype=torch.int64)).numel() == 0

@@ -71,7 +71,7 @@ from ..estimators import AdvantageResult
 from ..estimators.cscr import sensitivity
 from ..estimators.ktae import KeyTokenTables
 from ..request import ComputeRequest
-from .blobs import VALUE_DTYPE, PromptHistory, TokenStatsUpdate, merge_history
+from .blobs import INT32_MAX, VALUE_DTYPE, PromptHistory, TokenStatsUpdate, merge_history
 
 # (group, token) keys pack the token id (< 2^31, see batch.INT32_LIMIT) into the low 32 bits.
 TOKEN_BITS = 32
@@ -282,6 +282,19 @@ def _distinct_tokens(
     return uniq, lambda t: torch.searchsorted(uniq, t)
 
 
+def _distinct(keys: torch.Tensor) -> torch.Tensor:
+    """The distinct values of int64 ``keys`` >= 0, ascending, int64.
+
+    On the CPU numpy's sort of int32 is several times torch's (``torch.unique`` sorts too), so
+    keys that fit in int32 are sorted there and deduplicated by comparing neighbours."""
+    if keys.device.type != "cpu" or keys.numel() == 0 or int(keys.max()) > INT32_MAX:
+        return torch.unique(keys)
+    ordered = np.sort(keys.numpy().astype(np.int32))
+    first = np.ones(ordered.size, bool)
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    return torch.from_numpy(ordered[first].astype(np.int64))
+
+
 def build_updates(
     req: ComputeRequest, result: AdvantageResult, prior: HistoryPrior | None
 ) -> StatsUpdate:
@@ -302,7 +315,7 @@ def build_updates(
     t_count = int(uniq.numel())
     occurrences = torch.bincount(dense, minlength=t_count)
     # Presence: one entry per distinct (rollout, token) pair.
-    pairs = torch.unique(rollout * max(t_count, 1) + dense)
+    pairs = _distinct(rollout * max(t_count, 1) + dense)
     pair_token, pair_rollout = pairs % max(t_count, 1), pairs // max(t_count, 1)
     pair_correct = (batch.rewards > 0)[pair_rollout]
     correct = torch.bincount(pair_token[pair_correct], minlength=t_count)
