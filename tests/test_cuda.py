@@ -58,3 +58,38 @@ def test_cuda_matches_cpu_on_the_training_sized_batch():
     gpu = compute_batch(batch, spec, "cuda")
     assert gpu.advantages.device.type == "cuda"
     torch.testing.assert_close(gpu.advantages.cpu(), cpu.advantages, rtol=1e-5, atol=1e-5)
+
+
+def test_cuda_matches_cpu_with_ktae_history():
+    """History on the accelerator: the prior's lookup takes its batched-search path there."""
+    import asyncio
+
+    from advantage_service.estimators import TermContext, resolve_estimator
+    from advantage_service.request import ComputeRequest
+    from advantage_service.stats import MemoryStatsStore, build_updates, prompt_ids
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from synthetic import training_batch
+
+    spec = resolve_estimator({"outcome": "grpo", "ktae": {"history": "prompt"}})
+    store = MemoryStatsStore()
+
+    async def visit(seed: int, device: str):
+        batch = training_batch(seed=seed, groups=8, max_len=512)
+        prior = await store.read_history("cuda", prompt_ids(batch))
+        assert prior is not None
+        context = TermContext(ktae_prior=prior.to(device), collect_ktae_tables=True)
+        result = compute_batch(batch.to(device), spec, device, context=context)
+        return batch, prior, result
+
+    for seed in range(3):
+        batch, prior, cpu = asyncio.run(visit(seed, "cpu"))
+        _, _, gpu = asyncio.run(visit(seed, "cuda"))
+        assert gpu.advantages.device.type == "cuda"
+        torch.testing.assert_close(gpu.advantages.cpu(), cpu.advantages, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            gpu.extras["ktae.score"].cpu(), cpu.extras["ktae.score"], rtol=1e-9, atol=1e-12
+        )
+        req = ComputeRequest(batch, spec, f"visit-{seed}", "cuda")
+        asyncio.run(store.record("cuda", None, build_updates(req, cpu, prior)))
+    assert prior.rows > 0

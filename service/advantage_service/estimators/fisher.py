@@ -97,4 +97,7 @@ def fisher_two_sided_grouped(
     if a.numel() == 0:
         return torch.zeros(0, dtype=torch.float64, device=a.device)
     grid, margin_of, _, _ = margin_grid(n1, n2)
-    return grid[margin_of[group], a + b, a]
+    _, k_count, x_count = grid.shape
+    # One flat gather (index_select): several times advanced indexing with three index tensors.
+    at = (margin_of.index_select(0, group) * k_count + (a + b)) * x_count + a
+    return grid.reshape(-1).index_select(0, at)

@@ -237,8 +237,8 @@ def association_lookup(
         p,
         params,
     )
-    at = (margin_of_group[group] * k_count + (a + b).long()) * x_count + a.long()
-    return strength.reshape(-1)[at], h.reshape(-1)[at]
+    at = (margin_of_group.index_select(0, group) * k_count + (a + b).long()) * x_count + a.long()
+    return strength.reshape(-1).index_select(0, at), h.reshape(-1).index_select(0, at)
 
 
 def _score(

@@ -144,21 +144,29 @@ class HistoryPrior:
 
     def lookup(self, group: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         """Prior a, b, occ_c, occ_w of (group, token id) pairs (int64 (M,) each): float64
-        (M, 4) on ``group``'s device, zeros where there is none.
-
-        Per prompt, each pair marks its position at its token id in a dense scratch array, and
-        every stored row reads the mark at its own token id back: O(stored rows + pairs), no
-        sort and no search, every array walked in order except the scratch (sparse ids beyond
-        ``DENSE_LOOKUP_LIMIT`` take a binary search instead). Marks left by other prompts are
-        told apart by checking the pair's token id. Pairs sorted by group (KTAE's tables are)
-        need no permutation.
-        """
-        g = group.cpu().numpy()
-        t = token.cpu().numpy()
-        found = np.zeros((g.size, 4), VALUE_DTYPE)
+        (M, 4) on ``group``'s device, zeros where there is none."""
         histories = [(i, h) for i, h in enumerate(self.stored) if h is not None and h.rows]
-        if g.size == 0 or not histories:
-            return torch.zeros((g.size, 4), dtype=torch.float64, device=group.device)
+        if group.numel() == 0 or not histories:
+            return torch.zeros((group.numel(), 4), dtype=torch.float64, device=group.device)
+        if group.device.type == "cpu":
+            prior = self._lookup_scratch(histories, group.numpy(), token.numpy())
+        else:
+            prior = self._lookup_search(histories, group, token)
+        # a <= n_c etc. hold exactly; the clamp only removes the float32 rounding of stored
+        # values, so the rounded Fisher table stays a valid table.
+        totals = torch.stack([self.n_c, self.n_w, self.len_c, self.len_w], 1).to(group.device)
+        return torch.minimum(prior, totals.index_select(0, group), out=prior)
+
+    def _lookup_scratch(
+        self, histories: list[tuple[int, PromptHistory]], g: np.ndarray, t: np.ndarray
+    ) -> torch.Tensor:
+        """The CPU lookup. Per prompt, each pair marks its position at its token id in a dense
+        scratch array, and every stored row reads the mark at its own token id back: O(stored
+        rows + pairs), no sort and no search, every array walked in order except the scratch
+        (sparse ids beyond ``DENSE_LOOKUP_LIMIT`` take a binary search instead). Marks left by
+        other prompts are told apart by checking the pair's token id. Pairs sorted by group
+        (KTAE's tables are) need no permutation."""
+        found = np.zeros((g.size, 4), VALUE_DTYPE)
         order = None
         if not bool((g[1:] >= g[:-1]).all()):
             order = np.argsort(g, kind="stable")
@@ -192,11 +200,26 @@ class HistoryPrior:
             unsorted = np.empty_like(found)
             unsorted[order] = found
             found = unsorted
-        prior = torch.from_numpy(found).to(group.device, torch.float64)
-        # a <= n_c etc. hold exactly; the clamp only removes the float32 rounding of stored
-        # values, so the rounded Fisher table stays a valid table.
-        totals = torch.stack([self.n_c, self.n_w, self.len_c, self.len_w], 1).to(group.device)
-        return torch.minimum(prior, totals.index_select(0, group), out=prior)
+        return torch.from_numpy(found).double()
+
+    def _lookup_search(
+        self, histories: list[tuple[int, PromptHistory]], group: torch.Tensor, token: torch.Tensor
+    ) -> torch.Tensor:
+        """The accelerator lookup: the stored rows go to the device once, keyed group << 32 |
+        token id (ascending: prompts in group order, token ids ascending in each), and every
+        pair finds its row with one batched binary search there."""
+        device = group.device
+        keys = np.concatenate(
+            [(np.int64(i) << TOKEN_BITS) | h.tokens.astype(np.int64) for i, h in histories]
+        )
+        values = np.concatenate([np.asarray(h.values, VALUE_DTYPE) for _, h in histories])
+        stored_keys = torch.from_numpy(keys).to(device)
+        stored_values = torch.from_numpy(values).to(device)
+        query = (group.long() << TOKEN_BITS) | token.long()
+        idx = torch.searchsorted(stored_keys, query).clamp_(max=stored_keys.numel() - 1)
+        missing = stored_keys.index_select(0, idx) != query
+        prior = stored_values.index_select(0, idx).double()
+        return prior.masked_fill_(missing[:, None], 0.0)
 
 
 # ---- what a request writes ------------------------------------------------------------------
