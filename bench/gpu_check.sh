@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On a machine with a CUDA GPU: the CUDA tests, then the estimator benchmark on the GPU and the
-# CPU, in one go. Run from the repository root after `make install` (with a CUDA build of torch).
+# On a machine with a CUDA GPU: the CUDA tests, the estimator benchmark on the GPU and the CPU,
+# and the stats-store benchmark on the GPU, in one go. Run from the repository root after `make install` (with a CUDA build of torch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -8,3 +8,8 @@ PY=${PYTHON:-.venv/bin/python}
 "$PY" -m pytest -q tests/test_cuda.py -p no:cacheprovider
 "$PY" bench/bench_estimators.py --device cuda --skip-slow
 "$PY" bench/bench_estimators.py --device cpu --skip-slow
+# The stats store with the batch on the GPU: with a short compute, the history read sets the
+# response time (needs redis-server on the PATH; skipped without it).
+if command -v redis-server >/dev/null; then
+  "$PY" bench/bench_stats.py --device cuda --visits 6 --repeats 3
+fi
