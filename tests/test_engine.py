@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import threading
 from typing import Any
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 from advantage_service import LimitExceeded, RequestError, compute
 from advantage_service import engine as engine_module
+from advantage_service.api import compute_request
 from advantage_service.config import Settings
 from advantage_service.engine import Engine, Saturated
 from advantage_service.metrics import BulkHistogram, Metrics
@@ -20,6 +22,7 @@ from advantage_service.request import parse_request
 from advantage_service.transports import arrow
 from advantage_service.transports.http import create_app
 from advantage_service.transports.server import settings_from_args
+from oracle import PRESETS, random_request
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -297,3 +300,36 @@ def test_arrow_request_table_round_trips_to_the_same_batch() -> None:
     for name in ("tokens", "offsets", "group_index", "rewards"):
         np.testing.assert_array_equal(getattr(again, name).numpy(), getattr(batch, name).numpy())
     assert decoded.estimator.label == "grpo"
+
+
+@pytest.mark.parametrize(
+    "estimator",
+    [*PRESETS, {"outcome": "rloo", "ktae": {}, "cscr": {}, "opsd": {}, "whiten": True}],
+    ids=str,
+)
+def test_arrow_requests_are_computed_without_writing_to_their_buffers(estimator: Any) -> None:
+    """Arrow columns reach the estimators as read-only views of the request body (no copy):
+    every estimator must leave them as they were."""
+    body = random_request(
+        np.random.default_rng(21),
+        estimator=estimator,
+        n_groups=(3, 5),
+        length=(0, 40),
+        logprobs=True,
+        teachers=("pos", "neg"),
+    )
+    req = parse_request(body)
+    payload = bytes(arrow.write_stream(arrow.request_table(req.batch, {"estimator": estimator})))
+    before = hashlib.sha256(payload).hexdigest()
+    decoded = arrow.decode_request(payload)
+    start = np.frombuffer(payload, np.uint8).ctypes.data
+    batch = decoded.batch
+    columns = {"tokens": batch.tokens, "logprobs": batch.logprobs, **batch.teacher_logprobs}
+    views = [
+        name
+        for name, column in columns.items()
+        if column is not None and start <= column.data_ptr() < start + len(payload)
+    ]
+    assert {"logprobs", "pos", "neg"} <= set(views), f"zero-copy columns: {views}"
+    compute_request(decoded, "cpu")
+    assert hashlib.sha256(payload).hexdigest() == before
