@@ -414,3 +414,54 @@ async def test_keys_of_the_earlier_layout_are_left_alone(redis_server: RedisServ
     finally:
         await store.close()
     assert sync.type(f"{ns}:hist:old") == b"hash"
+
+
+async def test_a_full_redis_evicts_old_histories_and_they_start_over(
+    redis_server: RedisServer,
+) -> None:
+    """docs/deploy.md: with too little memory, volatile-lru evicts the least recently used
+    histories; such a prompt is computed as on a first visit, and no request fails."""
+    admin = redis.Redis.from_url(redis_server.url)
+    baseline = int(admin.info("memory")["used_memory"])
+    admin.config_set("maxmemory", baseline + 3_000_000)
+    admin.config_set("maxmemory-policy", "volatile-lru")
+    rng = np.random.default_rng(41)
+
+    def wide(prompt: str) -> dict[str, Any]:
+        """A prompt whose history holds ~1,500 token ids (~30 kB)."""
+        rollouts = [
+            {
+                "tokens": rng.choice(200_000, size=400, replace=False).tolist(),
+                "reward": float(i % 2),
+            }
+            for i in range(4)
+        ]
+        return {
+            "namespace": NS,
+            "estimator": {"outcome": "grpo", "ktae": {"history": "prompt"}},
+            "groups": [{"id": prompt, "rollouts": rollouts}],
+        }
+
+    store = RedisStatsStore(redis_server.url)
+    try:
+        prompts = [f"wide-{i}" for i in range(200)]  # ~6 MB of history: twice what fits
+        for prompt in prompts:
+            served = await serve(store, wide(prompt))
+            assert served.history == "applied" and served.counted
+        assert int(admin.info("stats")["evicted_keys"]) > 0
+        prior = await store.read_history(NS, [prompts[0], prompts[-1]])
+        assert prior is not None
+        assert prior.stored[0] is None, "the least recently used history was evicted"
+        assert prior.stored[1] is not None and prior.stored[1].rows > 1000
+        # The evicted prompt starts over: its scores are those of a first visit.
+        again = wide(prompts[0])
+        served = await serve(store, again)
+        first_visit = await serve(store, {**again, "namespace": "fresh"})
+        assert served.history == "applied" and served.prior is not None
+        assert float(served.prior.n_c[0] + served.prior.n_w[0]) == 0.0
+        assert np.array_equal(
+            served.result.advantages.numpy(), first_visit.result.advantages.numpy()
+        )
+    finally:
+        await store.close()
+        admin.close()
