@@ -1,6 +1,7 @@
 """Stats-store cost per request on the training-sized batch, for both backends.
 
     python bench/bench_stats.py [--device cpu|cuda|auto] [--visits 8] [--repeats 3] [--threads N]
+        [--backends memory,redis,redis-zstd]
 
 The batch: 32 groups x 16 rollouts x up to 4096 tokens (~1.1M tokens, ~480k distinct (prompt,
 token) pairs), Zipf ids over 151,936 (synthetic.py), estimator GRPO + KTAE with per-prompt
@@ -160,6 +161,16 @@ async def on_worker(engine: Engine, fn: Callable[[], Any], device: torch.device)
     return float(await engine._run(None, lambda: timed(fn, device)[1]))
 
 
+def history_record_bytes(url: str | None) -> float:
+    """Mean size of the KTAE history records in Redis (0 without Redis)."""
+    if url is None:
+        return 0.0
+    client = redis.Redis.from_url(url)
+    sizes = [int(client.strlen(key)) for key in client.scan_iter(match="*:history:*")]
+    client.close()
+    return statistics.fmean(sizes) if sizes else 0.0
+
+
 async def drain(engine: Engine) -> None:
     """Wait for the statistics writes the engine scheduled after its answers."""
     while engine._pending_writes:
@@ -253,6 +264,7 @@ async def run_backend(
             }
         )
     engine.close()
+    history_bytes = history_record_bytes(url)
     later = rows[1:] or rows
     summary: dict[str, Any] = {k: statistics.median(r[k] for r in later) for k in rows[0]}
     for name, num, den in (
@@ -264,6 +276,7 @@ async def run_backend(
     summary["first_visit_read_s"] = rows[0]["read_s"]
     summary["last_visit"] = rows[-1]
     summary["compactions"] = compactions
+    summary["history_bytes_per_prompt"] = history_bytes
     summary["compact_s"] = statistics.median(ops["compact"]) if ops["compact"] else 0.0
     return summary
 
@@ -271,7 +284,7 @@ async def run_backend(
 def report(name: str, s: dict[str, Any], visits: int) -> None:
     ms = {k: 1000.0 * v for k, v in s.items() if k.endswith("_s")}
     print(f"\n== {name} ==")
-    if name == "redis":
+    if name.startswith("redis"):
         print(f"round trips per request with history: {s['round_trips']:.0f}")
         print(
             f"compactions: {s['compactions']} in {visits} writes, {ms['compact_s']:.1f} ms each "
@@ -292,7 +305,8 @@ def report(name: str, s: dict[str, Any], visits: int) -> None:
         f"{ms['write_s']:.1f} ms"
     )
     print(f"GET /v1/stats/tokens (order=key, limit=100): {ms['token_stats_s']:.1f} ms")
-    if name == "redis":
+    if name.startswith("redis"):
+        print(f"history record in Redis: {s['history_bytes_per_prompt'] / 1e6:.2f} MB per prompt")
         print(
             f"redis-server CPU per request: read {ms['redis_cpu_read_s']:.1f} ms, write "
             f"{ms['redis_cpu_write_s']:.1f} ms (main-thread time taken from every other client)"
@@ -314,28 +328,39 @@ async def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)"
     )
+    parser.add_argument(
+        "--backends",
+        default="memory,redis,redis-zstd",
+        help="comma-separated: memory, redis, redis-zstd (Redis with compressed history)",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     results: dict[str, Any] = {"device": device.type, "torch_threads": torch.get_num_threads()}
-    results["memory"] = await run_backend(
-        MemoryStatsStore(), device, args.visits, args.repeats, defaultdict(list)
-    )
-    report("memory", results["memory"], args.visits)
-    ops: dict[str, list[float]] = defaultdict(list)
-    with redis_server() as url:
-        store = RedisStatsStore(
-            url,
-            connection_class=CountingConnection,
-            on_duration=lambda op, seconds: ops[op].append(seconds),
-        )
-        await store.ping()
-        try:
-            results["redis"] = await run_backend(store, device, args.visits, args.repeats, ops, url)
-        finally:
-            await store.close()
-    report("redis", results["redis"], args.visits)
+    for backend in args.backends.split(","):
+        if backend == "memory":
+            results[backend] = await run_backend(
+                MemoryStatsStore(), device, args.visits, args.repeats, defaultdict(list)
+            )
+            report(backend, results[backend], args.visits)
+            continue
+        ops: dict[str, list[float]] = defaultdict(list)
+        with redis_server() as url:  # a fresh server per backend: its memory is this one's
+            store = RedisStatsStore(
+                url,
+                compression="zstd" if backend == "redis-zstd" else "none",
+                connection_class=CountingConnection,
+                on_duration=lambda op, seconds, ops=ops: ops[op].append(seconds),  # type: ignore[misc]
+            )
+            await store.ping()
+            try:
+                results[backend] = await run_backend(
+                    store, device, args.visits, args.repeats, ops, url
+                )
+            finally:
+                await store.close()
+        report(backend, results[backend], args.visits)
     print("\n" + json.dumps(results, indent=1))
 
 

@@ -218,6 +218,7 @@ class Engine:
                         op
                     ).observe(sec),
                     "on_up": lambda up: self.metrics.stats_store_up.set(1 if up else 0),
+                    "compression": settings.stats_compression,
                 }
                 if settings.redis_url
                 else {}

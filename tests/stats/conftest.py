@@ -25,8 +25,15 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.integration)])
+@pytest.fixture(
+    params=[
+        "memory",
+        pytest.param("redis", marks=pytest.mark.integration),
+        pytest.param("redis-zstd", marks=pytest.mark.integration),
+    ]
+)
 def backend(request: pytest.FixtureRequest) -> str:
+    """``redis-zstd``: Redis with compressed history records (ADV_STATS_COMPRESSION=zstd)."""
     return str(request.param)
 
 
@@ -36,14 +43,15 @@ async def store_factory(
 ) -> AsyncIterator[StoreFactory]:
     """Make stores of the test's backend; Redis stores share one server (replicas)."""
     made: list[StatsStore] = []
-    server = request.getfixturevalue("redis_server") if backend == "redis" else None
+    server = request.getfixturevalue("redis_server") if backend.startswith("redis") else None
 
     def make(**options: Any) -> StatsStore:
         store: StatsStore
         if server is None:
             store = MemoryStatsStore(**options)
         else:
-            store = RedisStatsStore(server.url, **options)
+            compression = "zstd" if backend == "redis-zstd" else "none"
+            store = RedisStatsStore(server.url, compression=compression, **options)
         made.append(store)
         return store
 

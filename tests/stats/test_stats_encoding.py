@@ -13,6 +13,7 @@ from advantage_service.stats.blobs import (
     decode_token_stats,
     encode_history,
     encode_token_stats,
+    is_compressed,
     merge_history,
     merge_token_stats,
 )
@@ -57,10 +58,35 @@ def test_history_records_round_trip(rows: int) -> None:
     assert np.array_equal(back.values, history.values)
 
 
+@pytest.mark.parametrize("rows", [0, 1, 1000, 60_000])
+def test_compressed_history_records_round_trip_and_shrink(rows: int) -> None:
+    rng = np.random.default_rng(rows + 1)
+    history = random_history(rng, rows, vocab=2**31 - 1 if rows == 1000 else 152_000)
+    if rows == 60_000:  # what stored history looks like: decayed dyadic counts
+        history.values[:] = rng.integers(0, 4, size=(rows, 4)) * 0.5 ** rng.integers(
+            0, 10, (rows, 1)
+        )
+    blob = encode_history(history, compress=True)
+    assert is_compressed(blob) and not is_compressed(encode_history(history))
+    back = decode_history(blob)
+    assert back is not None
+    assert back.tokens.dtype == np.int32 and back.values.dtype == np.float32
+    assert np.array_equal(back.totals, history.totals)
+    assert np.array_equal(back.tokens, history.tokens)
+    assert np.array_equal(back.values, history.values)
+    if rows == 60_000:
+        assert len(blob) < 20 * rows / 5, f"{20 * rows / len(blob):.1f}x"
+
+
 def test_foreign_or_truncated_records_read_as_absent() -> None:
     blob = encode_history(random_history(np.random.default_rng(1), 10))
     stats = encode_token_stats(token_update(np.random.default_rng(1), 10))
-    for junk in [None, b"", b"hello", blob[:-1], blob + b"x", b"XXXX" + blob[4:], stats]:
+    packed = encode_history(random_history(np.random.default_rng(2), 10), compress=True)
+    wrong_rows = packed[:8] + (11).to_bytes(8, "little") + packed[16:]
+    for junk in [
+        *[None, b"", b"hello", blob[:-1], blob + b"x", b"XXXX" + blob[4:], stats],
+        *[packed[:-1], packed[:60] + b"garbage" + packed[67:], wrong_rows],
+    ]:
         assert decode_history(junk) is None
     for junk in [None, b"", stats[:-1], stats + b"xyzw", blob]:
         assert decode_token_stats(junk) is None

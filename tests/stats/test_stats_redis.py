@@ -465,3 +465,39 @@ async def test_a_full_redis_evicts_old_histories_and_they_start_over(
     finally:
         await store.close()
         admin.close()
+
+
+async def test_replicas_with_and_without_compression_read_each_others_history(
+    redis_server: RedisServer,
+) -> None:
+    """ADV_STATS_COMPRESSION can differ between replicas (or change on a running deployment):
+    each reads both kinds of record."""
+    from advantage_service.config import Settings
+    from advantage_service.engine import Engine
+    from advantage_service.metrics import Metrics
+    from advantage_service.stats.blobs import is_compressed
+
+    engine = Engine(
+        Settings(device="cpu", redis_url=redis_server.url, stats_compression="zstd"),
+        Metrics(process=False),
+    )
+    packed = engine.store
+    raw = RedisStatsStore(redis_server.url)
+    admin = redis.Redis.from_url(redis_server.url)
+    try:
+        assert isinstance(packed, RedisStatsStore) and packed.compress
+        await serve(raw, body(50, ["plain"]))
+        await serve(packed, body(51, ["packed"]))
+        blobs = [admin.get(raw.history_key(NS, p)) for p in ("plain", "packed")]
+        assert not is_compressed(blobs[0]) and is_compressed(blobs[1])
+        by_raw = await raw.read_history(NS, ["plain", "packed"])
+        by_packed = await packed.read_history(NS, ["plain", "packed"])
+        assert by_raw is not None and by_packed is not None and by_raw.rows > 0
+        assert_same_stored(by_raw, by_packed)
+        # A visit through the compressing replica rewrites a raw record compressed, same counts.
+        await serve(packed, body(52, ["plain"]))
+        assert is_compressed(admin.get(raw.history_key(NS, "plain")))
+    finally:
+        await raw.close()
+        await packed.close()
+        admin.close()

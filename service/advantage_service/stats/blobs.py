@@ -8,6 +8,14 @@ History of one (namespace, prompt): ``ADVH`` blob, little-endian::
     magic b"ADVH" | version u32 | rows u64 | n_c, n_w, len_c, len_w f64
     | values f32 (rows, 4): a, b, occ_c, occ_w | token ids i32 (rows,), strictly ascending
 
+A compressed record (``ADV_STATS_COMPRESSION=zstd``) has ``version`` 2 and, after the same
+header, one zstd frame of the same rows in byte planes: byte j of every row's 16 value bytes
+together (16 planes), then the four byte planes of the token ids' gaps (u32, the first gap from
+0). Planes put the bytes that vary (low mantissa bytes, gaps) apart from those that barely do
+(exponents, high bytes of small gaps), which is what lets zstd shrink a history about 8-11x;
+decoding costs about as much CPU as moving the raw bytes would (see docs/deploy.md). Records of
+either version are read, so the setting can change on a running deployment.
+
 float32 values: a visit reads the prompt's whole blob, so its bytes are the read's cost; float32
 halves them against float64. Counts that are dyadic with at most 24 significant bits (whole
 counts decayed by the default 0.5, or 0.25) are stored exactly; others carry a relative rounding
@@ -28,14 +36,18 @@ starts 8-byte aligned, so the decoder's ``np.frombuffer`` views need no copy.
 from __future__ import annotations
 
 import struct
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import zstandard
 
 HISTORY_MAGIC = b"ADVH"
 TOKENS_MAGIC = b"ADVT"
 VERSION = 1
+ZSTD_VERSION = 2  # a history record whose rows are one zstd frame of byte planes
+ZSTD_LEVEL = 3
 HISTORY_HEADER = struct.Struct("<4sIQ4d")
 TOKENS_HEADER = struct.Struct("<4sIIIQ")
 VALUE_DTYPE = np.dtype("<f4")
@@ -70,26 +82,80 @@ class PromptHistory:
         return int(self.tokens.size)
 
 
-def encode_history(history: PromptHistory) -> bytes:
+def encode_history(history: PromptHistory, compress: bool = False) -> bytes:
     values = np.ascontiguousarray(history.values, dtype=VALUE_DTYPE)
     tokens = np.ascontiguousarray(history.tokens, dtype=TOKEN_DTYPE)
     header = HISTORY_HEADER.pack(
-        HISTORY_MAGIC, VERSION, tokens.size, *np.asarray(history.totals, np.float64).tolist()
+        HISTORY_MAGIC,
+        ZSTD_VERSION if compress else VERSION,
+        tokens.size,
+        *np.asarray(history.totals, np.float64).tolist(),
     )
-    return b"".join((header, values.tobytes(), tokens.tobytes()))
+    if not compress:
+        return b"".join((header, values.tobytes(), tokens.tobytes()))
+    gaps = np.diff(tokens.astype(np.int64), prepend=0).astype("<u4")
+    planes = b"".join(
+        (
+            values.view(np.uint8).reshape(-1, 16).T.tobytes(),
+            gaps.view(np.uint8).reshape(-1, 4).T.tobytes(),
+        )
+    )
+    return header + _CODECS.compressor.compress(planes)
 
 
 def decode_history(blob: bytes | None) -> PromptHistory | None:
-    """The blob's history (views into ``blob``, no copy); None when absent or not one of ours."""
+    """The blob's history; None when absent or not one of ours. An uncompressed record's arrays
+    are views into ``blob`` (no copy); a compressed one is decompressed (in the calling thread:
+    call it from a worker thread, zstd releases the GIL)."""
     if blob is None or len(blob) < HISTORY_HEADER.size:
         return None
     magic, version, rows, *totals = HISTORY_HEADER.unpack_from(blob)
     start = HISTORY_HEADER.size
-    if magic != HISTORY_MAGIC or version != VERSION or len(blob) != start + 20 * rows:
+    if magic != HISTORY_MAGIC:
+        return None
+    if version == ZSTD_VERSION:
+        try:
+            planes = _CODECS.decompressor.decompress(
+                memoryview(blob)[start:], max_output_size=20 * rows
+            )
+        except zstandard.ZstdError:
+            return None
+        if len(planes) != 20 * rows:
+            return None
+        flat = np.frombuffer(planes, np.uint8)
+        value_bytes = np.ascontiguousarray(flat[: 16 * rows].reshape(16, rows).T)
+        gaps = np.ascontiguousarray(flat[16 * rows :].reshape(4, rows).T).view("<u4")
+        tokens = np.cumsum(gaps.reshape(rows), dtype=np.int64).astype(TOKEN_DTYPE)
+        return PromptHistory(
+            np.array(totals, np.float64), tokens, value_bytes.view(VALUE_DTYPE).reshape(rows, 4)
+        )
+    if version != VERSION or len(blob) != start + 20 * rows:
         return None
     values = np.frombuffer(blob, VALUE_DTYPE, 4 * rows, start).reshape(rows, 4)
     tokens = np.frombuffer(blob, TOKEN_DTYPE, rows, start + 16 * rows)
     return PromptHistory(np.array(totals, np.float64), tokens, values)
+
+
+def is_compressed(blob: bytes | None) -> bool:
+    """True for a compressed history record (decoding it is real work, not a view)."""
+    return (
+        blob is not None
+        and len(blob) >= HISTORY_HEADER.size
+        and blob[:4] == HISTORY_MAGIC
+        and struct.unpack_from("<I", blob, 4)[0] == ZSTD_VERSION
+    )
+
+
+class _Codecs(threading.local):
+    """zstd contexts are not thread-safe: each thread gets its own pair on first use."""
+
+    def __init__(self) -> None:
+        # (with a checksum: a damaged record reads as absent, never as wrong counts)
+        self.compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True)
+        self.decompressor = zstandard.ZstdDecompressor()
+
+
+_CODECS = _Codecs()
 
 
 def merge_history(
@@ -266,6 +332,7 @@ __all__ = [
     "empty_token_stats",
     "encode_history",
     "encode_token_stats",
+    "is_compressed",
     "merge_history",
     "merge_token_stats",
     "token_columns",

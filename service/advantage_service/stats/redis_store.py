@@ -84,6 +84,7 @@ from .blobs import (
     decode_token_stats,
     encode_history,
     encode_token_stats,
+    is_compressed,
     merge_token_stats,
     token_columns,
 )
@@ -92,6 +93,7 @@ from .memory import DEFAULT_TTL_SECONDS
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "adv"
+COMPRESSIONS = ("none", "zstd")
 # Claims of writes without a request id only guard against resends of their own pipeline.
 ANONYMOUS_CLAIM_TTL = 300
 STAGE_MS = 60_000
@@ -165,8 +167,10 @@ class RedisStatsStore:
     startup). ``socket_timeout`` bounds every socket operation of reads and pings (a hung Redis
     costs a request at most that); ``write_timeout`` those of writes and compactions, which run
     after the response and may carry megabytes. ``compact_after``: pending statistics deltas
-    that trigger a compaction; ``lock_ms``: how long a compactor may hold the lock. Extra
-    keyword arguments go to ``redis.asyncio.Redis.from_url``.
+    that trigger a compaction; ``lock_ms``: how long a compactor may hold the lock.
+    ``compression``: ``zstd`` writes history records compressed (about 8-11x smaller, for CPU on
+    both sides; :mod:`.blobs`), ``none`` raw; records of either kind are read. Extra keyword
+    arguments go to ``redis.asyncio.Redis.from_url``.
     """
 
     def __init__(
@@ -182,6 +186,7 @@ class RedisStatsStore:
         backoff_max: float = 4.0,
         compact_after: int = DEFAULT_COMPACT_AFTER,
         lock_ms: int = DEFAULT_LOCK_MS,
+        compression: str = "none",
         on_error: OnError | None = None,
         on_duration: OnDuration | None = None,
         on_up: OnUp | None = None,
@@ -191,6 +196,11 @@ class RedisStatsStore:
         self.ttl_seconds = int(ttl_seconds)
         self.compact_after = max(1, int(compact_after))
         self.lock_ms = int(lock_ms)
+        if compression not in COMPRESSIONS:
+            raise ValueError(
+                f"compression must be one of {list(COMPRESSIONS)}, got {compression!r}"
+            )
+        self.compress = compression == "zstd"
         options = {
             "socket_connect_timeout": connect_timeout,
             # One immediate retry on a broken connection (a pooled socket that died with a
@@ -307,6 +317,10 @@ class RedisStatsStore:
             blobs = await self._call("read_history", lambda: self._execute(self._client, commands))
         except _Unavailable:
             return None
+        if any(is_compressed(b) for b in blobs):
+            # Decompression is real work: one worker thread per record (zstd releases the GIL).
+            stored = await asyncio.gather(*(asyncio.to_thread(decode_history, b) for b in blobs))
+            return HistoryPrior.from_stored(stored)
         # (views into the received bytes: no copy, no worker thread needed)
         return HistoryPrior.from_stored([decode_history(b) for b in blobs])
 
@@ -348,7 +362,8 @@ class RedisStatsStore:
                 zip(history.prompt_ids, history.prompts, strict=True)
             ):
                 staged = self.stage_key(namespace, claim, i).encode()
-                commands.append(_command(b"SET", staged, encode_history(record), b"PX", stage_ms))
+                blob = encode_history(record, compress=self.compress)
+                commands.append(_command(b"SET", staged, blob, b"PX", stage_ms))
                 pairs += [staged, self.history_key(namespace, prompt).encode()]
         keys = [
             claim_key.encode(),
