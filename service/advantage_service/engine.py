@@ -574,8 +574,11 @@ class Engine:
         pending: concurrent.futures.Future[HistoryPrior | None] = concurrent.futures.Future()
 
         def resolve(task: asyncio.Task[HistoryPrior | None]) -> None:
-            prior = None if task.cancelled() or task.exception() else task.result()
-            pending.set_result(None if prior is None else prior.to(self.device))
+            try:
+                prior = None if task.cancelled() or task.exception() else task.result()
+                pending.set_result(None if prior is None else prior.to(self.device))
+            except Exception as exc:  # (moving it to the device failed) never leave it pending
+                pending.set_exception(exc)
 
         read.add_done_callback(resolve)
         return TermContext(ktae_prior=pending, collect_ktae_tables=True), read
