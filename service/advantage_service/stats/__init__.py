@@ -8,20 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import (
-    ORDERS,
-    HistoryPrior,
-    HistoryUpdate,
-    StatsStore,
-    StatsUpdate,
-    StoreStatus,
-    TokenStatsUpdate,
-    build_updates,
-    prompt_ids,
-    wants_history,
-)
+from .base import ORDERS, StatsStore, StoreStatus
+from .blobs import TokenStatsUpdate
 from .memory import DEFAULT_TTL_SECONDS, MemoryStatsStore
+from .prior import HistoryPrior, prompt_ids, wants_history
 from .redis_store import RedisStatsStore
+from .updates import HistoryUpdate, StatsUpdate, build_updates
 
 
 def make_store(

@@ -19,13 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .base import (
-    HistoryPrior,
-    StatsUpdate,
-    StoreStatus,
-    check_order,
-    token_stats_response,
-)
+from .base import StoreStatus, check_order, token_stats_response
 from .blobs import (
     PromptHistory,
     TokenStatsUpdate,
@@ -33,6 +27,8 @@ from .blobs import (
     merge_token_stats,
     token_columns,
 )
+from .prior import HistoryPrior
+from .updates import StatsUpdate
 
 DEFAULT_TTL_SECONDS = 7 * 24 * 3600
 DEFAULT_MAX_HISTORY_BYTES = 512 * 2**20

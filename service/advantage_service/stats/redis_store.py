@@ -68,16 +68,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from .base import (
-    HistoryPrior,
-    OnDuration,
-    OnError,
-    OnUp,
-    StatsUpdate,
-    StoreStatus,
-    check_order,
-    token_stats_response,
-)
+from .base import OnDuration, OnError, OnUp, StoreStatus, check_order, token_stats_response
 from .blobs import (
     TokenStatsUpdate,
     decode_history,
@@ -89,6 +80,8 @@ from .blobs import (
     token_columns,
 )
 from .memory import DEFAULT_TTL_SECONDS
+from .prior import HistoryPrior
+from .updates import StatsUpdate
 
 log = logging.getLogger(__name__)
 
