@@ -91,7 +91,7 @@ async def test_tables_are_built_while_the_read_is_in_flight_and_the_answer_is_un
     prior = await MemoryStatsStore.read_history(store, NS, prompts)
     assert prior is not None and prior.rows > 0
 
-    store.delay = 0.5
+    store.delay = 1.0  # (ample: the tables take milliseconds)
     tabulations.clear()
     req = parse_request(body(2, prompts))
     computed = await engine.compute(req, "test")
