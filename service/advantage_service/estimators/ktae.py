@@ -326,18 +326,21 @@ class KeyTokenTables:
         """Per-table ``values`` (M,) -> per-token (N,), 0 at tokens that were not tabulated."""
         kept = torch.empty(self.order.numel(), dtype=values.dtype, device=values.device)
         starts = self.starts if self.starts is not None else torch.cumsum(self.run, 0) - self.run
-        kept[self.order] = repeat_runs(values, starts, kept.numel())
+        # (order is a permutation: scatter_ is ~3x faster than kept[order] = ... on CPU)
+        kept.scatter_(0, self.order, repeat_runs(values, starts, kept.numel()))
         if self.keep is None:
             return kept
         out = torch.zeros(self.num_tokens, dtype=values.dtype, device=values.device)
         return out.masked_scatter_(self.keep, kept)
 
 
-def _segment_sums(flags: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """Sum of ``flags`` over each run [starts, ends) of the sorted positions, float64 (M,)."""
+def _segment_sums(flags: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """Sum of ``flags`` over each run [bounds[i], bounds[i + 1]) of the sorted positions,
+    float64 (M,): differences of one cumulative sum at the run bounds."""
     total = torch.zeros(flags.numel() + 1, dtype=torch.int32, device=flags.device)
     torch.cumsum(flags, 0, dtype=torch.int32, out=total[1:])
-    return (total[ends] - total[starts]).double()
+    at_bounds = total.index_select(0, bounds).double()
+    return at_bounds[1:] - at_bounds[:-1]
 
 
 def tabulate(
@@ -390,15 +393,15 @@ def tabulate(
     torch.ne(table_key[1:], table_key[:-1], out=new_table[1:])
     new_rollout = torch.ones_like(new_table)
     torch.ne(key[1:], key[:-1], out=new_rollout[1:])
-    starts = torch.nonzero(new_table).squeeze(1)
-    ends = torch.empty_like(starts)
-    ends[:-1] = starts[1:]
-    ends[-1:] = key.numel()
-    occ_c = _segment_sums(is_correct, starts, ends)
-    a = _segment_sums(new_rollout & is_correct.bool(), starts, ends)
-    present = _segment_sums(new_rollout, starts, ends)
-    run = ends - starts
-    heads = table_key[starts].long()
+    # Run bounds: each table's first sorted position, then the end.
+    first = torch.nonzero(new_table).squeeze(1)
+    bounds = torch.cat([first, first.new_full((1,), key.numel())])
+    starts = bounds[:-1]
+    occ_c = _segment_sums(is_correct, bounds)
+    a = _segment_sums(new_rollout & is_correct.bool(), bounds)
+    present = _segment_sums(new_rollout, bounds)
+    run = bounds[1:] - starts
+    heads = table_key.index_select(0, starts).long()
     token = heads & ((1 << vocab_bits) - 1)
     return KeyTokenTables(
         group=heads >> vocab_bits,
