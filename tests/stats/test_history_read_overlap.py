@@ -149,3 +149,22 @@ async def test_a_read_that_outlives_the_request_does_not_strand_its_worker() -> 
             assert time.monotonic() < deadline, "the worker is still waiting for the read"
             await asyncio.sleep(0.05)
     assert computed.summary is not None and computed.summary["history"] == "applied"
+
+
+async def test_a_prior_that_cannot_reach_the_device_fails_the_request_without_hanging() -> None:
+    class Unmovable(HistoryPrior):
+        def to(self, device: Any) -> HistoryPrior:
+            raise RuntimeError("device lost")
+
+    class Store(HeldBackStore):
+        async def read_history(
+            self, namespace: str, prompt_ids: Sequence[str]
+        ) -> HistoryPrior | None:
+            prior = await super().read_history(namespace, prompt_ids)
+            assert prior is not None
+            return Unmovable(prior.n_c, prior.n_w, prior.len_c, prior.len_w, prior.stored)
+
+    engine = engine_with(Store(), max_inflight=1)
+    with pytest.raises(RuntimeError, match="device lost"):
+        await asyncio.wait_for(engine.compute(parse_request(body(7, ["r"])), "test"), 10)
+    assert engine.inflight == 0
