@@ -168,3 +168,38 @@ async def test_a_prior_that_cannot_reach_the_device_fails_the_request_without_ha
     with pytest.raises(RuntimeError, match="device lost"):
         await asyncio.wait_for(engine.compute(parse_request(body(7, ["r"])), "test"), 10)
     assert engine.inflight == 0
+
+
+async def test_other_terms_run_while_ktae_waits_and_combine_in_the_same_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import dataclasses
+
+    from advantage_service.estimators.registry import TERMS
+
+    started: dict[str, float] = {}
+    for name in ("ktae", "cscr"):
+        term = TERMS[name]
+
+        def timed(*args: Any, _fn: Any = term.fn, _name: str = name) -> Any:
+            started[_name] = time.perf_counter()
+            return _fn(*args)
+
+        monkeypatch.setitem(TERMS, name, dataclasses.replace(term, fn=timed))
+    store = HeldBackStore()
+    engine = engine_with(store)
+    rng = np.random.default_rng(8)
+    groups = random_groups(rng, ["s", "t"], teacher=True)
+    estimator = {"outcome": "grpo", "ktae": {"history": "prompt"}, "cscr": {}}
+    request = {"namespace": NS, "estimator": estimator, "groups": groups}
+    await engine.compute(parse_request(request), "test")
+    await asyncio.gather(*engine._pending_writes)
+    prior = await MemoryStatsStore.read_history(store, NS, ["s", "t"])
+
+    store.delay = 1.0
+    computed = await engine.compute(parse_request(request), "test")
+    assert store.read_done is not None
+    assert started["cscr"] < started["ktae"] < store.read_done
+    context = TermContext(ktae_prior=prior, collect_ktae_tables=True)
+    want = compute_request(parse_request(request), "cpu", context)
+    assert torch.equal(computed.result.advantages, want.advantages)

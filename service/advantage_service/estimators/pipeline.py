@@ -126,7 +126,11 @@ def compute_batch(
     ctx.vocab_size = vocab_size
 
     scalars = OUTCOMES[spec.outcome].fn(batch, spec.outcome_params)  # float64 (B,)
-    outputs = {name: TERMS[name].fn(batch, params, ctx) for name, params in spec.terms.items()}
+    # A term that waits for an input still in flight (KTAE's history read) runs last, so that
+    # the others overlap the wait; outputs are combined in the estimator's order either way.
+    run_order = sorted(spec.terms, key=ctx.waits)
+    computed = {name: TERMS[name].fn(batch, spec.terms[name], ctx) for name in run_order}
+    outputs = {name: computed[name] for name in spec.terms}
     # a_i w_it + sum_k c_k b_it in float32 (the output precision), built in place in one fresh
     # tensor: weights scale only the outcome term, never a bonus, so they go first.
     advantages = batch.per_token(scalars.float())

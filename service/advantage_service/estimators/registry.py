@@ -189,6 +189,12 @@ class TermContext:
         prior = self.ktae_prior
         return prior.result() if isinstance(prior, Future) else prior
 
+    def waits(self, term: str) -> bool:
+        """True when ``term`` will wait for an input still in flight (KTAE for a history read
+        that has not arrived): the pipeline computes it after the others."""
+        prior = self.ktae_prior
+        return term == "ktae" and isinstance(prior, Future) and not prior.done()
+
 
 @dataclass
 class TermOutput:
