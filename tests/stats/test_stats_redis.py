@@ -420,7 +420,8 @@ async def test_a_full_redis_evicts_old_histories_and_they_start_over(
     redis_server: RedisServer,
 ) -> None:
     """docs/deploy.md: with too little memory, volatile-lru evicts the least recently used
-    histories; such a prompt is computed as on a first visit, and no request fails."""
+    histories; such a prompt is computed as on a first visit, and no request fails. A write
+    Redis refuses for memory fails alone: the store stays up and history stays applied."""
     admin = redis.Redis.from_url(redis_server.url)
     baseline = int(admin.info("memory")["used_memory"])
     admin.config_set("maxmemory", baseline + 3_000_000)
@@ -445,10 +446,13 @@ async def test_a_full_redis_evicts_old_histories_and_they_start_over(
     store = RedisStatsStore(redis_server.url)
     try:
         prompts = [f"wide-{i}" for i in range(200)]  # ~6 MB of history: twice what fits
+        counted = 0
         for prompt in prompts:
             served = await serve(store, wide(prompt))
-            assert served.history == "applied" and served.counted
+            assert served.history == "applied", prompt
+            counted += served.counted
         assert int(admin.info("stats")["evicted_keys"]) > 0
+        assert counted > len(prompts) // 2 and store.status == "up"
         prior = await store.read_history(NS, [prompts[0], prompts[-1]])
         assert prior is not None
         assert prior.stored[0] is None, "the least recently used history was evicted"
@@ -500,4 +504,33 @@ async def test_replicas_with_and_without_compression_read_each_others_history(
     finally:
         await raw.close()
         await packed.close()
+        admin.close()
+
+
+async def test_a_write_redis_refuses_fails_alone_without_backoff(
+    redis_server: RedisServer,
+) -> None:
+    """An error reply (here OOM: maxmemory reached under noeviction) is not an outage: the
+    write is counted as failed, nothing of it is committed, and reads go on at once."""
+    errors: list[str] = []
+    store = RedisStatsStore(redis_server.url, on_error=errors.append)
+    admin = redis.Redis.from_url(redis_server.url)
+    try:
+        first = await serve(store, body(60, ["full"]))
+        assert first.counted
+        before = await store.read_history(NS, ["full"])
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.config_set("maxmemory", 1)  # every write command is refused
+        refused = await serve(store, body(61, ["full"], request_id="refused"))
+        assert refused.history == "applied" and not refused.counted
+        assert errors == ["record"] and store.status == "up"
+        # No backoff: the next read is attempted (and answered) right away.
+        after = await store.read_history(NS, ["full"])
+        assert after is not None and before is not None and errors == ["record"]
+        assert_same_stored(before, after)
+        admin.config_set("maxmemory", 0)
+        again = await serve(store, body(61, ["full"], request_id="refused"))
+        assert again.counted, "the refused request id was never claimed"
+    finally:
+        await store.close()
         admin.close()

@@ -47,7 +47,11 @@ Outage: reads and pings use a short socket timeout, writes (which run after the 
 longer one; a broken pooled connection is retried once at once (a restarted Redis), nothing else
 is retried. After a failure the store answers "unreachable" at once (reads None, writes False)
 for a backoff interval that doubles from ``backoff_initial`` up to ``backoff_max``, then tries
-again; the connection pools reconnect by themselves, so no restart is needed.
+again; the connection pools reconnect by themselves, so no restart is needed. An error
+*reply* (Redis is up but refuses the command, e.g. a write once ``maxmemory`` is reached and
+nothing more can be evicted) fails that operation only (counted, no backoff): reads go on, and
+a refused write pipeline commits nothing (the commit script is refused as a whole; staged
+records expire).
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ import redis.asyncio as redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from .base import OnDuration, OnError, OnUp, StoreStatus, check_order, token_stats_response
 from .blobs import (
@@ -272,6 +276,15 @@ class RedisStatsStore:
         start = time.perf_counter()
         try:
             result = await fn()
+        except ResponseError as exc:
+            # Redis answered, with an error: this operation failed (e.g. "OOM command not
+            # allowed" once maxmemory is reached and nothing more can be evicted), but Redis is
+            # up, so there is no backoff: reads (never refused for memory) go on.
+            log.warning("stats store: Redis refused %s: %s", op, exc)
+            self._mark(True)
+            if self._on_error is not None:
+                self._on_error(op)
+            raise _Unavailable(op) from exc
         except (TimeoutError, RedisError, OSError) as exc:
             if self._up:
                 log.warning("stats store: Redis unreachable (%s: %s)", op, exc)
