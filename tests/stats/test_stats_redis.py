@@ -453,12 +453,14 @@ async def test_a_full_redis_evicts_old_histories_and_they_start_over(
             counted += served.counted
         assert int(admin.info("stats")["evicted_keys"]) > 0
         assert counted > len(prompts) // 2 and store.status == "up"
-        prior = await store.read_history(NS, [prompts[0], prompts[-1]])
+        # Redis's LRU is approximate: of the oldest prompts most are gone, the newest is kept.
+        prior = await store.read_history(NS, prompts[:10] + prompts[-1:])
         assert prior is not None
-        assert prior.stored[0] is None, "the least recently used history was evicted"
-        assert prior.stored[1] is not None and prior.stored[1].rows > 1000
-        # The evicted prompt starts over: its scores are those of a first visit.
-        again = wide(prompts[0])
+        evicted = [p for p, h in zip(prompts[:10], prior.stored[:10], strict=True) if h is None]
+        assert len(evicted) >= 5, "the least recently used histories were evicted"
+        assert prior.stored[-1] is not None and prior.stored[-1].rows > 1000
+        # An evicted prompt starts over: its scores are those of a first visit.
+        again = wide(evicted[0])
         served = await serve(store, again)
         first_visit = await serve(store, {**again, "namespace": "fresh"})
         assert served.history == "applied" and served.prior is not None
