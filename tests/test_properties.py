@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
+import oracle
+import pytest
 import torch
 from advantage_service import RolloutBatch, compute_batch
 from hypothesis import given, settings
@@ -171,3 +173,48 @@ def test_whitening_gives_zero_mean_unit_variance():
     a = compute_batch(batch, "reinforce_pp_baseline").advantages.double()
     assert abs(a.mean().item()) < 1e-6
     assert abs(a.var().item() - 1) < 1e-5
+
+
+def _fractional_tables(draw: st.DrawFn) -> tuple[float, float, float, float]:
+    """(a, b, n_c, n_w) with 0 <= a <= n_c, 0 <= b <= n_w: whole or decayed (history) counts."""
+    count = st.one_of(st.integers(0, 40).map(float), st.floats(1e-3, 40.0))
+    n_c, n_w = draw(count), draw(count)
+    # (shares of at least 1e-9: the oracle's plain float entropy cannot take a denormal count)
+    share = st.sampled_from([0.0, 1.0]) | st.floats(1e-9, 1.0)
+    return draw(share) * n_c, draw(share) * n_w, n_c, n_w
+
+
+@SETTINGS
+@given(st.lists(st.composite(_fractional_tables)(), min_size=1, max_size=40))
+def test_information_gain_is_the_oracles_and_never_negative(tables):
+    from advantage_service.estimators.ktae import information_gain
+
+    a, b, n_c, n_w = (
+        torch.tensor(column, dtype=torch.float64) for column in zip(*tables, strict=True)
+    )
+    got = information_gain(a, b, n_c, n_w)
+    assert bool((got >= 0).all())
+    for i, (ta, tb, tc, tw) in enumerate(tables):
+        want = oracle.information_gain_bits(ta, tb, tc - ta, tw - tb) if tc + tw > 0 else 0.0
+        assert float(got[i]) == pytest.approx(max(want, 0.0), abs=2e-12)
+
+
+@SETTINGS
+@given(
+    st.lists(st.integers(1, 40), min_size=1, max_size=20),
+    st.lists(st.integers(1, 40), min_size=1, max_size=20),
+    st.floats(0.0, 1.0),
+    st.floats(0.01, 1.0),
+)
+def test_an_independent_table_has_no_information_and_scores_zero(sizes_c, sizes_w, rate, decay):
+    """a / n_c = b / n_w (the token as frequent among correct as among wrong rollouts), with
+    counts as history leaves them (decayed): information gain exactly 0."""
+    from advantage_service.estimators.ktae import information_gain
+
+    n = len(sizes_c)
+    n_c = torch.tensor(sizes_c[:n], dtype=torch.float64) * decay
+    n_w = torch.tensor((sizes_w * n)[:n], dtype=torch.float64) * decay
+    a, b = n_c * rate, n_w * rate
+    independent = (a / n_c) == (b / n_w)
+    got = information_gain(a, b, n_c, n_w)
+    assert bool((got[independent] == 0).all())

@@ -32,6 +32,8 @@ KEY_BITS = 63
 TF_FLOOR = 1e-5
 # Floor of divisors and logarithms' arguments (x log x at 0 is then 0 * finite = 0).
 TINY = 1e-300
+# Information gains below this (bits) are rounding, not information: taken as 0.
+IG_ROUNDING = 1e-12
 
 PARAMS = (
     Param("correct_threshold", float, 0.0, "a rollout is correct when its reward is above this"),
@@ -102,7 +104,12 @@ def information_gain(
     # (the clamps remove float rounding below 0 of differences that are >= 0 exactly)
     s.add_(xlog2x((n_c - a).clamp_(min=0.0))).add_(xlog2x((n_w - b).clamp_(min=0.0)))
     s.sub_(xlog2x((n - present).clamp_(min=0.0)))
-    return s.add_(n_h_y).mul_(inv_n)
+    ig = s.add_(n_h_y).mul_(inv_n)
+    # IG >= 0, and an independent table's (a/n_c = b/n_w) is exactly 0; the sums above leave
+    # rounding of ~1e-16 either way, which would give such a table a score of ~1e-17 instead of
+    # 0. Snapping a true IG below 1e-12 bits to 0 moves a score by at most ~3e-8 (|z| gains at
+    # most 1e-12 * |h + tf| / 2 with |tf| < 1e5): below the float32 answer's resolution.
+    return ig.masked_fill_(ig < IG_ROUNDING, 0.0)
 
 
 def cohens_h(
