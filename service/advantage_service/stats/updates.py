@@ -13,6 +13,7 @@ import torch
 
 from ..batch import RolloutBatch
 from ..estimators import AdvantageResult
+from ..estimators.baselines import group_sum
 from ..estimators.cscr import sensitivity
 from ..estimators.ktae import KeyTokenTables
 from ..request import ComputeRequest
@@ -37,10 +38,6 @@ class StatsUpdate:
     tokens: TokenStatsUpdate
 
 
-def _segment_sum(index: torch.Tensor, values: torch.Tensor, size: int) -> torch.Tensor:
-    return torch.zeros(size, dtype=values.dtype, device=values.device).index_add_(0, index, values)
-
-
 def _empty_tables(device: torch.device) -> KeyTokenTables:
     """The tables of a batch without tokens (KTAE returns none then)."""
     i, f = (torch.zeros(0, dtype=d, device=device) for d in (torch.int64, torch.float64))
@@ -57,9 +54,9 @@ def _history_update(
     decay = float(params["history_decay"])
     correct = (batch.rewards > params["correct_threshold"]).double()
     lengths = batch.lengths.double()
-    n_c = _segment_sum(batch.group_index, correct, g_count)
-    len_c = _segment_sum(batch.group_index, lengths * correct, g_count)
-    len_all = _segment_sum(batch.group_index, lengths, g_count)
+    n_c = group_sum(batch, correct)
+    len_c = group_sum(batch, lengths * correct)
+    len_all = group_sum(batch, lengths)
     totals = torch.stack([n_c, batch.group_sizes.double() - n_c, len_c, len_all - len_c], dim=1)
 
     # The tables hold this request's own counts, one row per (group, token id).
@@ -155,7 +152,7 @@ def build_updates(
                 "TermContext(collect_ktae_tables=True)"
             )
         correct_g = (batch.rewards > ktae_params["correct_threshold"]).double()
-        n_c = _segment_sum(batch.group_index, correct_g, batch.num_groups)
+        n_c = group_sum(batch, correct_g)
         n_w = batch.group_sizes.double() - n_c
         if prior is not None and wants_history(req):
             prior = prior.to(device)
