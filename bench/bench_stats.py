@@ -171,12 +171,6 @@ def history_record_bytes(url: str | None) -> float:
     return statistics.fmean(sizes) if sizes else 0.0
 
 
-async def drain(engine: Engine) -> None:
-    """Wait for the statistics writes the engine scheduled after its answers."""
-    while engine._pending_writes:
-        await asyncio.gather(*list(engine._pending_writes))
-
-
 async def run_backend(
     store: StatsStore,
     device: torch.device,
@@ -207,7 +201,7 @@ async def run_backend(
             computed = await engine.compute(req, "bench")
             times["response"].append(time.perf_counter() - start)
             assert computed.summary is not None and computed.summary["history"] == "applied"
-            await drain(engine)
+            await engine.settle_writes()
             if repeat == 0:
                 compacted = len(ops["compact"]) > before_compactions
                 compactions += compacted
@@ -223,7 +217,7 @@ async def run_backend(
             start = time.perf_counter()
             await engine.compute(plain_req, "bench")
             times["plain_response"].append(time.perf_counter() - start)
-            await drain(engine)
+            await engine.settle_writes()
             t = await on_worker(
                 engine, lambda b=batch: compute_batch(b, plain_spec, device), device
             )  # type: ignore[misc]

@@ -280,15 +280,22 @@ class Engine:
             log.warning("AUTHENTICATION IS OFF: %s", self.auth.describe())
         self.auth.start()
 
+    async def settle_writes(self, timeout: float | None = None) -> set[asyncio.Task[None]]:
+        """Wait (up to ``timeout`` s) for the statistics writes scheduled so far; the ones still
+        running then."""
+        pending = list(self._pending_writes)
+        if not pending:
+            return set()
+        _, late = await asyncio.wait(pending, timeout=timeout)
+        return late
+
     async def flush(self, timeout: float | None = None) -> None:
         """Wait (up to ``timeout`` s) for scheduled statistics writes, then close the store."""
         await self.auth.stop()
-        pending = list(self._pending_writes)
-        if pending:
-            log.info("flushing %d statistics writes", len(pending))
-            _, late = await asyncio.wait(pending, timeout=timeout)
-            for task in late:
-                task.cancel()
+        if self._pending_writes:
+            log.info("flushing %d statistics writes", len(self._pending_writes))
+        for task in await self.settle_writes(timeout):
+            task.cancel()
         await self.store.close()
 
     def stats_store_status(self) -> str:

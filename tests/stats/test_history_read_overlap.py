@@ -87,7 +87,7 @@ async def test_tables_are_built_while_the_read_is_in_flight_and_the_answer_is_un
     engine = engine_with(store)
     prompts = ["a", "b", "c"]
     await engine.compute(parse_request(body(1, prompts)), "test")
-    await asyncio.gather(*engine._pending_writes)
+    await engine.settle_writes()
     prior = await MemoryStatsStore.read_history(store, NS, prompts)
     assert prior is not None and prior.rows > 0
 
@@ -113,12 +113,12 @@ async def test_a_failed_read_computes_without_history_and_writes_none() -> None:
     store = HeldBackStore()
     engine = engine_with(store)
     await engine.compute(parse_request(body(3, ["p"])), "test")
-    await asyncio.gather(*engine._pending_writes)
+    await engine.settle_writes()
     before = await MemoryStatsStore.read_history(store, NS, ["p"])
 
     store.delay, store.down = 0.2, True
     computed = await engine.compute(parse_request(body(4, ["p"])), "test")
-    await asyncio.gather(*engine._pending_writes)
+    await engine.settle_writes()
     assert computed.summary is not None and computed.summary["history"] == "unavailable"
     plain = compute_request(
         parse_request(body(4, ["p"])), "cpu", TermContext(collect_ktae_tables=True)
@@ -193,7 +193,7 @@ async def test_other_terms_run_while_ktae_waits_and_combine_in_the_same_order(
     estimator = {"outcome": "grpo", "ktae": {"history": "prompt"}, "cscr": {}}
     request = {"namespace": NS, "estimator": estimator, "groups": groups}
     await engine.compute(parse_request(request), "test")
-    await asyncio.gather(*engine._pending_writes)
+    await engine.settle_writes()
     prior = await MemoryStatsStore.read_history(store, NS, ["s", "t"])
 
     store.delay = 1.0
