@@ -7,6 +7,8 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from .stats.blobs import Compression
+
 MIB = 1024 * 1024
 
 
@@ -26,7 +28,7 @@ class Settings(BaseSettings):
     redis_url: str | None = Field(
         default=None, description="Redis for the stats store; unset: the embedded in-memory store"
     )
-    stats_compression: Literal["none", "zstd"] = Field(
+    stats_compression: Compression = Field(
         default="none",
         description="zstd: KTAE history records in Redis about 8-11x smaller, for CPU per request",
     )

@@ -39,6 +39,7 @@ import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import zstandard
@@ -47,6 +48,8 @@ HISTORY_MAGIC = b"ADVH"
 TOKENS_MAGIC = b"ADVT"
 VERSION = 1
 ZSTD_VERSION = 2  # a history record whose rows are one zstd frame of byte planes
+# How history records are written (ADV_STATS_COMPRESSION); both kinds are always read.
+Compression = Literal["none", "zstd"]
 ZSTD_LEVEL = 3
 HISTORY_HEADER = struct.Struct("<4sIQ4d")
 TOKENS_HEADER = struct.Struct("<4sIIIQ")
@@ -325,6 +328,7 @@ def merge_token_stats(parts: Sequence[TokenStatsUpdate]) -> TokenStatsUpdate:
 
 __all__ = [
     "PRUNE_BELOW",
+    "Compression",
     "PromptHistory",
     "TokenStatsUpdate",
     "decode_history",

@@ -63,7 +63,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args
 from urllib.parse import quote
 
 import redis.asyncio as redis
@@ -74,6 +74,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from .base import OnDuration, OnError, OnUp, StoreStatus, check_order, token_stats_response
 from .blobs import (
+    Compression,
     TokenStatsUpdate,
     decode_history,
     decode_token_stats,
@@ -90,7 +91,6 @@ from .updates import StatsUpdate
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "adv"
-COMPRESSIONS = ("none", "zstd")
 # Claims of writes without a request id only guard against resends of their own pipeline.
 ANONYMOUS_CLAIM_TTL = 300
 STAGE_MS = 60_000
@@ -183,7 +183,7 @@ class RedisStatsStore:
         backoff_max: float = 4.0,
         compact_after: int = DEFAULT_COMPACT_AFTER,
         lock_ms: int = DEFAULT_LOCK_MS,
-        compression: str = "none",
+        compression: Compression = "none",
         on_error: OnError | None = None,
         on_duration: OnDuration | None = None,
         on_up: OnUp | None = None,
@@ -193,9 +193,9 @@ class RedisStatsStore:
         self.ttl_seconds = int(ttl_seconds)
         self.compact_after = max(1, int(compact_after))
         self.lock_ms = int(lock_ms)
-        if compression not in COMPRESSIONS:
+        if compression not in get_args(Compression):
             raise ValueError(
-                f"compression must be one of {list(COMPRESSIONS)}, got {compression!r}"
+                f"compression must be one of {list(get_args(Compression))}, got {compression!r}"
             )
         self.compress = compression == "zstd"
         options = {
