@@ -83,20 +83,6 @@ def _history_update(
     return HistoryUpdate(prompt_ids=prompt_ids(batch), prompts=prompts)
 
 
-def _distinct_tokens(
-    tokens: torch.Tensor,
-) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
-    """The distinct token ids (ascending) and a map of token ids to their index among them.
-    Token ids are a vocabulary's: usually a dense table, no sort; sparse ids take one sort."""
-    vocab = int(tokens.max()) + 1 if tokens.numel() else 0
-    if vocab <= max(4 * tokens.numel(), 1 << 20):
-        present = torch.bincount(tokens, minlength=vocab) > 0
-        index = torch.cumsum(present, 0) - 1
-        return torch.nonzero(present).squeeze(1), lambda t: index[t]
-    uniq = torch.unique(tokens)
-    return uniq, lambda t: torch.searchsorted(uniq, t)
-
-
 def _distinct(keys: torch.Tensor) -> torch.Tensor:
     """The distinct values of int64 ``keys`` >= 0, ascending, int64.
 
@@ -108,6 +94,20 @@ def _distinct(keys: torch.Tensor) -> torch.Tensor:
     first = np.ones(ordered.size, bool)
     np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
     return torch.from_numpy(ordered[first].astype(np.int64))
+
+
+def _distinct_tokens(
+    tokens: torch.Tensor,
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """The distinct token ids (ascending) and a map of token ids to their index among them.
+    Token ids are a vocabulary's: usually a dense table, no sort; sparse ids take one sort."""
+    vocab = int(tokens.max()) + 1 if tokens.numel() else 0
+    if vocab <= max(4 * tokens.numel(), 1 << 20):
+        present = torch.bincount(tokens, minlength=vocab) > 0
+        index = torch.cumsum(present, 0) - 1
+        return torch.nonzero(present).squeeze(1), lambda t: index[t]
+    uniq = _distinct(tokens)
+    return uniq, lambda t: torch.searchsorted(uniq, t)
 
 
 def build_updates(
