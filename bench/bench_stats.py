@@ -46,10 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -64,6 +61,7 @@ import redis.asyncio
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from advantage_service import compute_batch
 from advantage_service.config import Settings
@@ -78,6 +76,7 @@ from advantage_service.stats import (
     build_updates,
     prompt_ids,
 )
+from stats.redis_support import RedisServer
 from synthetic import training_batch
 
 ESTIMATOR = {"outcome": "grpo", "ktae": {"history": "prompt"}, "cscr": {}}
@@ -96,29 +95,14 @@ class CountingConnection(redis.asyncio.Connection):
 
 @contextmanager
 def redis_server() -> Iterator[str]:
-    binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        # fmt: off
-        proc = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", tmp],
-            stdout=subprocess.DEVNULL,
-        )
-        # fmt: on
+    """A fresh redis-server on a free port in a temporary directory (the tests' own helper)."""
+    with tempfile.TemporaryDirectory(prefix="bench-stats-") as tmp:
+        server = RedisServer(Path(tmp))
+        server.start()
         try:
-            for _ in range(500):
-                try:
-                    socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
-                    break
-                except OSError:
-                    time.sleep(0.01)
-            yield f"redis://127.0.0.1:{port}/0"
+            yield server.url
         finally:
-            proc.terminate()
-            proc.wait()
+            server.stop()
 
 
 def sync(device: torch.device) -> None:
