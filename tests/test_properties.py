@@ -199,22 +199,70 @@ def test_information_gain_is_the_oracles_and_never_negative(tables):
         assert float(got[i]) == pytest.approx(max(want, 0.0), abs=2e-12)
 
 
+@st.composite
+def _independent_tables(draw: st.DrawFn) -> tuple[float, float, float, float]:
+    """(a, b, n_c, n_w) = k (q_c j, q_w j, q_c m, q_w m): the token in the same share j / m of
+    the correct and of the wrong rollouts, counts decayed by k = 0.5^visits as history leaves
+    them (history's default decay; powers of two keep counts and shares exact in float64)."""
+    q_c, q_w, m = draw(st.integers(1, 8)), draw(st.integers(1, 8)), draw(st.integers(1, 8))
+    j = draw(st.integers(0, m))
+    k = 0.5 ** draw(st.integers(0, 5))
+    return q_c * j * k, q_w * j * k, q_c * m * k, q_w * m * k
+
+
+KEY, CONTROL = 1, 10  # fillers are 2..9
+
+
+@st.composite
+def independent_key_token_batches(draw: st.DrawFn) -> RolloutBatch:
+    """Groups of |C| = q_c m correct and |W| = q_w m wrong rollouts (in any order) where token
+    KEY is in q_c j correct and q_w j wrong ones (j >= 1: the same share j / m of both), any
+    number of times, among filler tokens; token CONTROL is in every correct rollout and no
+    wrong one (a perfect association, so the term has something to score)."""
+    n_groups = draw(st.integers(1, 3))
+    rollouts: list[list[int]] = []
+    rewards: list[float] = []
+    sizes = []
+    for _ in range(n_groups):
+        q_c, q_w, m = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 3))
+        j = draw(st.integers(1, m))
+        members = [(True, i < q_c * j) for i in range(q_c * m)]
+        members += [(False, i < q_w * j) for i in range(q_w * m)]
+        for correct, has_key in draw(st.permutations(members)):
+            tokens = [KEY] * draw(st.integers(1, 3)) if has_key else []
+            tokens += draw(st.lists(st.integers(2, 9), max_size=6))
+            tokens += [CONTROL] if correct else []
+            rollouts.append(draw(st.permutations(tokens)))
+            rewards.append(draw(st.sampled_from([0.5, 1.0] if correct else [0.0, -1.0])))
+        sizes.append(len(members))
+    lengths = [len(t) for t in rollouts]
+    return RolloutBatch.from_flat(
+        tokens=np.array([t for r in rollouts for t in r], dtype=np.int64),
+        offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        group_ids=[f"g{i}" for i in range(n_groups)],
+        group_index=np.repeat(np.arange(n_groups), sizes),
+        rewards=np.array(rewards, dtype=np.float32),
+    )
+
+
 @SETTINGS
-@given(
-    st.lists(st.integers(1, 40), min_size=1, max_size=20),
-    st.lists(st.integers(1, 40), min_size=1, max_size=20),
-    st.floats(0.0, 1.0),
-    st.floats(0.01, 1.0),
-)
-def test_an_independent_table_has_no_information_and_scores_zero(sizes_c, sizes_w, rate, decay):
-    """a / n_c = b / n_w (the token as frequent among correct as among wrong rollouts), with
-    counts as history leaves them (decayed): information gain exactly 0."""
+@given(st.lists(_independent_tables(), min_size=1, max_size=40), independent_key_token_batches())
+def test_an_independent_table_has_no_information_and_scores_zero(tables, batch):
+    """A token as frequent among correct as among wrong rollouts (a / n_c = b / n_w): its
+    information gain is exactly 0, for whole and for decayed (history) counts; and its KTAE
+    score is exactly 0 on every occurrence, whatever its term frequencies (the table is the
+    most likely one with its margins, so p = 1 and F = 0: no strength to scale them by)."""
     from advantage_service.estimators.ktae import information_gain
 
-    n = len(sizes_c)
-    n_c = torch.tensor(sizes_c[:n], dtype=torch.float64) * decay
-    n_w = torch.tensor((sizes_w * n)[:n], dtype=torch.float64) * decay
-    a, b = n_c * rate, n_w * rate
-    independent = (a / n_c) == (b / n_w)
-    got = information_gain(a, b, n_c, n_w)
-    assert bool((got[independent] == 0).all())
+    a, b, n_c, n_w = (
+        torch.tensor(column, dtype=torch.float64) for column in zip(*tables, strict=True)
+    )
+    assert torch.equal(a / n_c, b / n_w)  # independent by construction, every one of them
+    assert bool((information_gain(a, b, n_c, n_w) == 0).all())
+
+    score = compute_batch(batch, "ktae", diagnostics=("ktae_score",)).diagnostics["ktae_score"]
+    key = batch.tokens == KEY
+    assert bool(key.any())
+    assert bool((score[key] == 0).all()), score[key]
+    # The term ran and scored this batch: the perfectly associated token scores above 0.
+    assert bool((score[batch.tokens == CONTROL] > 0).all())
