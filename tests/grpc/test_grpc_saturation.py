@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -20,6 +20,7 @@ from advantage_service.config import Settings
 from advantage_service.engine import Engine
 from advantage_service.transports.grpc import bound_port, start_grpc_server, stop_grpc_server
 from grpc_support import random_request, stream_rollouts
+from prometheus_client.parser import text_string_to_metric_families
 
 
 class InProcess:
@@ -82,19 +83,78 @@ def test_client_retries_until_the_engine_has_a_slot(inprocess: InProcess) -> Non
     assert response["groups"]
 
 
+def metric(inprocess: InProcess, name: str, **labels: str) -> float:
+    """The sum of the engine's samples ``name`` with ``labels`` (among others), as its /metrics
+    exposition shows them (0 when there is none)."""
+    text = inprocess.engine.metrics.render().decode()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and labels.items() <= s.labels.items()
+    )
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.005)
+
+
 def test_a_completed_stream_group_waits_for_a_slot_instead_of_failing(
     inprocess: InProcess,
 ) -> None:
-    slot = inprocess.engine.admit("test")
+    """The server's own gauges show the stream open and its group first pending, then complete;
+    while the slot is held the group gets no answer and no refusal, and the stream stays open;
+    once the slot is free the group is computed and answered."""
+    group = random_request(4)["groups"][1]
+    rollouts = stream_rollouts([group])
+    last_rollout = threading.Event()
+
+    def held_back() -> Iterator[dict[str, Any]]:
+        """Every rollout but the last, then the last when the test says so."""
+        yield from rollouts[:-1]
+        last_rollout.wait(30)
+        yield rollouts[-1]
+
     results: Future[list[dict[str, Any]]] = Future()
 
     def consume() -> None:
-        client = GrpcClient(inprocess.target)
-        results.set_result(list(client.stream(stream_rollouts(random_request(4)["groups"]))))
+        try:
+            results.set_result(list(GrpcClient(inprocess.target).stream(held_back())))
+        except BaseException as exc:
+            results.set_exception(exc)
 
-    threading.Thread(target=consume, daemon=True).start()
-    time.sleep(0.3)
-    assert not results.done()  # every group is complete, and waiting for the slot
-    slot.release()
-    groups = results.result(30)
-    assert groups and all("rollouts" in g for g in groups)
+    def answered() -> float:
+        return metric(inprocess, "advantage_requests_total", transport="grpc", code="200")
+
+    def refused() -> float:
+        return metric(inprocess, "advantage_request_errors_total", transport="grpc")
+
+    def stream_state() -> tuple[float, float]:
+        return (
+            metric(inprocess, "advantage_stream_open"),
+            metric(inprocess, "advantage_stream_pending_groups"),
+        )
+
+    slot = inprocess.engine.admit("test")
+    try:
+        answered_before, refused_before = answered(), refused()
+        threading.Thread(target=consume, daemon=True).start()
+        # The stream reached the server, and the server holds the group, incomplete.
+        wait_until(lambda: stream_state() == (1, 1), "the server has the group pending")
+        last_rollout.set()
+        # The server read the last rollout: the group is complete (no longer pending).
+        wait_until(lambda: stream_state() == (1, 0), "the server has the group complete")
+        time.sleep(0.3)
+        assert not results.done()  # no answer: the group waits for the slot
+        assert stream_state() == (1, 0)  # the stream is still open
+        assert (answered(), refused()) == (answered_before, refused_before)
+    finally:
+        last_rollout.set()
+        slot.release()
+    (result,) = results.result(30)
+    assert result["id"] == group["id"]
+    assert len(result["rollouts"]) == len(group["rollouts"])
+    assert answered() == answered_before + 1
