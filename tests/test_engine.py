@@ -22,7 +22,7 @@ from advantage_service.request import parse_request
 from advantage_service.transports import arrow
 from advantage_service.transports.http import create_app
 from advantage_service.transports.server import settings_from_args
-from oracle import PRESETS, random_request
+from oracle import PRESETS, random_request, reference_compute
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -62,36 +62,56 @@ def samples(engine: Engine) -> dict[tuple[str, tuple[tuple[str, str], ...]], flo
 
 
 def test_engine_gives_the_in_process_api_numbers() -> None:
+    """The engine's advantages are the in-process API's, bit for bit; and its advantages,
+    scalars and KTAE scores are the reference implementation's (tests/oracle.py, written from
+    ESTIMATORS.md and sharing no code with the service) to float32 rounding."""
     engine = engine_with()
     request = make_request()
     computed = asyncio.run(engine.compute(parse_request(request), "test"))
-    want = compute(request, device="cpu")
-    offsets = computed.request.batch.offsets.numpy()
-    got = np.split(computed.result.advantages.numpy(), offsets[1:-1])
-    flat_want = [r["advantages"] for g in want["groups"] for r in g["rollouts"]]
-    for a, b in zip(got, flat_want, strict=True):
-        np.testing.assert_array_equal(a, b)
+    result = computed.result
+    bounds = computed.request.batch.offsets.numpy()[1:-1]
+    got = np.split(result.advantages.numpy(), bounds)
+    got_scores = np.split(result.diagnostics["ktae_score"].numpy(), bounds)
+    api = [r for g in compute(request, device="cpu")["groups"] for r in g["rollouts"]]
+    ref = [r for g in reference_compute(request)["groups"] for r in g["rollouts"]]
+    # The request exercises both the outcome and the key-token term.
+    assert any(r["scalar"] != 0 for r in ref)
+    assert any(np.any(r["ktae_score"] != 0) for r in ref)
+    tol = {"rtol": 2e-5, "atol": 2e-5}
+    for advantages, scores, scalar, from_api, want in zip(
+        got, got_scores, result.scalars.numpy(), api, ref, strict=True
+    ):
+        np.testing.assert_array_equal(advantages, from_api["advantages"])
+        np.testing.assert_allclose(advantages, want["advantages"], **tol)
+        np.testing.assert_allclose(scores, want["ktae_score"], **tol)
+        np.testing.assert_allclose(scalar, want["scalar"], **tol)
     assert computed.summary["history"] == "none"
-    assert computed.summary["tokens"] == want["summary"]["tokens"]
+    assert computed.summary["tokens"] == sum(len(r["advantages"]) for r in ref)
     engine.close()
 
 
-def test_engine_decodes_and_encodes_on_its_workers() -> None:
+def test_engine_decodes_and_encodes_off_the_event_loop_thread() -> None:
     engine = engine_with()
     request = make_request()
-    seen: list[str] = []
+    threads: dict[str, int] = {}
 
     def decode() -> Any:
-        import threading
-
-        seen.append(threading.current_thread().name)
+        threads["decode"] = threading.get_ident()
         return parse_request(request)
 
-    computed = asyncio.run(
-        engine.compute(decode, "test", encode=lambda req, result, summary: summary["rollouts"])
-    )
-    assert computed.encoded == 12
-    assert seen and seen[0].startswith("advantage-compute")
+    def encode(req: Any, result: Any, summary: dict[str, Any]) -> int:
+        threads["encode"] = threading.get_ident()
+        return int(summary["rollouts"])
+
+    async def scenario() -> Any:
+        threads["loop"] = threading.get_ident()
+        return await engine.compute(decode, "test", encode=encode)
+
+    computed = asyncio.run(scenario())
+    assert computed.encoded == 12  # the encoder's answer: it ran
+    assert threads.keys() == {"loop", "decode", "encode"}
+    assert threads["decode"] != threads["loop"]
+    assert threads["encode"] != threads["loop"]
     engine.close()
 
 
