@@ -86,7 +86,7 @@ def test_engine_answers_at_the_deadline_and_holds_the_slot_until_the_worker_ends
         release.set()
         while not finished.is_set() or engine.inflight:
             await asyncio.sleep(0.01)
-        assert engine.metrics.inflight_requests._value.get() == 0
+        assert engine.metrics.registry.get_sample_value("advantage_inflight_requests") == 0
         engine._compute_sync = original  # type: ignore[method-assign]
         computed = await engine.compute(parse_request(SMALL), "test")
         assert computed.summary["rollouts"] == 1
