@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import statistics
 import sys
@@ -67,15 +68,17 @@ from advantage_service import compute_batch
 from advantage_service.config import Settings
 from advantage_service.engine import Engine
 from advantage_service.estimators import TermContext, resolve_device, resolve_estimator
-from advantage_service.metrics import Metrics
-from advantage_service.request import ComputeRequest
-from advantage_service.stats import (
-    MemoryStatsStore,
-    RedisStatsStore,
-    StatsStore,
-    build_updates,
+from advantage_service.estimators.ktae_history import (
+    SPACE,
+    HistoryPrior,
+    decode_history,
     prompt_ids,
 )
+from advantage_service.estimators.state import Compression, PendingRead
+from advantage_service.metrics import Metrics
+from advantage_service.request import ComputeRequest
+from advantage_service.stats import MemoryStatsStore, RedisStatsStore, StatsStore
+from advantage_service.term_state import StateSession
 from stats.redis_support import RedisServer
 from synthetic import training_batch
 
@@ -155,6 +158,14 @@ def history_record_bytes(url: str | None) -> float:
     return statistics.fmean(sizes) if sizes else 0.0
 
 
+async def read_prior(
+    store: StatsStore, prompts: list[str], device: torch.device
+) -> HistoryPrior | None:
+    """The key-token prior of ``prompts``, as a request reads it (records, then decoded)."""
+    records = await store.read_records("bench", [(SPACE, p) for p in prompts])
+    return None if records is None else HistoryPrior.decode(records, device)
+
+
 async def run_backend(
     store: StatsStore,
     device: torch.device,
@@ -162,10 +173,12 @@ async def run_backend(
     repeats: int,
     ops: dict[str, list[float]],
     url: str | None = None,
+    compression: Compression = "none",
 ) -> dict[str, Any]:
     spec = resolve_estimator(ESTIMATOR)
     plain_spec = resolve_estimator(PLAIN)
-    engine = Engine(Settings(device=device.type, max_inflight=2), Metrics(process=False))
+    settings = Settings(device=device.type, max_inflight=2, stats_compression=compression)
+    engine = Engine(settings, Metrics(process=False))
     engine.store = store
     engine.warm_up()
     rows: list[dict[str, float]] = []
@@ -190,10 +203,9 @@ async def run_backend(
                 compacted = len(ops["compact"]) > before_compactions
                 compactions += compacted
                 trips = CountingConnection.sends - before_trips - (2 if compacted else 0)
-            prior = await store.read_history("bench", prompts)
+            prior = await read_prior(store, prompts, device)
             assert prior is not None
-            on_device = prior.to(device)
-            ctx = TermContext(ktae_prior=on_device, collect_ktae_tables=True)
+            ctx = TermContext(reads={"ktae": PendingRead.of(prior)})
             t = await on_worker(
                 engine, lambda b=batch, c=ctx: compute_batch(b, spec, device, context=c), device
             )  # type: ignore[misc]
@@ -206,25 +218,30 @@ async def run_backend(
                 engine, lambda b=batch: compute_batch(b, plain_spec, device), device
             )  # type: ignore[misc]
             times["plain_compute"].append(t)
-        # The read alone and the write path, on a request of their own (counted once more).
-        cpu_start = cpu()
-        prior, t_read = await atimed(store.read_history("bench", prompts))
-        cpu_read = cpu() - cpu_start
-        assert prior is not None
-        ctx = TermContext(ktae_prior=prior.to(device), collect_ktae_tables=True)
-        result = compute_batch(batch, spec, device, context=ctx)
+        # The read alone (records and their decoding) and the write path, on a request of their
+        # own (counted once more), through the engine's state session.
         extra = ComputeRequest(batch, spec, f"write-{visit}", "bench", client_request_id=True)
-        update, t_build = timed(lambda q=extra, r=result, p=prior: build_updates(q, r, p), device)  # type: ignore[misc]
+        cpu_start = cpu()
+        session = StateSession(store, extra, device, engine.write_options)
+        history, t_read = await atimed(session.settle())
+        cpu_read = cpu() - cpu_start
+        assert history == "applied"
+        read = session.context.reads["ktae"]
+        prior = read.result()
+        assert prior is not None
+        result = compute_batch(batch, spec, device, context=session.context)
+        update, t_build = timed(functools.partial(session.update, result), device)
         compact_before = len(ops["compact"])
         cpu_start = cpu()
-        counted, t_write = await atimed(store.record("bench", extra.request_id, update))
+        counted, t_write = await atimed(session.record(update))
         cpu_write = cpu() - cpu_start
         assert counted
         t_compact = ops["compact"][-1] if len(ops["compact"]) > compact_before else 0.0
         _, t_stats = await atimed(store.token_stats("bench", "key", 100))
-        assert update.history is not None
+        assert update.records
+        written = [decode_history(record) for record in update.records.values()]
         median = {k: statistics.median(v) for k, v in times.items()}
-        tables = result.extras["ktae.tables"]
+        tables = result.state["ktae"].tables
         rows.append(
             {
                 "round_trips": float(trips),
@@ -237,7 +254,7 @@ async def run_backend(
                 "redis_cpu_write_s": cpu_write,
                 "tables": float(tables.group.numel()),
                 "stored_rows_read": float(prior.rows),
-                "stored_rows_written": float(sum(h.rows for h in update.history.prompts)),
+                "stored_rows_written": float(sum(h.rows for h in written if h is not None)),
                 "tokens_counted": float(update.tokens.tokens.size),
             }
         )
@@ -327,14 +344,14 @@ async def main() -> None:
         with redis_server() as url:  # a fresh server per backend: its memory is this one's
             store = RedisStatsStore(
                 url,
-                compression="zstd" if backend == "redis-zstd" else "none",
                 connection_class=CountingConnection,
                 on_duration=lambda op, seconds, ops=ops: ops[op].append(seconds),  # type: ignore[misc]
             )
             await store.ping()
             try:
+                compression: Compression = "zstd" if backend == "redis-zstd" else "none"
                 results[backend] = await run_backend(
-                    store, device, args.visits, args.repeats, ops, url
+                    store, device, args.visits, args.repeats, ops, url, compression
                 )
             finally:
                 await store.close()

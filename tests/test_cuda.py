@@ -61,12 +61,15 @@ def test_cuda_matches_cpu_on_the_training_sized_batch():
 
 
 def test_cuda_matches_cpu_with_ktae_history():
-    """History on the accelerator: the prior's lookup takes its batched-search path there."""
+    """History on the accelerator: the prior's lookup takes its batched-search path there, and
+    the writes built from the device's result are the CPU's."""
     import asyncio
 
-    from advantage_service.estimators import TermContext, resolve_estimator
+    from advantage_service.api import compute_request
+    from advantage_service.estimators import resolve_estimator
     from advantage_service.request import ComputeRequest
-    from advantage_service.stats import MemoryStatsStore, build_updates, prompt_ids
+    from advantage_service.stats import MemoryStatsStore
+    from advantage_service.term_state import StateSession
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from synthetic import training_batch
@@ -76,20 +79,24 @@ def test_cuda_matches_cpu_with_ktae_history():
 
     async def visit(seed: int, device: str):
         batch = training_batch(seed=seed, groups=8, max_len=512)
-        prior = await store.read_history("cuda", prompt_ids(batch))
-        assert prior is not None
-        context = TermContext(ktae_prior=prior.to(device), collect_ktae_tables=True)
-        result = compute_batch(batch.to(device), spec, device, context=context)
-        return batch, prior, result
+        req = ComputeRequest(batch, spec, f"visit-{seed}", "cuda")
+        session = StateSession(store, req, torch.device(device))
+        result = await asyncio.to_thread(compute_request, req, device, session.context)
+        assert await session.settle() == "applied"
+        return session, result
 
     for seed in range(3):
-        batch, prior, cpu = asyncio.run(visit(seed, "cpu"))
-        _, _, gpu = asyncio.run(visit(seed, "cuda"))
+        cpu_session, cpu = asyncio.run(visit(seed, "cpu"))
+        gpu_session, gpu = asyncio.run(visit(seed, "cuda"))
         assert gpu.advantages.device.type == "cuda"
         torch.testing.assert_close(gpu.advantages.cpu(), cpu.advantages, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(
-            gpu.extras["ktae.score"].cpu(), cpu.extras["ktae.score"], rtol=1e-9, atol=1e-12
+            gpu.state["ktae"].score.cpu(), cpu.state["ktae"].score, rtol=1e-9, atol=1e-12
         )
-        req = ComputeRequest(batch, spec, f"visit-{seed}", "cuda")
-        asyncio.run(store.record("cuda", None, build_updates(req, cpu, prior)))
-    assert prior.rows > 0
+        cpu_update, gpu_update = cpu_session.update(cpu), gpu_session.update(gpu)
+        assert cpu_update.records == gpu_update.records
+        np.testing.assert_allclose(
+            gpu_update.tokens.key_sum, cpu_update.tokens.key_sum, rtol=1e-9, atol=1e-12
+        )
+        asyncio.run(cpu_session.record(cpu_update))
+    assert len(cpu_update.records) == 8

@@ -11,6 +11,7 @@ import torch
 from .estimators import AdvantageResult, TermContext, compute_batch, resolve_device
 from .request import ComputeRequest, parse_request
 from .response import build_response
+from .term_state import reads_state
 
 
 def compute_request(
@@ -49,11 +50,8 @@ def compute(request: Mapping[str, Any], device: str = "auto") -> dict[str, Any]:
     Raises :class:`advantage_service.RequestError` for a request the service would answer 422.
     """
     req = parse_request(request)
-    if req.estimator.terms.get("ktae", {}).get("history", "none") != "none":
-        # History lives in the service's stats store; in-process there is none to read.
-        history = "unavailable"
-    else:
-        history = "none"
+    # History lives in the service's stats store; in-process there is none to read.
+    history = "unavailable" if reads_state(req) else "none"
     dev = resolve_device(device)
     start = time.perf_counter()
     result = compute_request(req, dev)

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from .stats.blobs import Compression
+from .estimators.state import Compression
 
 MIB = 1024 * 1024
 

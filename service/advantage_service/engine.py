@@ -6,7 +6,6 @@ loop, statistics hooks and metrics. No wire types here: a transport hands in a d
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import math
@@ -27,11 +26,13 @@ from .auth import Authenticator, Principal
 from .batch import RolloutBatch
 from .config import Settings
 from .errors import LimitExceeded, RequestError
-from .estimators import AdvantageResult, TermContext, resolve_device
+from .estimators import TERMS, AdvantageResult, TermContext, resolve_device
+from .estimators.state import WriteOptions
 from .logs import access
 from .metrics import TOKEN_SAMPLE, Metrics
 from .request import ComputeRequest, parse_request
-from .stats import HistoryPrior, StatsStore, build_updates, make_store, prompt_ids, wants_history
+from .stats import StatsStore, make_store
+from .term_state import StateSession
 
 log = logging.getLogger("advantage_service.engine")
 
@@ -218,7 +219,6 @@ class Engine:
                         op
                     ).observe(sec),
                     "on_up": lambda up: self.metrics.stats_store_up.set(1 if up else 0),
-                    "compression": settings.stats_compression,
                 }
                 if settings.redis_url
                 else {}
@@ -233,6 +233,7 @@ class Engine:
         )
         self._pending_writes: set[asyncio.Task[None]] = set()
         self.max_pending_writes = 4 * settings.max_inflight
+        self.write_options = WriteOptions(compression=settings.stats_compression)
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -246,10 +247,16 @@ class Engine:
         return self._inflight
 
     def warm_up(self) -> None:
-        """Compute one tiny request so the first client does not pay for lazy initialisation."""
+        """Compute one tiny request so the first client does not pay for lazy initialisation:
+        with every term that needs no inputs besides the tokens."""
+        terms: dict[str, dict[str, Any]] = {
+            name: {}
+            for name, term in TERMS.items()
+            if not term.requires({p.name: p.default for p in term.params})
+        }
         req = parse_request(
             {
-                "estimator": {"outcome": "grpo", "ktae": {}},
+                "estimator": {"outcome": "grpo", **terms},
                 "groups": [
                     {
                         "id": "warm-up",
@@ -409,18 +416,19 @@ class Engine:
                     if principal is not None:
                         principal.authorize(req.namespace)
                     self.check_limits(req)
-                    context, read = self._start_history_read(req)
+                    session = StateSession(self.store, req, self.device, self.write_options)
                     try:
-                        result, seconds = await self._run(slot, self._compute_sync, req, context)
-                        history, prior = await self._history_read(read)
+                        result, seconds = await self._run(
+                            slot, self._compute_sync, req, session.context
+                        )
+                        history = await session.settle()
                     finally:
-                        if read is not None and not read.done():
-                            read.cancel()
+                        session.cancel()
                     summary = summarize(req, self.device, seconds * 1000.0, history)
                     self.metrics.compute_duration_seconds.labels(label, self.device.type).observe(
                         seconds
                     )
-                    self._write_stats(req, result, prior)
+                    self._write_stats(session, result)
                     encoded = (
                         None
                         if encode is None
@@ -562,69 +570,24 @@ class Engine:
 
     # ---- statistics store ---------------------------------------------------------------------
 
-    def _start_history_read(
-        self, req: ComputeRequest
-    ) -> tuple[TermContext | None, asyncio.Task[HistoryPrior | None] | None]:
-        """Start reading the request's KTAE history (when it asked for it) and return the
-        TermContext to compute with and the read.
-
-        The read needs only the prompt ids, so the computation starts at once: KTAE builds its
-        tables while the read is in flight and waits for the prior only when it merges it (the
-        context holds a future of it, resolved to None when the read fails or is cancelled, so
-        the worker never waits on a read that will not finish).
-        """
-        if not wants_history(req):
-            return None, None
-        read = asyncio.get_running_loop().create_task(
-            self.store.read_history(req.namespace, prompt_ids(req.batch))
-        )
-        pending: concurrent.futures.Future[HistoryPrior | None] = concurrent.futures.Future()
-
-        def resolve(task: asyncio.Task[HistoryPrior | None]) -> None:
-            try:
-                prior = None if task.cancelled() or task.exception() else task.result()
-                pending.set_result(None if prior is None else prior.to(self.device))
-            except Exception as exc:  # (moving it to the device failed) never leave it pending
-                pending.set_exception(exc)
-
-        read.add_done_callback(resolve)
-        return TermContext(ktae_prior=pending, collect_ktae_tables=True), read
-
-    async def _history_read(
-        self, read: asyncio.Task[HistoryPrior | None] | None
-    ) -> tuple[str, HistoryPrior | None]:
-        """The summary's ``history`` value (``none``, ``applied`` or ``unavailable``) and the
-        prior read (None when not read, or the store was down: then no history is written)."""
-        if read is None:
-            return "none", None
-        prior = await read
-        return ("unavailable", None) if prior is None else ("applied", prior)
-
-    def _write_stats(
-        self, req: ComputeRequest, result: AdvantageResult, prior: HistoryPrior | None
-    ) -> None:
-        """Schedule the history and statistics writes; they run after the answer is sent."""
+    def _write_stats(self, session: StateSession, result: AdvantageResult) -> None:
+        """Schedule the request's statistics and records writes; they run after the answer."""
         if len(self._pending_writes) >= self.max_pending_writes:
             # The store is slower than the traffic: drop this request's statistics rather than
             # let pending writes (and their tensors) grow without bound.
             self.metrics.stats_store_errors_total.labels("record_dropped").inc()
             return
-        task = asyncio.get_running_loop().create_task(self._record(req, result, prior))
+        task = asyncio.get_running_loop().create_task(self._record(session, result))
         self._pending_writes.add(task)
         task.add_done_callback(self._pending_writes.discard)
 
-    async def _record(
-        self, req: ComputeRequest, result: AdvantageResult, prior: HistoryPrior | None
-    ) -> None:
+    async def _record(self, session: StateSession, result: AdvantageResult) -> None:
         loop = asyncio.get_running_loop()
         try:
-            update = await loop.run_in_executor(
-                self._stats_executor, build_updates, req, result, prior
-            )
-            request_id = req.request_id if req.client_request_id else None
-            await self.store.record(req.namespace, request_id, update)
+            update = await loop.run_in_executor(self._stats_executor, session.update, result)
+            await session.record(update)
         except asyncio.CancelledError:
             raise
         except Exception:  # statistics must never take the service down
-            log.exception("statistics write for request %s failed", req.request_id)
+            log.exception("statistics write for request %s failed", session.req.request_id)
             self.metrics.stats_store_errors_total.labels("record").inc()

@@ -1,8 +1,10 @@
-"""Test helpers: the engine's sequence of store calls, random requests, and a slow oracle of
-KTAE with history (eager decay, per token, from the formulas) to check the fast path against."""
+"""Test helpers: one request through the service's state session, random requests, and a slow
+oracle of KTAE with history (eager decay, per token, from the formulas) to check the fast path
+against."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,17 +13,12 @@ import oracle
 import pytest
 import torch
 from advantage_service.api import compute_request
-from advantage_service.estimators import AdvantageResult, TermContext
+from advantage_service.estimators import AdvantageResult
+from advantage_service.estimators.ktae_history import SPACE, HistoryPrior
+from advantage_service.estimators.state import Compression, WriteOptions
 from advantage_service.request import ComputeRequest, parse_request
-from advantage_service.stats import (
-    HistoryPrior,
-    StatsStore,
-    StatsUpdate,
-    TokenStatsUpdate,
-    build_updates,
-    prompt_ids,
-    wants_history,
-)
+from advantage_service.stats import StatsStore, StatsUpdate, TokenStatsUpdate
+from advantage_service.term_state import StateSession
 
 
 @dataclass
@@ -34,19 +31,51 @@ class Served:
     update: StatsUpdate
 
 
-async def serve(store: StatsStore, body: dict[str, Any]) -> Served:
-    """One request the way the engine runs it: read history, compute, build updates, record."""
+async def serve(
+    store: StatsStore, body: dict[str, Any], compression: Compression | None = None
+) -> Served:
+    """One request the way the engine runs it (its StateSession): read, compute, write.
+
+    ``compression``: how records are written (default: the store fixture's, see conftest)."""
     req = parse_request(body)
-    prior, history = None, "none"
-    if wants_history(req):
-        prior = await store.read_history(req.namespace, prompt_ids(req.batch))
-        history = "applied" if prior is not None else "unavailable"
-    context = TermContext(ktae_prior=prior, collect_ktae_tables="ktae" in req.estimator.terms)
-    result = compute_request(req, "cpu", context)
-    update = build_updates(req, result, prior)
-    request_id = req.request_id if req.client_request_id else None
-    counted = await store.record(req.namespace, request_id, update)
+    if compression is None:
+        compression = getattr(store, "test_compression", "none")
+    session = StateSession(store, req, torch.device("cpu"), WriteOptions(compression))
+    # (on a worker thread, as in the engine: a term may wait there for the read on this loop)
+    result = await asyncio.to_thread(compute_request, req, "cpu", session.context)
+    history = await session.settle()
+    update = session.update(result)
+    counted = await session.record(update)
+    read = session.context.reads.get("ktae")
+    prior = read.result() if read is not None else None
     return Served(req, result, prior, history, counted, update)
+
+
+class _Unreachable:
+    """A store whose reads fail, as a Redis store's do while Redis is down."""
+
+    async def read_records(self, namespace: str, keys: Any) -> None:
+        return None
+
+
+async def update_of(store: StatsStore, body: dict[str, Any], *, read: bool = True) -> StatsUpdate:
+    """What a request would write (not written): after a successful read of ``store``, or after
+    a read that failed (``read=False``)."""
+    req = parse_request(body)
+    source: Any = store if read else _Unreachable()
+    session = StateSession(source, req, torch.device("cpu"))
+    result = await asyncio.to_thread(compute_request, req, "cpu", session.context)
+    await session.settle()
+    return session.update(result)
+
+
+async def read_history(
+    store: StatsStore, namespace: str, prompts: list[str]
+) -> HistoryPrior | None:
+    """The key-token history prior of ``prompts`` as a request would read it (None: the store
+    could not be read)."""
+    records = await store.read_records(namespace, [(SPACE, p) for p in prompts])
+    return None if records is None else HistoryPrior.decode(records, torch.device("cpu"))
 
 
 def assert_same_stored(first: HistoryPrior, second: HistoryPrior) -> None:
@@ -94,8 +123,8 @@ def assert_token_stats_are_the_sum(
 
 def table_scores(result: AdvantageResult) -> dict[tuple[int, int], float]:
     """(group, token id) -> the KTAE score the service computed (float64)."""
-    tables = result.extras["ktae.tables"]
-    score = result.extras["ktae.score"]
+    tables = result.state["ktae"].tables
+    score = result.state["ktae"].score
     return {
         (int(g), int(t)): float(s)
         for g, t, s in zip(

@@ -6,9 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from advantage_service.stats import HistoryPrior
-from advantage_service.stats.blobs import TOKEN_DTYPE, VALUE_DTYPE, PromptHistory
-from advantage_service.stats.prior import DENSE_LOOKUP_LIMIT
+from advantage_service.estimators.ktae_history import (
+    DENSE_LOOKUP_LIMIT,
+    TOKEN_DTYPE,
+    VALUE_DTYPE,
+    HistoryPrior,
+    PromptHistory,
+)
 
 
 def random_history(rng: np.random.Generator, id_space: int, rows: int) -> PromptHistory:
@@ -96,7 +100,7 @@ def test_lookup_of_no_pairs_and_of_no_history() -> None:
 
 @pytest.mark.parametrize("largest", [50, 2**31 - 1, 2**40])
 def test_distinct_keys_are_torch_unique(largest: int) -> None:
-    from advantage_service.stats.updates import _distinct
+    from advantage_service.term_state import _distinct
 
     rng = np.random.default_rng(largest % 97)
     keys = torch.from_numpy(rng.integers(0, largest, size=5000, dtype=np.int64))

@@ -23,10 +23,12 @@ from advantage_service.engine import Engine, Saturated
 from advantage_service.errors import RequestError
 from advantage_service.estimators import TermContext
 from advantage_service.estimators import ktae as ktae_module
+from advantage_service.estimators.ktae_history import HistoryPrior
+from advantage_service.estimators.state import PendingRead
 from advantage_service.metrics import Metrics
 from advantage_service.request import parse_request
-from advantage_service.stats import HistoryPrior, MemoryStatsStore
-from stats_helpers import random_groups
+from advantage_service.stats import MemoryStatsStore, RecordKey
+from stats_helpers import random_groups, read_history
 
 pytestmark = pytest.mark.anyio
 
@@ -42,12 +44,19 @@ class HeldBackStore(MemoryStatsStore):
         self.down = False
         self.read_done: float | None = None
 
-    async def read_history(self, namespace: str, prompt_ids: Sequence[str]) -> HistoryPrior | None:
+    async def read_records(
+        self, namespace: str, keys: Sequence[RecordKey]
+    ) -> list[bytes | None] | None:
         await asyncio.sleep(self.delay)
         self.read_done = time.perf_counter()
         if self.down:
             return None
-        return await super().read_history(namespace, prompt_ids)
+        return await super().read_records(namespace, keys)
+
+
+def with_prior(prior: HistoryPrior | None) -> TermContext:
+    """The context of a computation handed its key-token prior before it starts."""
+    return TermContext(reads={"ktae": PendingRead.of(prior)})
 
 
 def engine_with(store: MemoryStatsStore, **settings: Any) -> Engine:
@@ -88,7 +97,7 @@ async def test_tables_are_built_while_the_read_is_in_flight_and_the_answer_is_un
     prompts = ["a", "b", "c"]
     await engine.compute(parse_request(body(1, prompts)), "test")
     await engine.settle_writes()
-    prior = await MemoryStatsStore.read_history(store, NS, prompts)
+    prior = await read_history(store, NS, prompts)
     assert prior is not None and prior.rows > 0
 
     store.delay = 1.0  # (ample: the tables take milliseconds)
@@ -102,11 +111,11 @@ async def test_tables_are_built_while_the_read_is_in_flight_and_the_answer_is_un
     want = compute_request(
         parse_request(body(2, prompts)),
         "cpu",
-        TermContext(ktae_prior=prior, collect_ktae_tables=True),
+        with_prior(prior),
     )
     assert torch.equal(computed.result.advantages, want.advantages)
-    assert torch.equal(computed.result.extras["ktae.score"], want.extras["ktae.score"])
-    assert float(want.extras["ktae.score"].abs().sum()) > 0
+    assert torch.equal(computed.result.state["ktae"].score, want.state["ktae"].score)
+    assert float(want.state["ktae"].score.abs().sum()) > 0
 
 
 async def test_a_failed_read_computes_without_history_and_writes_none() -> None:
@@ -114,17 +123,16 @@ async def test_a_failed_read_computes_without_history_and_writes_none() -> None:
     engine = engine_with(store)
     await engine.compute(parse_request(body(3, ["p"])), "test")
     await engine.settle_writes()
-    before = await MemoryStatsStore.read_history(store, NS, ["p"])
+    before = await read_history(store, NS, ["p"])
 
     store.delay, store.down = 0.2, True
     computed = await engine.compute(parse_request(body(4, ["p"])), "test")
     await engine.settle_writes()
     assert computed.summary is not None and computed.summary["history"] == "unavailable"
-    plain = compute_request(
-        parse_request(body(4, ["p"])), "cpu", TermContext(collect_ktae_tables=True)
-    )
+    plain = compute_request(parse_request(body(4, ["p"])), "cpu")
     assert torch.equal(computed.result.advantages, plain.advantages)
-    after = await MemoryStatsStore.read_history(store, NS, ["p"])
+    store.delay, store.down = 0.0, False
+    after = await read_history(store, NS, ["p"])
     assert before is not None and after is not None
     assert before.stored[0] is not None and after.stored[0] is not None
     assert np.array_equal(before.stored[0].values, after.stored[0].values)
@@ -151,20 +159,14 @@ async def test_a_read_that_outlives_the_request_does_not_strand_its_worker() -> 
     assert computed.summary is not None and computed.summary["history"] == "applied"
 
 
-async def test_a_prior_that_cannot_reach_the_device_fails_the_request_without_hanging() -> None:
-    class Unmovable(HistoryPrior):
-        def to(self, device: Any) -> HistoryPrior:
-            raise RuntimeError("device lost")
+async def test_a_prior_that_cannot_reach_the_device_fails_the_request_without_hanging(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def unmovable(self: HistoryPrior, device: Any) -> HistoryPrior:
+        raise RuntimeError("device lost")
 
-    class Store(HeldBackStore):
-        async def read_history(
-            self, namespace: str, prompt_ids: Sequence[str]
-        ) -> HistoryPrior | None:
-            prior = await super().read_history(namespace, prompt_ids)
-            assert prior is not None
-            return Unmovable(prior.n_c, prior.n_w, prior.len_c, prior.len_w, prior.stored)
-
-    engine = engine_with(Store(), max_inflight=1)
+    monkeypatch.setattr(HistoryPrior, "to", unmovable)
+    engine = engine_with(HeldBackStore(), max_inflight=1)
     with pytest.raises(RuntimeError, match="device lost"):
         await asyncio.wait_for(engine.compute(parse_request(body(7, ["r"])), "test"), 10)
     assert engine.inflight == 0
@@ -194,12 +196,11 @@ async def test_other_terms_run_while_ktae_waits_and_combine_in_the_same_order(
     request = {"namespace": NS, "estimator": estimator, "groups": groups}
     await engine.compute(parse_request(request), "test")
     await engine.settle_writes()
-    prior = await MemoryStatsStore.read_history(store, NS, ["s", "t"])
+    prior = await read_history(store, NS, ["s", "t"])
 
     store.delay = 1.0
     computed = await engine.compute(parse_request(request), "test")
     assert store.read_done is not None
     assert started["cscr"] < started["ktae"] < store.read_done
-    context = TermContext(ktae_prior=prior, collect_ktae_tables=True)
-    want = compute_request(parse_request(request), "cpu", context)
+    want = compute_request(parse_request(request), "cpu", with_prior(prior))
     assert torch.equal(computed.result.advantages, want.advantages)

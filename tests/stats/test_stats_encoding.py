@@ -1,20 +1,23 @@
-"""The stored records (``stats.blobs``) and the Redis store's RESP encoder, checked against
-simple implementations: per-token dictionaries and redis-py's own command packer."""
+"""The stored records (``stats.blobs``, ``estimators.ktae_history``) and the Redis store's RESP
+encoder, checked against simple implementations: per-token dictionaries and redis-py's own
+command packer."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from advantage_service.stats.blobs import (
+from advantage_service.estimators.ktae_history import (
     PRUNE_BELOW,
     PromptHistory,
-    TokenStatsUpdate,
     decode_history,
-    decode_token_stats,
     encode_history,
-    encode_token_stats,
     is_compressed,
     merge_history,
+)
+from advantage_service.stats.blobs import (
+    TokenStatsUpdate,
+    decode_token_stats,
+    encode_token_stats,
     merge_token_stats,
 )
 from advantage_service.stats.redis_store import _command

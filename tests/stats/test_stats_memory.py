@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from advantage_service.estimators.ktae_history import prompt_ids
 from advantage_service.request import parse_request
-from advantage_service.stats import MemoryStatsStore, prompt_ids
-from stats_helpers import random_groups, serve
+from advantage_service.stats import MemoryStatsStore
+from stats_helpers import random_groups, read_history, serve
 
 pytestmark = pytest.mark.anyio
 
@@ -25,10 +26,10 @@ async def test_memory_entries_expire_after_the_ttl() -> None:
     query = prompt_ids(parse_request(body).batch)
     clock[0] += 59
     assert not (await serve(store, body)).counted
-    prior = await store.read_history("ns", query)
+    prior = await read_history(store, "ns", query)
     assert prior is not None and float(prior.n_c[0] + prior.n_w[0]) > 0
     clock[0] += 61  # past the TTL of every entry (the duplicate wrote nothing)
-    prior = await store.read_history("ns", query)
+    prior = await read_history(store, "ns", query)
     assert prior is not None and float(prior.n_c[0] + prior.n_w[0]) == 0.0
     assert await store.token_stats("ns", "key", 10) == {
         "namespace": "ns",
@@ -39,7 +40,7 @@ async def test_memory_entries_expire_after_the_ttl() -> None:
 
 
 async def test_memory_store_stays_bounded_and_forgets_the_oldest_prompts_first() -> None:
-    store = MemoryStatsStore(max_history_bytes=4_000, max_request_ids=50, max_namespaces=3)
+    store = MemoryStatsStore(max_record_bytes=4_000, max_request_ids=50, max_namespaces=3)
     rng = np.random.default_rng(1)
     for visit in range(40):
         body = {
@@ -49,12 +50,12 @@ async def test_memory_store_stays_bounded_and_forgets_the_oldest_prompts_first()
             "groups": random_groups(rng, [f"p-{visit}"]),
         }
         assert (await serve(store, body)).counted
-        assert store.history_bytes <= 4_000
+        assert store.record_bytes <= 4_000
     assert len(store._requests) <= 50
     assert len(store._tokens) <= 3
     newest = prompt_ids(parse_request({**body, "groups": random_groups(rng, ["p-39"])}).batch)
-    prior = await store.read_history("ns-4", newest)
+    prior = await read_history(store, "ns-4", newest)
     assert prior is not None and float(prior.n_c[0] + prior.n_w[0]) > 0, "newest kept"
     oldest = prompt_ids(parse_request({**body, "groups": random_groups(rng, ["p-0"])}).batch)
-    prior = await store.read_history("ns-0", oldest)
+    prior = await read_history(store, "ns-0", oldest)
     assert prior is not None and float(prior.n_c[0] + prior.n_w[0]) == 0.0, "oldest evicted"

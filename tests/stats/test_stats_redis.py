@@ -12,14 +12,18 @@ import numpy as np
 import pytest
 import redis
 import redis.asyncio
+import torch
+from advantage_service.estimators.ktae_history import prompt_ids
 from advantage_service.request import parse_request
-from advantage_service.stats import RedisStatsStore, prompt_ids
+from advantage_service.stats import MemoryStatsStore, RedisStatsStore
 from redis_support import RedisServer
 from stats_helpers import (
     assert_same_stored,
     assert_token_stats_are_the_sum,
     random_groups,
+    read_history,
     serve,
+    update_of,
 )
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration]
@@ -83,7 +87,7 @@ async def test_two_replicas_on_one_redis_share_history_statistics_and_request_id
         second = body(4, ["q", "p"])
         via_a, via_b = await serve(a, second), None
         query = prompt_ids(parse_request(second).batch)
-        prior_a, prior_b = await a.read_history(NS, query), await b.read_history(NS, query)
+        prior_a, prior_b = await read_history(a, NS, query), await read_history(b, NS, query)
         assert prior_a is not None and prior_b is not None
         assert_same_stored(prior_a, prior_b)
         assert float(prior_b.n_c.sum()) > 0 and prior_b.rows > 0
@@ -111,7 +115,7 @@ async def test_killing_redis_degrades_to_unavailable_and_a_restart_on_the_same_p
         redis_server.kill()
         query = prompt_ids(parse_request(body(7, ["k"])).batch)
         start = time.perf_counter()
-        assert await store.read_history(NS, query) is None
+        assert await read_history(store, NS, query) is None
         assert time.perf_counter() - start < 1.0
         assert store.status == "down" and ups == [True, False]
         down = await serve(store, body(7, ["k"], request_id="during-outage"))
@@ -160,17 +164,17 @@ async def test_a_hung_redis_times_out_quickly(redis_server: RedisServer) -> None
     store = RedisStatsStore(redis_server.url, socket_timeout=0.3, backoff_initial=0.1)
     query = prompt_ids(parse_request(body(8, ["h"])).batch)
     try:
-        assert await store.read_history(NS, query) is not None
+        assert await read_history(store, NS, query) is not None
         assert redis_server.process is not None
         os.kill(redis_server.process.pid, signal.SIGSTOP)
         try:
             start = time.perf_counter()
-            assert await store.read_history(NS, query) is None
+            assert await read_history(store, NS, query) is None
             assert time.perf_counter() - start < 1.0
         finally:
             os.kill(redis_server.process.pid, signal.SIGCONT)
         time.sleep(0.15)
-        assert await store.read_history(NS, query) is not None
+        assert await read_history(store, NS, query) is not None
     finally:
         await store.close()
 
@@ -250,10 +254,10 @@ async def test_a_resent_write_pipeline_applies_nothing_twice(
     try:
         served = await serve(store, body(11, ["s", "t"], request_id="resent"))
         query = prompt_ids(served.req.batch)
-        before = (await store.read_history(NS, query), await store.token_stats(NS, "key", 10**6))
-        update = await _update_of(store, body(12, ["s", "t"]))
+        before = (await read_history(store, NS, query), await store.token_stats(NS, "key", 10**6))
+        update = await update_of(store, body(12, ["s", "t"]))
         assert await store.record(NS, "resent", update), "the same claim: a resend of its own"
-        after = (await store.read_history(NS, query), await store.token_stats(NS, "key", 10**6))
+        after = (await read_history(store, NS, query), await store.token_stats(NS, "key", 10**6))
         assert before[1] == after[1]
         assert before[0] is not None and after[0] is not None
         assert_same_stored(before[0], after[0])
@@ -261,22 +265,10 @@ async def test_a_resent_write_pipeline_applies_nothing_twice(
         await store.close()
 
 
-async def _update_of(store: RedisStatsStore, request: dict[str, Any]) -> Any:
-    from advantage_service.api import compute_request
-    from advantage_service.estimators import TermContext
-    from advantage_service.stats import build_updates
-
-    req = parse_request(request)
-    prior = await store.read_history(NS, prompt_ids(req.batch))
-    result = compute_request(req, "cpu", TermContext(ktae_prior=prior, collect_ktae_tables=True))
-    return build_updates(req, result, prior)
-
-
 def token_updates(seed: int, count: int) -> list[Any]:
     """The statistics updates of ``count`` requests without history."""
     from advantage_service.api import compute_request
-    from advantage_service.estimators import TermContext
-    from advantage_service.stats import build_updates
+    from advantage_service.term_state import StateSession
 
     rng = np.random.default_rng(seed)
     updates = []
@@ -287,8 +279,8 @@ def token_updates(seed: int, count: int) -> list[Any]:
             "groups": random_groups(rng, ["u0", "u1"], vocab=30, teacher=True),
         }
         req = parse_request(request)
-        result = compute_request(req, "cpu", TermContext(collect_ktae_tables=True))
-        updates.append(build_updates(req, result, None))
+        session = StateSession(MemoryStatsStore(), req, torch.device("cpu"))
+        updates.append(session.update(compute_request(req, "cpu", session.context)))
     return updates
 
 
@@ -454,7 +446,7 @@ async def test_a_full_redis_evicts_old_histories_and_they_start_over(
         assert int(admin.info("stats")["evicted_keys"]) > 0
         assert counted > len(prompts) // 2 and store.status == "up"
         # Redis's LRU is approximate: of the oldest prompts most are gone, the newest is kept.
-        prior = await store.read_history(NS, prompts[:10] + prompts[-1:])
+        prior = await read_history(store, NS, prompts[:10] + prompts[-1:])
         assert prior is not None
         evicted = [p for p, h in zip(prompts[:10], prior.stored[:10], strict=True) if h is None]
         assert len(evicted) >= 5, "the least recently used histories were evicted"
@@ -480,29 +472,35 @@ async def test_replicas_with_and_without_compression_read_each_others_history(
     each reads both kinds of record."""
     from advantage_service.config import Settings
     from advantage_service.engine import Engine
+    from advantage_service.estimators.ktae_history import SPACE, is_compressed
     from advantage_service.metrics import Metrics
-    from advantage_service.stats.blobs import is_compressed
 
     engine = Engine(
         Settings(device="cpu", redis_url=redis_server.url, stats_compression="zstd"),
         Metrics(process=False),
     )
+    # The setting reaches the writes of the engine's requests.
+    assert engine.write_options.compression == "zstd"
     packed = engine.store
     raw = RedisStatsStore(redis_server.url)
     admin = redis.Redis.from_url(redis_server.url)
+
+    def key(prompt: str) -> str:
+        return raw.record_key(NS, (SPACE, prompt))
+
     try:
-        assert isinstance(packed, RedisStatsStore) and packed.compress
-        await serve(raw, body(50, ["plain"]))
-        await serve(packed, body(51, ["packed"]))
-        blobs = [admin.get(raw.history_key(NS, p)) for p in ("plain", "packed")]
+        assert isinstance(packed, RedisStatsStore)
+        await serve(raw, body(50, ["plain"]), compression="none")
+        await serve(packed, body(51, ["packed"]), compression="zstd")
+        blobs = [admin.get(key(p)) for p in ("plain", "packed")]
         assert not is_compressed(blobs[0]) and is_compressed(blobs[1])
-        by_raw = await raw.read_history(NS, ["plain", "packed"])
-        by_packed = await packed.read_history(NS, ["plain", "packed"])
+        by_raw = await read_history(raw, NS, ["plain", "packed"])
+        by_packed = await read_history(packed, NS, ["plain", "packed"])
         assert by_raw is not None and by_packed is not None and by_raw.rows > 0
         assert_same_stored(by_raw, by_packed)
         # A visit through the compressing replica rewrites a raw record compressed, same counts.
-        await serve(packed, body(52, ["plain"]))
-        assert is_compressed(admin.get(raw.history_key(NS, "plain")))
+        await serve(packed, body(52, ["plain"]), compression="zstd")
+        assert is_compressed(admin.get(key("plain")))
     finally:
         await raw.close()
         await packed.close()
@@ -520,14 +518,14 @@ async def test_a_write_redis_refuses_fails_alone_without_backoff(
     try:
         first = await serve(store, body(60, ["full"]))
         assert first.counted
-        before = await store.read_history(NS, ["full"])
+        before = await read_history(store, NS, ["full"])
         admin.config_set("maxmemory-policy", "noeviction")
         admin.config_set("maxmemory", 1)  # every write command is refused
         refused = await serve(store, body(61, ["full"], request_id="refused"))
         assert refused.history == "applied" and not refused.counted
         assert errors == ["record"] and store.status == "up"
         # No backoff: the next read is attempted (and answered) right away.
-        after = await store.read_history(NS, ["full"])
+        after = await read_history(store, NS, ["full"])
         assert after is not None and before is not None and errors == ["record"]
         assert_same_stored(before, after)
         admin.config_set("maxmemory", 0)

@@ -18,8 +18,10 @@ from stats_helpers import (
     assert_same_stored,
     assert_token_stats_are_the_sum,
     random_groups,
+    read_history,
     serve,
     table_scores,
+    update_of,
 )
 
 pytestmark = pytest.mark.anyio
@@ -67,8 +69,8 @@ async def test_history_changes_scores_exactly_as_the_merged_counts_say(
         assert_scores_match(table_scores(served.result), scores, rtol=1e-12)
         # The per-token bonus is the table's score spread to every occurrence.
         bonus = served.result.diagnostics["ktae_score"]
-        tables = served.result.extras["ktae.tables"]
-        spread = tables.spread(served.result.extras["ktae.score"]).float()
+        tables = served.result.state["ktae"].tables
+        spread = tables.spread(served.result.state["ktae"].score).float()
         assert torch.equal(bonus, spread)
         if visit:
             assert any(s != 0 for s in scores.values())
@@ -101,13 +103,24 @@ async def test_first_visit_scores_equal_scores_without_history(store: StatsStore
     served = await serve(store, ktae_body(groups))
     plain = await serve(
         store,
-        {"namespace": "other", "estimator": {"ktae": {}, "outcome": "grpo"}, "groups": groups},
+        {
+            "namespace": "other",
+            "estimator": {"ktae": {}, "outcome": "grpo"},
+            "return": ["ktae_score"],
+            "groups": groups,
+        },
     )
     assert served.prior is not None and float(served.prior.n_c.abs().sum()) == 0.0
     got, want = table_scores(served.result), table_scores(plain.result)
-    assert got.keys() == want.keys()
-    for key in want:
-        assert got[key] == pytest.approx(want[key], abs=1e-12)
+    # Without history only groups with contrast are tabulated; with history (even empty) every
+    # group is, and those without contrast score 0.
+    assert want.keys() <= got.keys() and want
+    for key in got:
+        assert got[key] == pytest.approx(want.get(key, 0.0), abs=1e-12)
+    for key in got.keys() - want.keys():
+        assert got[key] == 0.0
+    bonus = served.result.diagnostics["ktae_score"]
+    assert torch.equal(bonus, plain.result.diagnostics["ktae_score"])
 
 
 async def test_history_prior_holds_the_decayed_counts(store: StatsStore) -> None:
@@ -134,7 +147,7 @@ async def test_ignored_tokens_never_enter_history(store: StatsStore) -> None:
         served = await serve(store, body)
         scores, _ = expect.visit(groups)
         assert_scores_match(table_scores(served.result), scores, rtol=1e-12)
-    prior = await store.read_history(NS, ["i0"])
+    prior = await read_history(store, NS, ["i0"])
     assert prior is not None and prior.stored[0] is not None and prior.stored[0].rows > 0
     assert not set(prior.stored[0].tokens.tolist()) & {0, 1}
 
@@ -312,18 +325,11 @@ async def test_unavailable_history_writes_no_history(store: StatsStore) -> None:
     overwrite stored history with its own counts; its token statistics still count."""
     rng = np.random.default_rng(37)
     await serve(store, ktae_body(random_groups(rng, ["h"])))
-    from advantage_service.api import compute_request
-    from advantage_service.estimators import TermContext
-    from advantage_service.request import parse_request
-    from advantage_service.stats import build_updates
-
-    req = parse_request(ktae_body(random_groups(rng, ["h"])))
-    before = await store.read_history(NS, ["h"])
-    result = compute_request(req, "cpu", TermContext(collect_ktae_tables=True))
-    update = build_updates(req, result, None)
-    assert update.history is None
+    before = await read_history(store, NS, ["h"])
+    update = await update_of(store, ktae_body(random_groups(rng, ["h"])), read=False)
+    assert not update.records
     assert await store.record(NS, None, update)
-    after = await store.read_history(NS, ["h"])
+    after = await read_history(store, NS, ["h"])
     assert before is not None and after is not None and before.rows > 0
     assert_same_stored(before, after)
 
@@ -350,7 +356,7 @@ async def test_pruning_keeps_a_prompts_history_bounded_over_many_visits(store: S
 
     for k in range(1, 41):
         await serve(store, visit_body(k))
-        prior = await store.read_history(NS, ["long-lived"])
+        prior = await read_history(store, NS, ["long-lived"])
         assert prior is not None and prior.stored is not None and prior.stored[0] is not None
         stored = prior.stored[0]
         kept = sorted({t // 1000 for t in stored.tokens.tolist() if t != 7})

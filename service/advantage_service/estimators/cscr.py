@@ -15,6 +15,7 @@ import torch
 
 from ..batch import RolloutBatch
 from .registry import Param, TermContext, TermOutput, register_term
+from .state import TermState, TermWrites, WriteOptions
 
 
 def exp_onset(s: torch.Tensor, onset: float, decay: float, strength: float) -> torch.Tensor:
@@ -63,6 +64,24 @@ def normalise_within_rollout(batch: RolloutBatch, u: torch.Tensor) -> torch.Tens
     return torch.where(total[rollout] > 0, u * scale[rollout], torch.ones_like(u))
 
 
+def _writes(
+    batch: RolloutBatch,
+    params: Mapping[str, Any],
+    s: torch.Tensor,
+    prior: None,
+    options: WriteOptions,
+) -> TermWrites:
+    """The sensitivity of every occurrence, summed per token id (``sens_sum``) with the count of
+    occurrences (``sens_count``): their mean is the token's mean sensitivity."""
+    tokens = batch.tokens.long()
+    return TermWrites(
+        columns={
+            "sens_sum": (tokens, s.double()),
+            "sens_count": (tokens, torch.ones_like(tokens)),
+        }
+    )
+
+
 @register_term(
     "cscr",
     formula="w_it = u_it T_i / sum_t u_it, u = 1 - gamma (1 - exp(-alpha max(0, s - lambda)))",
@@ -73,10 +92,11 @@ def normalise_within_rollout(batch: RolloutBatch, u: torch.Tensor) -> torch.Tens
         f"teacher:{p['positive']}": f"teacher_logprobs.{p['positive']}",
         f"teacher:{p['negative']}": f"teacher_logprobs.{p['negative']}",
     },
+    state=TermState(writes=_writes, columns=("sens_sum", "sens_count")),
 )
 def cscr(batch: RolloutBatch, params: Mapping[str, Any], ctx: TermContext) -> TermOutput:
     """Credit weights that move a rollout's credit off counterfactually sensitive tokens."""
     s = sensitivity(batch, params["positive"], params["negative"])
     u = MAPPINGS[params["mapping"]](s, params["onset"], params["decay"], params["strength"])
     w = normalise_within_rollout(batch, u)
-    return TermOutput(weight=w, diagnostics={"cscr_weight": w, "sensitivity": s})
+    return TermOutput(weight=w, diagnostics={"cscr_weight": w, "sensitivity": s}, state=s)

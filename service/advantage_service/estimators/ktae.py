@@ -22,7 +22,9 @@ from ..batch import RolloutBatch, repeat_runs
 from ..errors import RequestError
 from .baselines import group_sum
 from .fisher import fisher_two_sided_grouped, margin_grid
+from .ktae_history import SPACE, HistoryPrior, history_records, prompt_ids
 from .registry import Param, TermContext, TermOutput, register_term
+from .state import TermState, TermWrites, WriteOptions
 
 # "p is 1" within float rounding: such a token carries no evidence, so its Fisher factor is 0.
 P_IS_ONE = 1.0 - 1e-6
@@ -268,7 +270,7 @@ def _score(
 
 def _score_with_prior(
     tables: KeyTokenTables,
-    prior: Any,
+    prior: HistoryPrior,
     n_c: torch.Tensor,
     n_w: torch.Tensor,
     len_c: torch.Tensor,
@@ -425,6 +427,66 @@ def tabulate(
     )
 
 
+# ---- state across requests: history per prompt, key scores in the vocabulary statistics --------
+
+
+@dataclass
+class KtaeState:
+    """What a KTAE computation leaves for its writes: the tables, their scores, which groups
+    were scored (contrast in the merged counts), and each group's own totals float64 (G, 4)
+    n_c, n_w, len_c, len_w."""
+
+    tables: KeyTokenTables
+    score: torch.Tensor
+    scored: torch.Tensor
+    totals: torch.Tensor
+
+
+def _history_keys(batch: RolloutBatch, params: Mapping[str, Any]) -> list[str]:
+    return prompt_ids(batch) if params["history"] != "none" else []
+
+
+def _writes(
+    batch: RolloutBatch,
+    params: Mapping[str, Any],
+    state: KtaeState,
+    prior: HistoryPrior | None,
+    options: WriteOptions,
+) -> TermWrites:
+    """History records (when the visit read its prior) and the key scores of the scored tables
+    (``key_sum``, ``key_count``: their mean is the token's key score)."""
+    tables = state.tables
+    scored = state.scored.index_select(0, tables.group)
+    token = tables.token[scored]
+    columns = {
+        "key_sum": (token, state.score[scored].double()),
+        "key_count": (token, torch.ones_like(token)),
+    }
+    records: dict[str, bytes] = {}
+    if prior is not None and params["history"] != "none":
+        current = torch.stack([tables.a, tables.b, tables.occ_c, tables.occ_w], dim=1)
+        records = history_records(
+            prompt_ids(batch),
+            state.totals,
+            tables.group,
+            tables.token,
+            current,
+            prior,
+            float(params["history_decay"]),
+            options.compression == "zstd",
+        )
+    return TermWrites(records=records, columns=columns)
+
+
+STATE: TermState[HistoryPrior] = TermState(
+    writes=_writes,
+    columns=("key_sum", "key_count"),
+    space=SPACE,
+    keys=_history_keys,
+    decode=HistoryPrior.decode,
+)
+
+
 @register_term(
     "ktae",
     formula="b_it = scale tanh(z/2), z = (w_F exp(-2p) + w_IG IG) (h + tf) / (w_F + w_IG)",
@@ -433,6 +495,7 @@ def tabulate(
     diagnostics=("ktae_score",),
     requires=lambda params: {},
     check=_check,
+    state=STATE,
 )
 def ktae(batch: RolloutBatch, params: Mapping[str, Any], ctx: TermContext) -> TermOutput:
     """Key-token bonus: the group's association score of each token id with correctness."""
@@ -443,12 +506,12 @@ def ktae(batch: RolloutBatch, params: Mapping[str, Any], ctx: TermContext) -> Te
     lengths = batch.lengths.double()
     len_c = group_sum(batch, lengths * correct)
     len_w = group_sum(batch, lengths) - len_c
+    totals = torch.stack([n_c, n_w, len_c, len_w], dim=1)
     contrast = (n_c > 0) & (n_w > 0)
     drop = None
-    # With history every group is tabulated: its merged counts may have the contrast its own
-    # lack, and its counts are written back.
-    with_history = ctx.ktae_prior is not None
-    if not ctx.collect_ktae_tables and not with_history and not bool(contrast.all()):
+    # With a history read every group is tabulated: its merged counts may have the contrast its
+    # own lack, and its counts are written back.
+    if ctx.read is None and not bool(contrast.all()):
         # Groups without both correct and wrong rollouts score 0: skip their tokens entirely.
         drop = ~contrast[batch.group_index]
     if batch.num_tokens == 0 or (drop is not None and bool(drop.all())):
@@ -456,11 +519,13 @@ def ktae(batch: RolloutBatch, params: Mapping[str, Any], ctx: TermContext) -> Te
         empty = KeyTokenTables.empty(batch.num_tokens, device)
         score = torch.zeros(0, dtype=torch.float64, device=device)
         return TermOutput(
-            bonus=bonus, diagnostics={"ktae_score": bonus}, extras={"tables": empty, "score": score}
+            bonus=bonus,
+            diagnostics={"ktae_score": bonus},
+            state=KtaeState(empty, score, contrast, totals),
         )
     tables = tabulate(batch, correct, drop, ctx.ignore_token_ids)
     # A history read still in flight has had the tabulation's time to arrive.
-    prior = ctx.resolve_ktae_prior()
+    prior: HistoryPrior | None = None if ctx.read is None else ctx.read.result()
     if prior is None:
         g = tables.group
         strength, h = association_lookup(n_c, n_w, g, tables.a, tables.b, params)
@@ -472,18 +537,21 @@ def ktae(batch: RolloutBatch, params: Mapping[str, Any], ctx: TermContext) -> Te
             len_c + prior.len_c,
             len_w + prior.len_w,
         )
+        contrast = (n_c > 0) & (n_w > 0)
         score = _score_with_prior(tables, prior, n_c, n_w, len_c, len_w, params)
     bonus = tables.spread(score.float())
-    out = TermOutput(bonus=bonus, diagnostics={"ktae_score": bonus})
-    # The tables and their scores feed vocabulary statistics and history (see stats/).
-    out.extras["tables"] = tables
-    out.extras["score"] = score
-    return out
+    return TermOutput(
+        bonus=bonus,
+        diagnostics={"ktae_score": bonus},
+        state=KtaeState(tables, score, contrast, totals),
+    )
 
 
 __all__ = [
     "PARAMS",
+    "STATE",
     "KeyTokenTables",
+    "KtaeState",
     "association",
     "association_lookup",
     "key_token_score",

@@ -31,8 +31,8 @@ class AdvantageResult:
     scalars: torch.Tensor
     diagnostics: dict[str, torch.Tensor] = field(default_factory=dict)
     estimator: EstimatorSpec | None = None
-    # Term by-products other layers use (KTAE tables for history and statistics).
-    extras: dict[str, Any] = field(default_factory=dict)
+    # Term name -> its TermOutput.state, for the writes of the terms that keep state.
+    state: dict[str, Any] = field(default_factory=dict)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -126,10 +126,12 @@ def compute_batch(
     ctx.vocab_size = vocab_size
 
     scalars = OUTCOMES[spec.outcome].fn(batch, spec.outcome_params)  # float64 (B,)
-    # A term that waits for an input still in flight (KTAE's history read) runs last, so that
-    # the others overlap the wait; outputs are combined in the estimator's order either way.
+    # A term that waits for a read still in flight runs last, so that the others overlap the
+    # wait; outputs are combined in the estimator's order either way.
     run_order = sorted(spec.terms, key=ctx.waits)
-    computed = {name: TERMS[name].fn(batch, spec.terms[name], ctx) for name in run_order}
+    computed = {
+        name: TERMS[name].fn(batch, spec.terms[name], ctx.for_term(name)) for name in run_order
+    }
     outputs = {name: computed[name] for name in spec.terms}
     # a_i w_it + sum_k c_k b_it in float32 (the output precision), built in place in one fresh
     # tensor: weights scale only the outcome term, never a bonus, so they go first.
@@ -141,7 +143,7 @@ def compute_batch(
         if out.bonus is not None:
             advantages.add_(out.bonus)
     produced = {k: v for out in outputs.values() for k, v in out.diagnostics.items()}
-    extras = {f"{name}.{k}": v for name, out in outputs.items() for k, v in out.extras.items()}
+    state = {name: out.state for name, out in outputs.items() if out.state is not None}
     if spec.whiten:
         advantages = whiten(advantages)
     if spec.clip is not None:
@@ -153,5 +155,5 @@ def compute_batch(
         scalars=scalars.float(),
         diagnostics={d: produced[d].float() for d in wanted if d != "scalar"},
         estimator=spec,
-        extras=extras,
+        state=state,
     )

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from ..batch import RolloutBatch
 from ..errors import RequestError
+from .state import PendingRead, TermState
 
 
 @dataclass(frozen=True)
@@ -177,33 +177,34 @@ class TermContext:
 
     ignore_token_ids: torch.Tensor | None = None  # int64 (K,) on the batch's device
     vocab_size: int | None = None
-    # KTAE history merged into the current counts (see stats/); None keeps reference parity. A
-    # ``concurrent.futures.Future`` of one (its result None: history unavailable) lets the store's
-    # read run while KTAE builds its tables: the term waits for it only when it needs the counts.
-    ktae_prior: Any = None
-    # Keep every group's KTAE tables (for history and statistics), not only those with contrast.
-    collect_ktae_tables: bool = False
-
-    def resolve_ktae_prior(self) -> Any:
-        """The KTAE prior, waiting for it if it is still being read (None: no history)."""
-        prior = self.ktae_prior
-        return prior.result() if isinstance(prior, Future) else prior
+    # What the engine read for each term that keeps state (term name -> its prior, possibly
+    # still in flight). A term sees its own as ``read``.
+    reads: Mapping[str, PendingRead[Any]] = field(default_factory=dict)
+    # This term's read (set per term by the pipeline); None: it read nothing for this request.
+    read: PendingRead[Any] | None = None
 
     def waits(self, term: str) -> bool:
-        """True when ``term`` will wait for an input still in flight (KTAE for a history read
-        that has not arrived): the pipeline computes it after the others."""
-        prior = self.ktae_prior
-        return term == "ktae" and isinstance(prior, Future) and not prior.done()
+        """True when ``term`` will wait for a read still in flight: the pipeline computes it
+        after the others, so that they overlap the read."""
+        read = self.reads.get(term)
+        return read is not None and not read.done()
+
+    def for_term(self, term: str) -> TermContext:
+        """The context ``term`` computes with: its own read as ``read``."""
+        return replace(self, read=self.reads.get(term))
 
 
 @dataclass
 class TermOutput:
-    """What a term contributes: a multiplicative credit weight and/or an additive bonus, (N,)."""
+    """What a term contributes: a multiplicative credit weight and/or an additive bonus, (N,).
+
+    ``state``: what the term's :class:`~.state.TermState` writes need from this computation
+    (opaque to every other layer; None for a term that keeps no state)."""
 
     weight: torch.Tensor | None = None
     bonus: torch.Tensor | None = None
     diagnostics: dict[str, torch.Tensor] = field(default_factory=dict)
-    extras: dict[str, Any] = field(default_factory=dict)
+    state: Any = None
 
 
 TermFn = Callable[[RolloutBatch, Mapping[str, Any], TermContext], TermOutput]
@@ -212,7 +213,8 @@ TermCheck = Callable[[Mapping[str, Any], str], None]
 
 @dataclass(frozen=True)
 class Term:
-    """A per-token credit term (KTAE, CSCR, OPSD): ``fn(batch, params, ctx) -> TermOutput``."""
+    """A per-token credit term: ``fn(batch, params, ctx) -> TermOutput``; ``state`` declares
+    what it keeps across requests (None: nothing)."""
 
     name: str
     fn: TermFn
@@ -223,6 +225,7 @@ class Term:
     diagnostics: tuple[str, ...]
     requires: Callable[[Mapping[str, Any]], dict[str, str]]
     check: TermCheck | None = None
+    state: TermState[Any] | None = None
 
 
 TERMS: dict[str, Term] = {}
@@ -237,8 +240,10 @@ def register_term(
     diagnostics: tuple[str, ...],
     requires: Callable[[Mapping[str, Any]], dict[str, str]],
     check: TermCheck | None = None,
+    state: TermState[Any] | None = None,
 ) -> Callable[[TermFn], TermFn]:
-    """``requires(params)`` maps each batch input the term needs to a field name for errors."""
+    """``requires(params)`` maps each batch input the term needs to a field name for errors;
+    ``state``: what the term keeps across requests (:mod:`.state`)."""
 
     def decorate(fn: TermFn) -> TermFn:
         TERMS[name] = Term(
@@ -251,6 +256,7 @@ def register_term(
             diagnostics,
             requires,
             check,
+            state,
         )
         return fn
 

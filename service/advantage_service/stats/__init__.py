@@ -1,19 +1,18 @@
-"""Stats store: KTAE history per prompt, vocabulary statistics per namespace, idempotency.
+"""Stats store: the records of terms that keep state, vocabulary statistics per namespace,
+idempotency.
 
 Two backends behind one interface (:class:`StatsStore`): in-memory (the embedded default) and
-Redis (shared by replicas). The semantics are in :mod:`.base`.
+Redis (shared by replicas). The semantics are in :mod:`.base`. The store knows no estimator.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .base import ORDERS, StatsStore, StoreStatus
+from .base import ORDERS, RecordKey, StatsStore, StatsUpdate, StoreStatus
 from .blobs import TokenStatsUpdate
 from .memory import DEFAULT_TTL_SECONDS, MemoryStatsStore
-from .prior import HistoryPrior, prompt_ids, wants_history
 from .redis_store import RedisStatsStore
-from .updates import HistoryUpdate, StatsUpdate, build_updates
 
 
 def make_store(
@@ -32,16 +31,12 @@ def make_store(
 __all__ = [
     "DEFAULT_TTL_SECONDS",
     "ORDERS",
-    "HistoryPrior",
-    "HistoryUpdate",
     "MemoryStatsStore",
+    "RecordKey",
     "RedisStatsStore",
     "StatsStore",
     "StatsUpdate",
     "StoreStatus",
     "TokenStatsUpdate",
-    "build_updates",
     "make_store",
-    "prompt_ids",
-    "wants_history",
 ]

@@ -1,40 +1,25 @@
-"""The stats store's semantics (history, vocabulary statistics, idempotency) and its interface.
+"""The stats store's semantics (records, vocabulary statistics, idempotency) and its interface.
 
-KTAE history (``"ktae": {"history": "prompt", "history_decay": d}``)
---------------------------------------------------------------------
-Per (namespace, prompt id) the store keeps totals n_c, n_w (correct and wrong rollouts), len_c,
-len_w (their tokens) and, per token id, a, b (correct and wrong rollouts containing it) and occ_c,
-occ_w (its occurrences in them). The prompt id is the group id (``RolloutBatch.prompt_ids``).
+The store knows no estimator: it keeps what the terms that keep state hand it (see
+``advantage_service.estimators.state``).
 
-A visit of group g reads the stored values H; H is this request's prior for g (ESTIMATORS.md,
-"History": the prior is added to the group's own counts before steps 1-7). After the computation
-the store writes H' = d (H + current), with ``current`` the group's own counts and d the
-request's ``history_decay``: the next visit's prior is the decayed sum. A group visited for the
-first time has H = 0, so its scores equal the no-history scores.
-
-Decay is eager: a visit decays every stored token of the prompt, those it does not contain too,
-and drops the rows whose a + b + occ_c + occ_w falls below 1e-3 (``blobs.PRUNE_BELOW``), so a
-prompt keeps the tokens of its last ~10 visits (at d = 0.5), not every token it ever saw.
-d = 0 forgets everything. A prompt's history is one record (``blobs``: float64 totals, float32
-per-token values): a visit reads it whole and writes it whole.
-
-What is written: only when the read succeeded. A request that asked for history while the store
-was down is computed without it (``summary.history = "unavailable"``) and writes no history, so an
-outage never overwrites stored history with one visit's counts. Token statistics are still
-counted. Two replicas visiting one prompt at the same instant: the later write wins (one visit's
-counts are lost); visits of one prompt are normally far apart in training.
+Records (per namespace)
+-----------------------
+Opaque bytes under (key space, key): a term's key space is its own (e.g. ``history``, keyed by
+prompt id); the store never looks inside. A request reads the records of its keys in one round
+trip and writes the new ones after its answer.
 
 Vocabulary statistics (per namespace, every request)
 ----------------------------------------------------
-Per token id: ``correct_rollouts`` / ``wrong_rollouts`` (rollouts containing it with reward > 0 /
-<= 0; presence, not counts), ``occurrences``, the KTAE score summed over the (group, token) tables
-that KTAE scored (groups whose merged counts have both correct and wrong rollouts; ignored token
-ids are never scored) with their count (``key_score`` = the mean), and the CSCR sensitivity
-|logp_pos - logp_neg| summed over the token's occurrences where CSCR ran with their count
-(``mean_sensitivity``). Plus ``rollouts_counted``. Orders: ``key`` = |key_score| descending
-(strong evidence either way first; the sign says which way), ``sensitivity`` = mean_sensitivity
-descending, ``occurrences`` descending; tokens without a value for the order come last, ties go
-to the lower token id.
+Per token id, column sums (:mod:`.blobs`, ``TOKEN_COLUMNS``): ``correct`` / ``wrong`` (rollouts
+containing it with reward > 0 / <= 0; presence, not counts) and ``occurrences``, counted for
+every request, and the columns terms fill: ``key_sum`` / ``key_count`` (the key-token score summed
+over the (group, token) tables the key-token term scored, and their count: ``key_score`` is the
+mean) and ``sens_sum`` / ``sens_count`` (the counterfactual sensitivity summed over the token's
+occurrences, and their count: ``mean_sensitivity``). Plus ``rollouts_counted``. Orders: ``key``
+= |key_score| descending (strong evidence either way first; the sign says which way),
+``sensitivity`` = mean_sensitivity descending, ``occurrences`` descending; tokens without a value
+for the order come last, ties go to the lower token id.
 
 Every stored entry expires ``ttl_seconds`` (``ADV_STATS_TTL_SECONDS``) after its last write.
 
@@ -42,33 +27,35 @@ Idempotency
 -----------
 A request whose client sent ``request_id`` is counted at most once per namespace for the TTL:
 the store's first write claims the id, and writes of a request that did not claim it are skipped
-(statistics and history unchanged). The request itself is still computed and answered.
+(records and statistics unchanged). The request itself is still computed and answered.
 
-The engine's order of calls, per request:
-
-1. only when ``wants_history(req)``: start ``store.read_history(req.namespace, prompt_ids)``
-   (the batch's prompt ids; it answers None when the store is down, ``summary.history =
-   "unavailable"``, otherwise ``"applied"``), and at once
-2. compute with ``TermContext(ktae_prior=<a future of the prior>, collect_ktae_tables=True)``:
-   KTAE builds its tables while the read is in flight and waits for it only then;
-3. answer;
-4. ``update = build_updates(req, result, prior)`` (tensor work: on a compute worker) and
-   ``await store.record(req.namespace, req.request_id if req.client_request_id else None,
-   update)``, scheduled after the answer so that writes never delay it.
+The order of calls per request (read, compute, answer, then write) has one owner:
+``advantage_service.term_state.StateSession``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from .prior import HistoryPrior
-from .updates import StatsUpdate
+from .blobs import TokenStatsUpdate
 
 ORDERS = ("key", "sensitivity", "occurrences")
 StoreStatus = Literal["memory", "up", "down"]
+# (key space, key) of a record.
+RecordKey = tuple[str, str]
+
+
+@dataclass
+class StatsUpdate:
+    """Everything one request writes: records ((key space, key) -> bytes) and its vocabulary
+    statistics increments."""
+
+    records: dict[RecordKey, bytes]
+    tokens: TokenStatsUpdate
 
 
 # ---- reading the statistics back ------------------------------------------------------------
@@ -129,7 +116,7 @@ OnUp = Callable[[bool], None]
 
 
 class StatsStore(Protocol):
-    """KTAE history, vocabulary statistics and idempotency records, per namespace.
+    """Records, vocabulary statistics and idempotency claims, per namespace.
 
     Every method is safe to call while the backend is down: reads return None, writes False.
     """
@@ -139,9 +126,10 @@ class StatsStore(Protocol):
         """``memory`` (embedded), ``up`` or ``down`` (Redis, as of the last operation)."""
         ...
 
-    async def read_history(self, namespace: str, prompt_ids: Sequence[str]) -> HistoryPrior | None:
-        """The prior of a batch whose groups have these prompt ids (tensors on the CPU;
-        ``.to(device)`` them), zeros for prompts without history; None when the store is
+    async def read_records(
+        self, namespace: str, keys: Sequence[RecordKey]
+    ) -> list[bytes | None] | None:
+        """The records of ``keys`` in order (None for a key without one); None when the store is
         unreachable."""
         ...
 
@@ -169,7 +157,9 @@ __all__ = [
     "OnDuration",
     "OnError",
     "OnUp",
+    "RecordKey",
     "StatsStore",
+    "StatsUpdate",
     "StoreStatus",
     "check_order",
     "token_stats_response",

@@ -1,14 +1,13 @@
 """The embedded stats store: one process, in memory, the default without ``--redis-url``.
 
-It keeps the same records as the Redis store (``blobs``: one history record per prompt, float32
-values; the statistics tables), undecoded, and goes through the same prior and merge code, so
-both backends give the same numbers. The
+It keeps the same records as the Redis store (the terms' opaque bytes) and the statistics tables
+undecoded, and goes through the same merge code, so both backends give the same numbers. The
 vocabulary statistics are merged into one table per namespace at every write (there are no
 replicas to append concurrently). Every entry expires ``ttl_seconds`` after its last write, as
 Redis keys do.
 
-Memory is bounded whatever the traffic: history records by their total bytes
-(``max_history_bytes``), remembered request ids and namespaces by count. Past a bound the entry
+Memory is bounded whatever the traffic: records by their total bytes (``max_record_bytes``),
+remembered request ids and namespaces by count. Past a bound the entry
 written longest ago is evicted first (as Redis with ``maxmemory-policy volatile-lru`` would),
 so a long run forgets its oldest prompts instead of growing.
 """
@@ -19,25 +18,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .base import StoreStatus, check_order, token_stats_response
-from .blobs import (
-    PromptHistory,
-    TokenStatsUpdate,
-    empty_token_stats,
-    merge_token_stats,
-    token_columns,
-)
-from .prior import HistoryPrior
-from .updates import StatsUpdate
+from .base import RecordKey, StatsUpdate, StoreStatus, check_order, token_stats_response
+from .blobs import TokenStatsUpdate, empty_token_stats, merge_token_stats, token_columns
 
 DEFAULT_TTL_SECONDS = 7 * 24 * 3600
-DEFAULT_MAX_HISTORY_BYTES = 512 * 2**20
+DEFAULT_MAX_RECORD_BYTES = 512 * 2**20
 DEFAULT_MAX_REQUEST_IDS = 1_000_000
 DEFAULT_MAX_NAMESPACES = 1024
-
-
-def _history_bytes(history: PromptHistory) -> int:
-    return int(history.tokens.nbytes + history.values.nbytes + history.totals.nbytes) + 200
+# What a record costs besides its bytes (keys, dictionary entry), roughly.
+RECORD_OVERHEAD = 200
 
 
 class MemoryStatsStore:
@@ -48,26 +37,26 @@ class MemoryStatsStore:
         ttl_seconds: float = DEFAULT_TTL_SECONDS,
         *,
         now: Callable[[], float] = time.monotonic,
-        max_history_bytes: int = DEFAULT_MAX_HISTORY_BYTES,
+        max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
         max_request_ids: int = DEFAULT_MAX_REQUEST_IDS,
         max_namespaces: int = DEFAULT_MAX_NAMESPACES,
     ) -> None:
         self.ttl_seconds = ttl_seconds
         self._now = now
-        self.max_history_bytes = max_history_bytes
+        self.max_record_bytes = max_record_bytes
         self.max_request_ids = max_request_ids
         self.max_namespaces = max_namespaces
         # Insertion-ordered: re-inserting on every write keeps the oldest write first.
-        self._history: dict[tuple[str, str], tuple[float, PromptHistory]] = {}
-        self._history_bytes = 0
+        self._records: dict[tuple[str, RecordKey], tuple[float, bytes]] = {}
+        self._record_bytes = 0
         self._tokens: dict[str, tuple[float, TokenStatsUpdate]] = {}
         self._requests: dict[tuple[str, str], float] = {}
         self._next_sweep = 0.0
 
     @property
-    def history_bytes(self) -> int:
-        """Bytes held by history records (bounded by ``max_history_bytes``)."""
-        return self._history_bytes
+    def record_bytes(self) -> int:
+        """Bytes held by records (bounded by ``max_record_bytes``)."""
+        return self._record_bytes
 
     @property
     def status(self) -> StoreStatus:
@@ -77,17 +66,17 @@ class MemoryStatsStore:
         return True
 
     async def close(self) -> None:
-        self._history.clear()
-        self._history_bytes = 0
+        self._records.clear()
+        self._record_bytes = 0
         self._tokens.clear()
         self._requests.clear()
 
-    async def read_history(self, namespace: str, prompt_ids: Sequence[str]) -> HistoryPrior | None:
+    async def read_records(
+        self, namespace: str, keys: Sequence[RecordKey]
+    ) -> list[bytes | None] | None:
         now = self._now()
-        entries = [self._history.get((namespace, prompt)) for prompt in prompt_ids]
-        return HistoryPrior.from_stored(
-            [e[1] if e is not None and e[0] > now else None for e in entries]
-        )
+        entries = [self._records.get((namespace, key)) for key in keys]
+        return [e[1] if e is not None and e[0] > now else None for e in entries]
 
     async def record(self, namespace: str, request_id: str | None, update: StatsUpdate) -> bool:
         now = self._now()
@@ -101,15 +90,12 @@ class MemoryStatsStore:
             while len(self._requests) > self.max_request_ids:
                 del self._requests[next(iter(self._requests))]
         expires = now + self.ttl_seconds
-        if update.history is not None:
-            for prompt, history in zip(
-                update.history.prompt_ids, update.history.prompts, strict=True
-            ):
-                self._drop_history((namespace, prompt))
-                self._history[(namespace, prompt)] = (expires, history)
-                self._history_bytes += _history_bytes(history)
-            while self._history_bytes > self.max_history_bytes and self._history:
-                self._drop_history(next(iter(self._history)))
+        for key, record in update.records.items():
+            self._drop_record((namespace, key))
+            self._records[(namespace, key)] = (expires, record)
+            self._record_bytes += len(record) + RECORD_OVERHEAD
+        while self._record_bytes > self.max_record_bytes and self._records:
+            self._drop_record(next(iter(self._records)))
         entry = self._tokens.pop(namespace, None)
         table = entry[1] if entry is not None and entry[0] > now else empty_token_stats()
         self._tokens[namespace] = (expires, merge_token_stats([table, update.tokens]))
@@ -117,10 +103,10 @@ class MemoryStatsStore:
             del self._tokens[next(iter(self._tokens))]
         return True
 
-    def _drop_history(self, key: tuple[str, str]) -> None:
-        entry = self._history.pop(key, None)
+    def _drop_record(self, key: tuple[str, RecordKey]) -> None:
+        entry = self._records.pop(key, None)
         if entry is not None:
-            self._history_bytes -= _history_bytes(entry[1])
+            self._record_bytes -= len(entry[1]) + RECORD_OVERHEAD
 
     async def token_stats(self, namespace: str, order: str, limit: int) -> dict[str, Any] | None:
         check_order(order)
@@ -133,8 +119,8 @@ class MemoryStatsStore:
         if now < self._next_sweep:
             return
         self._next_sweep = now + min(60.0, self.ttl_seconds / 4)
-        for key in [k for k, v in self._history.items() if v[0] <= now]:
-            self._drop_history(key)
+        for key in [k for k, v in self._records.items() if v[0] <= now]:
+            self._drop_record(key)
         self._tokens = {k: v for k, v in self._tokens.items() if v[0] > now}
         self._requests = {k: t for k, t in self._requests.items() if t > now}
 

@@ -1,10 +1,11 @@
 """The Redis stats store: shared by every replica, survives restarts of the service.
 
 Layout (``P`` = prefix, ``{N}`` = the namespace percent-encoded, in braces so that a Redis
-Cluster keeps a namespace's keys in one slot, which multi-key scripts need). Record formats are
-in :mod:`.blobs`.
+Cluster keeps a namespace's keys in one slot, which multi-key scripts need). The statistics
+format is in :mod:`.blobs`; records are the terms' opaque bytes.
 
-- ``P:{N}:history:<prompt id>``: string, the KTAE history of one prompt (an ``ADVH`` record).
+- ``P:{N}:<space>:<key>``: string, one record of a term (key space ``history``: a prompt's
+  key-token history, keyed by prompt id).
 - ``P:{N}:tokdelta``: list, one ``ADVT`` record per counted request (its statistics increments),
   appended at the right, oldest at the left.
 - ``P:{N}:tokstats``: string, the ``ADVT`` record of every delta compacted so far.
@@ -21,9 +22,9 @@ No name is one of the earlier layout's (``hist:`` and ``req:`` hashes, ``tok:`` 
 Every write sets the key's TTL; a write also refreshes ``tokstats``, so a namespace's statistics
 expire ``ttl_seconds`` after its last write.
 
-Round trips: a request with history makes exactly two, one pipeline of ``GET`` (one per prompt)
-to read and one to write; a request without history one (the write). The write pipeline stages
-the new history records and the statistics delta, then one script claims the request id
+Round trips: a request that reads records makes exactly two, one pipeline of ``GET`` (one per
+key) to read and one to write; a request without reads one (the write). The write pipeline stages
+the new records and the statistics delta, then one script claims the request id
 (``SET NX EX``) and, only if the claim is new, moves the staged records into place, so a
 duplicate request counts nothing, a request whose writes never reached Redis is not marked as
 counted, and a pipeline resent after a broken connection (same claim) applies nothing twice.
@@ -63,7 +64,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar, get_args
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 import redis.asyncio as redis
@@ -72,21 +73,24 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
-from .base import OnDuration, OnError, OnUp, StoreStatus, check_order, token_stats_response
+from .base import (
+    OnDuration,
+    OnError,
+    OnUp,
+    RecordKey,
+    StatsUpdate,
+    StoreStatus,
+    check_order,
+    token_stats_response,
+)
 from .blobs import (
-    Compression,
     TokenStatsUpdate,
-    decode_history,
     decode_token_stats,
-    encode_history,
     encode_token_stats,
-    is_compressed,
     merge_token_stats,
     token_columns,
 )
 from .memory import DEFAULT_TTL_SECONDS
-from .prior import HistoryPrior
-from .updates import StatsUpdate
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +104,8 @@ COMPACT_ROUNDS = 8
 # Arguments longer than this go to the socket as their own buffer, not copied into the command.
 INLINE_ARG_BYTES = 1 << 16
 
-# KEYS: 1 claim, 2 tokdelta, 3 tokstats, 4 toklock, 5 staged delta, then pairs (staged history,
-# history). ARGV: 1 claim, 2 claim TTL, 3 TTL, 4 compact after, 5 lock value, 6 lock ms.
+# KEYS: 1 claim, 2 tokdelta, 3 tokstats, 4 toklock, 5 staged delta, then pairs (staged record,
+# record). ARGV: 1 claim, 2 claim TTL, 3 TTL, 4 compact after, 5 lock value, 6 lock ms.
 # Answers {counted, pending deltas, 1 when this caller now holds the compaction lock}.
 COMMIT_WRITE = b"""
 if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
@@ -159,15 +163,14 @@ class RedisStatsStore:
 
     ``on_error(op)``: an operation failed or was skipped during backoff; ``on_duration(op, s)``:
     an attempted operation's wall time; ``on_up(bool)``: reachability changed. ``op`` is one of
-    ``read_history``, ``record``, ``compact`` (a compaction a write triggered), ``token_stats``,
-    ``ping``. Status is ``down`` until the first successful operation (call :meth:`ping` at
-    startup). ``socket_timeout`` bounds every socket operation of reads and pings (a hung Redis
-    costs a request at most that); ``write_timeout`` those of writes and compactions, which run
-    after the response and may carry megabytes. ``compact_after``: pending statistics deltas
-    that trigger a compaction; ``lock_ms``: how long a compactor may hold the lock.
-    ``compression``: ``zstd`` writes history records compressed (about 8-11x smaller, for CPU on
-    both sides; :mod:`.blobs`), ``none`` raw; records of either kind are read. Extra keyword
-    arguments go to ``redis.asyncio.Redis.from_url``.
+    ``read_history`` (a read of records: the terms' history), ``record``, ``compact`` (a
+    compaction a write triggered), ``token_stats``, ``ping``. Status is ``down`` until the first
+    successful operation (call :meth:`ping` at startup). ``socket_timeout`` bounds every socket
+    operation of reads and pings (a hung Redis costs a request at most that); ``write_timeout``
+    those of writes and compactions, which run after the response and may carry megabytes.
+    ``compact_after``: pending statistics deltas that trigger a compaction; ``lock_ms``: how
+    long a compactor may hold the lock. Extra keyword arguments go to
+    ``redis.asyncio.Redis.from_url``.
     """
 
     def __init__(
@@ -183,7 +186,6 @@ class RedisStatsStore:
         backoff_max: float = 4.0,
         compact_after: int = DEFAULT_COMPACT_AFTER,
         lock_ms: int = DEFAULT_LOCK_MS,
-        compression: Compression = "none",
         on_error: OnError | None = None,
         on_duration: OnDuration | None = None,
         on_up: OnUp | None = None,
@@ -193,11 +195,6 @@ class RedisStatsStore:
         self.ttl_seconds = int(ttl_seconds)
         self.compact_after = max(1, int(compact_after))
         self.lock_ms = int(lock_ms)
-        if compression not in get_args(Compression):
-            raise ValueError(
-                f"compression must be one of {list(get_args(Compression))}, got {compression!r}"
-            )
-        self.compress = compression == "zstd"
         options = {
             "socket_connect_timeout": connect_timeout,
             # One immediate retry on a broken connection (a pooled socket that died with a
@@ -224,8 +221,9 @@ class RedisStatsStore:
     def _ns(self, namespace: str) -> str:
         return f"{self.prefix}:{{{quote(namespace, safe='')}}}"
 
-    def history_key(self, namespace: str, prompt_id: str) -> str:
-        return f"{self._ns(namespace)}:history:{prompt_id}"
+    def record_key(self, namespace: str, key: RecordKey) -> str:
+        space, name = key
+        return f"{self._ns(namespace)}:{space}:{name}"
 
     def delta_key(self, namespace: str) -> str:
         return f"{self._ns(namespace)}:tokdelta"
@@ -312,23 +310,18 @@ class RedisStatsStore:
         await self._client.aclose()
         await self._writer.aclose()
 
-    # ---- history ---------------------------------------------------------------------------
+    # ---- records ---------------------------------------------------------------------------
 
-    async def read_history(self, namespace: str, prompt_ids: Sequence[str]) -> HistoryPrior | None:
+    async def read_records(
+        self, namespace: str, keys: Sequence[RecordKey]
+    ) -> list[bytes | None] | None:
         if self._skipping("read_history"):
             return None
-        keys = [self.history_key(namespace, prompt).encode() for prompt in prompt_ids]
-        commands = [_command(b"GET", key) for key in keys]
+        commands = [_command(b"GET", self.record_key(namespace, key).encode()) for key in keys]
         try:
-            blobs = await self._call("read_history", lambda: self._execute(self._client, commands))
+            return await self._call("read_history", lambda: self._execute(self._client, commands))
         except _Unavailable:
             return None
-        if any(is_compressed(b) for b in blobs):
-            # Decompression is real work: one worker thread per record (zstd releases the GIL).
-            stored = await asyncio.gather(*(asyncio.to_thread(decode_history, b) for b in blobs))
-            return HistoryPrior.from_stored(stored)
-        # (views into the received bytes: no copy, no worker thread needed)
-        return HistoryPrior.from_stored([decode_history(b) for b in blobs])
 
     # ---- writes ----------------------------------------------------------------------------
 
@@ -349,7 +342,7 @@ class RedisStatsStore:
     def _writes(
         self, namespace: str, request_id: str | None, update: StatsUpdate, lock: str
     ) -> list[list[bytes]]:
-        """The write pipeline: stage the history records and the delta, then commit."""
+        """The write pipeline: stage the records and the delta, then commit."""
         claim = uuid.uuid4().hex
         if request_id is not None:
             claim_key, claim_ttl = self.request_key(namespace, request_id), self.ttl_seconds
@@ -362,15 +355,10 @@ class RedisStatsStore:
             _command(b"PEXPIRE", staged_delta, stage_ms),
         ]
         pairs: list[bytes] = []
-        history = update.history
-        if history is not None:
-            for i, (prompt, record) in enumerate(
-                zip(history.prompt_ids, history.prompts, strict=True)
-            ):
-                staged = self.stage_key(namespace, claim, i).encode()
-                blob = encode_history(record, compress=self.compress)
-                commands.append(_command(b"SET", staged, blob, b"PX", stage_ms))
-                pairs += [staged, self.history_key(namespace, prompt).encode()]
+        for i, (key, record) in enumerate(update.records.items()):
+            staged = self.stage_key(namespace, claim, i).encode()
+            commands.append(_command(b"SET", staged, record, b"PX", stage_ms))
+            pairs += [staged, self.record_key(namespace, key).encode()]
         keys = [
             claim_key.encode(),
             self.delta_key(namespace).encode(),
