@@ -42,6 +42,8 @@ error with the count). The totals stay float64.
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import struct
 import threading
 from collections.abc import Sequence
@@ -169,6 +171,20 @@ class _Codecs(threading.local):
 
 
 _CODECS = _Codecs()
+_DECODERS: list[concurrent.futures.ThreadPoolExecutor] = []
+_DECODERS_LOCK = threading.Lock()
+
+
+def _decoders() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that decompress a read's records (made on first use, one per core)."""
+    with _DECODERS_LOCK:
+        if not _DECODERS:
+            _DECODERS.append(
+                concurrent.futures.ThreadPoolExecutor(
+                    max_workers=os.cpu_count() or 1, thread_name_prefix="history-decode"
+                )
+            )
+        return _DECODERS[0]
 
 
 def merge_history(
@@ -253,8 +269,13 @@ class HistoryPrior:
     @classmethod
     def decode(cls, records: Sequence[bytes | None], device: torch.device) -> HistoryPrior:
         """The prior of a batch whose group g read ``records[g]`` (None: no history), with its
-        totals on ``device``. Compressed records are decompressed here (the caller's thread)."""
-        return cls.from_stored([decode_history(record) for record in records]).to(device)
+        totals on ``device``. Uncompressed records are viewed in place (no copy); compressed
+        ones are decompressed in parallel, one record per thread (zstd releases the GIL)."""
+        if any(is_compressed(record) for record in records):
+            stored = list(_decoders().map(decode_history, records))
+        else:
+            stored = [decode_history(record) for record in records]
+        return cls.from_stored(stored).to(device)
 
     @classmethod
     def from_stored(cls, stored: Sequence[PromptHistory | None]) -> HistoryPrior:
