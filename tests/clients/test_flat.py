@@ -22,7 +22,7 @@ def test_groups_flatten_to_the_service_layout() -> None:
             {"id": "a", "rollouts": [{"tokens": [1, 2], "reward": 1}, {"tokens": [], "reward": 0}]},
             {"id": "b", "rollouts": [{"tokens": np.array([7], np.int64), "reward": 0.5}]},
         ]
-    )
+    ).for_wire()
     assert flat.group_ids == ["a", "b"]
     np.testing.assert_array_equal(flat.offsets, [0, 2, 2, 3])
     np.testing.assert_array_equal(flat.group_index, [0, 0, 1])
@@ -33,7 +33,36 @@ def test_groups_flatten_to_the_service_layout() -> None:
 
 def test_token_ids_beyond_int32_travel_as_int64() -> None:
     flat = flatten_groups([{"id": "a", "rollouts": [{"tokens": [2**33], "reward": 1}]}])
-    assert flat.tokens.dtype == np.int64
+    assert flat.for_wire().tokens.dtype == np.int64
+
+
+def test_lists_and_arrays_flatten_to_the_same_values() -> None:
+    def group(make) -> list:
+        rollouts = [
+            {
+                "tokens": make([5, 6], np.int32),
+                "reward": 1,
+                "logprobs": make([-0.5, -1], np.float32),
+            },
+            {
+                "tokens": make([7], np.int64),
+                "reward": 0,
+                "logprobs": make([-2.0], np.float64),
+                "teacher_logprobs": {"p": make([-0.25], np.float32)},
+            },
+        ]
+        rollouts[0]["teacher_logprobs"] = {"p": make([-1, -3], np.int64)}
+        return [{"id": "g", "rollouts": rollouts}]
+
+    from_lists = flatten_groups(group(lambda v, dtype: v))
+    from_arrays = flatten_groups(group(np.array))
+    assert from_lists.tokens.dtype == np.int64 and from_lists.logprobs.dtype == np.float64
+    for flat in (from_lists.for_wire(), from_arrays.for_wire()):
+        np.testing.assert_array_equal(flat.tokens, [5, 6, 7])
+        assert flat.tokens.dtype == np.int32
+        np.testing.assert_array_equal(flat.logprobs, np.float32([-0.5, -1, -2]))
+        np.testing.assert_array_equal(flat.teacher_logprobs["p"], np.float32([-1, -3, -0.25]))
+        assert flat.logprobs.dtype == flat.teacher_logprobs["p"].dtype == np.float32
 
 
 @pytest.mark.parametrize(
@@ -47,9 +76,23 @@ def test_token_ids_beyond_int32_travel_as_int64() -> None:
         ),
         ([{"tokens": [1, 2], "reward": 1, "logprobs": [-1.0]}], "length_mismatch", "logprobs", 0),
         ([{"tokens": [1.5], "reward": 1}], "invalid_type", "tokens", 0),
+        (
+            [{"tokens": [1], "reward": 1}, {"tokens": np.array([1.5]), "reward": 1}],
+            "invalid_type",
+            "tokens",
+            1,
+        ),
+        ([{"tokens": np.zeros((1, 2), np.int32), "reward": 1}], "invalid_shape", "tokens", 0),
         ([{"tokens": [1], "reward": True}], "invalid_type", "reward", 0),
+        ([{"tokens": [1], "reward": 10**400}], "invalid_value", "reward", 0),
         ([{"tokens": [1], "reward": 1, "logprob": []}], "unknown_field", "logprob", 0),
-        ([{"reward": 1}], "missing_input", "tokens", 0),
+        (
+            [{"tokens": [1, 2], "reward": 1, "logprobs": [[-1.0], -2]}],
+            "invalid_type",
+            "logprobs",
+            0,
+        ),
+        ([{"reward": 1}], "invalid_type", "tokens", 0),
     ],
 )
 def test_what_the_flat_layout_cannot_carry_is_named_before_sending(

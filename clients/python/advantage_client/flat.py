@@ -3,13 +3,20 @@
 Flat layout: all rollouts' tokens concatenated (N,), ``offsets`` (B+1,) with rollout i owning
 ``tokens[offsets[i]:offsets[i + 1]]``, ``group_index`` (B,) into ``group_ids``. Both binary
 wires (gRPC tensors, Arrow list columns) carry exactly these arrays.
+
+:func:`flatten_groups` is the one builder of that layout from rollout dicts: the service decodes
+JSON requests and assembles gRPC stream groups with it (and wraps its arrays into a batch), the
+clients check and pack a request with it before sending, so both name a bad value alike. It needs
+numpy only.
 """
 
 from __future__ import annotations
 
 import numbers
+import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from itertools import chain
 from typing import Any, TypeGuard
 
 import numpy as np
@@ -31,20 +38,40 @@ INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 @dataclass
 class FlatGroups:
-    """Groups of rollouts as flat numpy arrays (rollouts in group order)."""
+    """Groups of rollouts as flat numpy arrays (rollouts in group order).
+
+    From :func:`flatten_groups`: ``tokens`` int64 (N,), ``rewards`` float64 (B,), per-token
+    values float64 (N,) when the rollouts gave lists; values given as numpy arrays keep their
+    dtypes (numpy's promotion of them). :meth:`for_wire` casts to the wire's dtypes.
+    """
 
     group_ids: list[str]
     group_sizes: np.ndarray  # int64 (G,)
     offsets: np.ndarray  # int64 (B+1,)
-    tokens: np.ndarray  # int32 (N,); int64 when an id does not fit
+    tokens: np.ndarray  # integers (N,)
     rewards: np.ndarray  # float64 (B,)
-    logprobs: np.ndarray | None = None  # float32 (N,)
-    teacher_logprobs: dict[str, np.ndarray] = field(default_factory=dict)  # float32 (N,)
+    logprobs: np.ndarray | None = None  # numbers (N,)
+    teacher_logprobs: dict[str, np.ndarray] = field(default_factory=dict)  # numbers (N,)
 
     @property
     def group_index(self) -> np.ndarray:
         """int64 (B,): each rollout's group."""
         return np.repeat(np.arange(len(self.group_ids), dtype=np.int64), self.group_sizes)
+
+    def for_wire(self) -> FlatGroups:
+        """The same groups in the dtypes the wires carry: tokens int32 (int64 when an id does
+        not fit), per-token values float32."""
+        return replace(
+            self,
+            tokens=narrow_tokens(self.tokens),
+            logprobs=None
+            if self.logprobs is None
+            else self.logprobs.astype(np.float32, copy=False),
+            teacher_logprobs={
+                name: values.astype(np.float32, copy=False)
+                for name, values in self.teacher_logprobs.items()
+            },
+        )
 
 
 def _error(code: str, message: str, **where: Any) -> AdvantageError:
@@ -52,7 +79,16 @@ def _error(code: str, message: str, **where: Any) -> AdvantageError:
 
 
 def is_number(x: Any) -> TypeGuard[float]:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool | np.bool_)
+    """A real number (numpy scalars too), not a boolean."""
+    if isinstance(x, bool | np.bool_):
+        return False
+    return isinstance(x, (int, float, numbers.Real))  # in this order: the ABC check is slow
+
+
+def _is_integer(x: Any) -> bool:
+    if isinstance(x, bool | np.bool_):
+        return False
+    return isinstance(x, (int, numbers.Integral))
 
 
 def token_array(values: Any, **where: Any) -> np.ndarray:
@@ -76,36 +112,90 @@ def narrow_tokens(tokens: np.ndarray) -> np.ndarray:
     return tokens.astype(np.int64, copy=False)
 
 
-def float_array(values: Any, name: str, length: int, **where: Any) -> np.ndarray:
+def _sequence(value: Any) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, str | bytes)
+
+
+def _per_rollout(value: Any) -> list[Any] | np.ndarray | None:
+    """A rollout's list of values as given (JSON lists stay lists: they are converted all at
+    once), an array as an ndarray; None for anything that is neither."""
+    if isinstance(value, list | np.ndarray):
+        return value
+    if isinstance(value, tuple):
+        return list(value)
+    if hasattr(value, "__array__"):  # torch, jax, pyarrow arrays
+        try:
+            return np.asarray(value)
+        except (TypeError, ValueError):
+            return None
+    return None
+
+
+def _as_array(values: list[Any]) -> np.ndarray | None:
     try:
-        array = np.asarray(values, dtype=np.float32)
-    except (TypeError, ValueError) as exc:
-        raise _error(
-            "invalid_type", f"{name} must be a list of numbers: {exc}", field=name, **where
-        ) from exc
-    if array.ndim != 1 or array.size != length:
-        raise _error(
-            "length_mismatch",
-            f"{name} has {array.size} values for {length} tokens",
-            field=name,
-            **where,
-        )
-    return array
+        return np.array(values)
+    except ValueError:  # ragged nesting: named by the element check
+        return None
+
+
+def _flat_values(
+    pieces: list[list[Any] | np.ndarray], integer: bool, name: str, where: Any
+) -> np.ndarray:
+    """The rollouts' values concatenated into one array, naming the first bad element.
+
+    From lists (converted by numpy in one pass): int64 (``integer``) or float64. From arrays
+    (any rollout's values given as one): their concatenation, in numpy's promotion of their
+    dtypes.
+    """
+    kinds = "iu" if integer else "iuf"
+    default = np.dtype(np.int64 if integer else np.float64)
+    if all(isinstance(p, list) for p in pieces):
+        values = _as_array(list(chain.from_iterable(pieces)))
+        if values is not None and (values.size == 0 or values.dtype.kind in kinds):
+            return values.astype(default, copy=False)
+    else:
+        arrays = []
+        for p in pieces:
+            a = p if isinstance(p, np.ndarray) else _as_array(p)
+            if a is None or (a.size and (a.dtype.kind not in kinds or a.ndim != 1)):
+                break
+            if a.size:
+                arrays.append(a)
+        else:
+            if not arrays:
+                return np.zeros(0, default)
+            values = np.concatenate(arrays)
+            # (uint64 with int64 promotes to float64)
+            return values if values.dtype.kind in kinds else values.astype(default)
+    # Error path only: find the first element of the wrong type.
+    kind = "an integer" if integer else "a number"
+    for r, piece in enumerate(pieces):
+        if isinstance(piece, np.ndarray):
+            if piece.size == 0 or (piece.dtype.kind in kinds and piece.ndim == 1):
+                continue
+            piece = piece.tolist()
+        for t, x in enumerate(piece):
+            if not (_is_integer(x) if integer else is_number(x)):
+                raise _error(
+                    "invalid_type", f"{name}[{t}] must be {kind}, got {x!r}", field=name, **where(r)
+                )
+    raise _error("invalid_type", f"{name} must hold numbers", field=name)
 
 
 def flatten_groups(groups: Any) -> FlatGroups:
-    """The request's ``groups`` (lists or numpy arrays inside) as flat arrays.
+    """The request's ``groups`` (``[{"id", "rollouts": [{"tokens", "reward", "logprobs"?,
+    "teacher_logprobs"?}]}]``, lists or numpy arrays inside) as validated flat arrays.
 
-    Raises :class:`AdvantageError` for what the flat layout cannot express (a missing field,
-    logprobs on some rollouts only); values it can carry are left for the service to judge.
+    Checks what the layout needs (types, list lengths, values given for every rollout or none)
+    and raises :class:`AdvantageError` naming the group id, rollout index and field of the first
+    problem; what the values must satisfy beyond that (ids in range, finite values, distinct
+    group ids) is the batch's business. One pass over the rollouts gathers list lengths; each
+    flat array is then converted by numpy at once.
     """
-    if not isinstance(groups, Sequence) or isinstance(groups, str | bytes):
+    if not _sequence(groups):
         raise _error("invalid_type", "groups must be a list of groups", field="groups")
-    group_ids: list[str] = []
-    sizes: list[int] = []
-    tokens: list[np.ndarray] = []
-    rewards: list[float] = []
-    rollouts: list[tuple[Mapping[str, Any], dict[str, Any]]] = []
+    rollouts: list[Mapping[str, Any]] = []
+    sizes = []
     for g, group in enumerate(groups):
         if not isinstance(group, Mapping):
             raise _error("invalid_type", f"groups[{g}] must be an object", field="groups")
@@ -123,62 +213,73 @@ def flatten_groups(groups: Any) -> FlatGroups:
                 field=sorted(extra)[0],
             )
         members = group.get("rollouts")
-        if not isinstance(members, Sequence) or isinstance(members, str) or not members:
+        if not _sequence(members) or not members:
             raise _error(
                 "invalid_type", "rollouts must be a non-empty list", group_id=gid, field="rollouts"
             )
-        group_ids.append(gid)
-        sizes.append(len(members))
-        for i, rollout in enumerate(members):
-            where: dict[str, Any] = {"group_id": gid, "rollout_index": i}
-            if not isinstance(rollout, Mapping):
-                raise _error(
-                    "invalid_type", "a rollout must be an object", field="rollouts", **where
-                )
-            extra = set(rollout) - set(ROLLOUT_FIELDS)
-            if extra:
-                raise _error(
-                    "unknown_field",
-                    f"rollout has unknown fields {sorted(extra)}; known: {list(ROLLOUT_FIELDS)}",
-                    field=sorted(extra)[0],
-                    **where,
-                )
-            if "tokens" not in rollout:
-                raise _error("missing_input", "tokens is required", field="tokens", **where)
-            reward = rollout.get("reward")
-            if not is_number(reward):
+        for i, r in enumerate(members):
+            if not isinstance(r, Mapping):
                 raise _error(
                     "invalid_type",
-                    f"reward must be a number, got {reward!r}",
-                    field="reward",
-                    **where,
+                    "a rollout must be an object",
+                    group_id=gid,
+                    rollout_index=i,
+                    field="rollouts",
                 )
-            tokens.append(token_array(rollout["tokens"], field="tokens", **where))
-            rewards.append(float(reward))
-            rollouts.append((rollout, where))
+        rollouts.extend(members)
+        sizes.append(len(members))
+    starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])[:-1]
 
-    lengths = np.fromiter((t.size for t in tokens), dtype=np.int64, count=len(tokens))
+    def where(r: int) -> dict[str, Any]:
+        """group_id and rollout_index of flat rollout ``r`` (error paths only)."""
+        g = int(np.searchsorted(starts, r, side="right")) - 1
+        return {"group_id": str(groups[g].get("id")), "rollout_index": int(r - starts[g])}
 
-    def per_token(get: Any, name: str) -> np.ndarray:
-        arrays = []
-        for (rollout, where), n in zip(rollouts, lengths, strict=True):
-            values = get(rollout)
-            if values is None:
-                raise _error(
-                    "missing_input",
-                    f"{name} is given for some rollouts but not this one; give it for every "
-                    "rollout or none",
-                    field=name,
-                    **where,
-                )
-            arrays.append(float_array(values, name, int(n), **where))
-        return np.concatenate(arrays) if arrays else np.zeros(0, np.float32)
-
-    logprobs = None
-    if any(r.get("logprobs") is not None for r, _ in rollouts):
-        logprobs = per_token(lambda r: r.get("logprobs"), "logprobs")
-    conditions: set[str] = set()
-    for rollout, where in rollouts:
+    token_lists: list[list[Any] | np.ndarray] = []
+    rewards = []
+    teacher_names: set[str] = set()
+    has_logprobs = False
+    for r, rollout in enumerate(rollouts):
+        extra = set(rollout) - set(ROLLOUT_FIELDS)
+        if extra:
+            raise _error(
+                "unknown_field",
+                f"rollout has unknown fields {sorted(extra)}; known: {list(ROLLOUT_FIELDS)}",
+                field=sorted(extra)[0],
+                **where(r),
+            )
+        tokens = rollout.get("tokens")
+        if not isinstance(tokens, list):
+            tokens = _per_rollout(tokens)
+        if tokens is None:
+            raise _error(
+                "invalid_type", "tokens must be a list of token ids", field="tokens", **where(r)
+            )
+        reward = rollout.get("reward")
+        if not is_number(reward):
+            raise _error(
+                "invalid_type",
+                f"reward must be a number, got {reward!r}",
+                field="reward",
+                **where(r),
+            )
+        if isinstance(reward, int) and abs(reward) > sys.float_info.max:  # JSON allows it
+            raise _error(
+                "invalid_value",
+                "reward is out of range; it must be finite",
+                field="reward",
+                **where(r),
+            )
+        if isinstance(tokens, np.ndarray) and tokens.ndim != 1:
+            raise _error(
+                "invalid_shape",
+                f"tokens must be one-dimensional, got shape {tokens.shape}",
+                field="tokens",
+                **where(r),
+            )
+        token_lists.append(tokens)
+        rewards.append(reward)
+        has_logprobs = has_logprobs or rollout.get("logprobs") is not None
         teacher = rollout.get("teacher_logprobs")
         if teacher is not None:
             if not isinstance(teacher, Mapping):
@@ -186,21 +287,73 @@ def flatten_groups(groups: Any) -> FlatGroups:
                     "invalid_type",
                     "teacher_logprobs must map condition names to lists",
                     field="teacher_logprobs",
-                    **where,
+                    **where(r),
                 )
-            conditions.update(teacher)
+            teacher_names.update(teacher)
+
+    # (1-D arrays: len is their size)
+    lengths = [len(t) for t in token_lists]
+
+    def per_token(get: Any, name: str) -> np.ndarray:
+        pieces = []
+        for r, rollout in enumerate(rollouts):
+            values = get(rollout)
+            if values is None:
+                raise _error(
+                    "missing_input",
+                    f"{name} is given for some rollouts but not this one; give "
+                    "it for every rollout or none",
+                    field=name,
+                    **where(r),
+                )
+            if not isinstance(values, list):
+                values = _per_rollout(values)
+                if values is None:
+                    raise _error(
+                        "invalid_type", f"{name} must be a list of numbers", field=name, **where(r)
+                    )
+                if isinstance(values, np.ndarray) and values.ndim != 1:
+                    raise _error(
+                        "invalid_shape",
+                        f"{name} must be one-dimensional, got shape {values.shape}",
+                        field=name,
+                        **where(r),
+                    )
+            if len(values) != lengths[r]:
+                raise _error(
+                    "length_mismatch",
+                    f"{name} has {len(values)} values for {lengths[r]} tokens",
+                    field=name,
+                    **where(r),
+                )
+            pieces.append(values)
+        return _flat_values(pieces, False, name, where)
+
+    logprobs = per_token(lambda r: r.get("logprobs"), "logprobs") if has_logprobs else None
     teacher_logprobs = {
-        c: per_token(
-            lambda r, c=c: (r.get("teacher_logprobs") or {}).get(c), f"teacher_logprobs.{c}"
+        name: per_token(
+            lambda r, n=name: (r.get("teacher_logprobs") or {}).get(n), f"teacher_logprobs.{name}"
         )
-        for c in sorted(conditions)
+        for name in sorted(teacher_names)
     }
-    all_tokens = np.concatenate(tokens) if tokens else np.zeros(0, np.int32)
+    flat_tokens = _flat_values(token_lists, True, "tokens", where)
+    # Nested lists convert to more than one dimension.
+    for name, values in (
+        ("tokens", flat_tokens),
+        ("logprobs", logprobs),
+        *((f"teacher_logprobs.{k}", v) for k, v in teacher_logprobs.items()),
+    ):
+        if values is not None and values.ndim != 1:
+            raise _error(
+                "invalid_shape",
+                f"{name} must be one-dimensional, got shape {values.shape}",
+                field=name,
+            )
     return FlatGroups(
-        group_ids=group_ids,
+        group_ids=[g["id"] for g in groups],
         group_sizes=np.asarray(sizes, dtype=np.int64),
-        offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-        tokens=narrow_tokens(all_tokens),
+        offsets=np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64),
+        tokens=flat_tokens,
         rewards=np.asarray(rewards, dtype=np.float64),
         logprobs=logprobs,
         teacher_logprobs=teacher_logprobs,

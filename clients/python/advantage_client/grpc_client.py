@@ -92,7 +92,7 @@ def options_message(
 def compute_request_message(request: Mapping[str, Any]) -> pb.ComputeRequest:
     """The HTTP JSON request (lists or numpy arrays inside) as a ``ComputeRequest``."""
     check_top_level(request)
-    flat = flatten_groups(request.get("groups"))
+    flat = flatten_groups(request.get("groups")).for_wire()
     message = pb.ComputeRequest(
         request_id=request.get("request_id") or "",
         options=options_message(

@@ -36,7 +36,7 @@ def arrow_request_body(request: Mapping[str, Any]) -> bytes:
     import pyarrow as pa
 
     check_top_level(request)
-    flat = flatten_groups(request.get("groups"))
+    flat = flatten_groups(request.get("groups")).for_wire()
     offsets = pa.array(flat.offsets.astype(np.int32), type=pa.int32())
 
     def lists(values: np.ndarray, kind: pa.DataType) -> pa.Array:
