@@ -49,7 +49,10 @@ ENV PATH=/opt/venv/bin:$PATH
 # torch first, from the device's index: its own layer, reused while only the service changes.
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 WORKDIR /src
-# The gRPC code generated from proto/ is committed inside the package: service/ is enough.
+# The client package first: the service depends on it (it holds the gRPC code generated from
+# proto/, committed, and the builder of flat batches), and no index serves it.
+COPY clients/python ./clients/python
+RUN pip install --no-cache-dir ./clients/python
 COPY pyproject.toml README.md ./
 COPY service ./service
 RUN pip install --no-cache-dir . \

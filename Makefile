@@ -12,8 +12,9 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints-dev.txt clients/python/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints-dev.txt -e '.[dev]'
+	# The client first: the service depends on it (advantage-client, not fetched from an index).
 	$(BIN)/python -m pip install --quiet -c constraints-dev.txt -e clients/python
+	$(BIN)/python -m pip install --quiet -c constraints-dev.txt -e '.[dev]'
 	touch $(STAMP)
 
 serve: install
@@ -41,13 +42,14 @@ bench: install
 	$(BIN)/python bench/bench_load.py
 
 lint: install
-	$(BIN)/ruff check service tests bench
-	$(BIN)/ruff format --check service tests bench
+	$(BIN)/ruff check service tests bench clients/python
+	$(BIN)/ruff format --check service tests bench clients/python
 	$(BIN)/mypy
+	cd clients/python && $(abspath $(BIN))/mypy
 
 format: install
-	$(BIN)/ruff format service tests bench
-	$(BIN)/ruff check --fix service tests bench
+	$(BIN)/ruff format service tests bench clients/python
+	$(BIN)/ruff check --fix service tests bench clients/python
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

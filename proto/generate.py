@@ -1,12 +1,13 @@
 """Generate the Python gRPC modules from ``advantage/v1/advantage.proto`` (grpcio-tools).
 
-    python proto/generate.py           # rewrite the committed copies
-    python proto/generate.py --check   # exit 1 when a committed copy differs from the .proto
+    python proto/generate.py           # rewrite the committed copy
+    python proto/generate.py --check   # exit 1 when the committed copy differs from the .proto
 
-The generated modules are committed in two places, the server package and the client package
-(which must not depend on the server), and ``tests/grpc/test_codegen.py`` fails when either
-drifts from the .proto. protoc writes ``from advantage.v1 import advantage_pb2``; the copies
-live in a flat package of their own, so that import is made relative.
+The generated modules are committed once, in the client package (``advantage_client.grpc_gen``,
+which the service imports too: the client installs without the server, the server depends on
+the client), and ``tests/grpc/test_codegen.py`` fails when they drift from the .proto. protoc
+writes ``from advantage.v1 import advantage_pb2``; the modules live in a flat package of their
+own, so that import is made relative.
 """
 
 from __future__ import annotations
@@ -21,10 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "proto"
 PROTO = Path("advantage/v1/advantage.proto")
-TARGETS = (
-    ROOT / "service/advantage_service/transports/grpc_gen",
-    ROOT / "clients/python/advantage_client/grpc_gen",
-)
+TARGET = ROOT / "clients/python/advantage_client/grpc_gen"
 MODULES = ("advantage_pb2.py", "advantage_pb2.pyi", "advantage_pb2_grpc.py")
 ABSOLUTE_IMPORT = "from advantage.v1 import advantage_pb2 as"
 RELATIVE_IMPORT = "from . import advantage_pb2 as"
@@ -84,17 +82,16 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         expected = generate(Path(tmp))
         if args.check:
-            diffs = [d for target in TARGETS for d in drift(target, expected)]
+            diffs = drift(TARGET, expected)
             for d in diffs:
                 print(d)
             if diffs:
                 print("generated code drifted from the .proto: run python proto/generate.py")
             return 1 if diffs else 0
-        for target in TARGETS:
-            target.mkdir(parents=True, exist_ok=True)
-            for name in expected:
-                shutil.copyfile(Path(tmp) / name, target / name)
-            print(f"wrote {target.relative_to(ROOT)}")
+        TARGET.mkdir(parents=True, exist_ok=True)
+        for name in expected:
+            shutil.copyfile(Path(tmp) / name, TARGET / name)
+        print(f"wrote {TARGET.relative_to(ROOT)}")
     return 0
 
 

@@ -2,7 +2,8 @@
 argument, and a build context that holds everything the builder stage installs.
 
 No container engine runs in the test environment, so the image is not built here; the builder's
-``pip install .`` is reproduced on exactly the files its COPY lines bring in.
+``pip install ./clients/python`` and ``pip install .`` are reproduced on exactly the files its COPY
+lines bring in.
 """
 
 from __future__ import annotations
@@ -108,13 +109,19 @@ def test_builder_and_final_stages_share_the_runtime_base(dockerfile) -> None:
     assert final.base == "runtime"
 
 
-def test_builder_installs_torch_from_the_device_index_then_the_service(dockerfile) -> None:
+def test_builder_installs_torch_from_the_device_index_then_the_client_then_the_service(
+    dockerfile,
+) -> None:
+    # The service depends on advantage-client, which no index serves: it must be there first.
     _, stages, _ = dockerfile
     runs = stages["builder"].all("RUN")
     torch_step = next(i for i, r in enumerate(runs) if "torch==" in r)
+    client_step = next(
+        i for i, r in enumerate(runs) if "pip install" in r and "clients/python" in r
+    )
     service_step = next(i for i, r in enumerate(runs) if re.search(r"pip install .*\s\.(\s|$)", r))
     assert '--index-url "${TORCH_INDEX_URL}"' in runs[torch_step]
-    assert torch_step < service_step
+    assert torch_step < client_step < service_step
 
 
 def test_final_stage_has_no_build_tools_and_only_the_venv_from_the_builder(dockerfile) -> None:
@@ -194,17 +201,31 @@ def test_dockerignore_keeps_what_the_builder_copies_and_drops_local_state(docker
     for source in _copied_sources(stages["builder"]):
         assert (ROOT / source).exists(), f"the builder copies {source}, which does not exist"
         assert not _ignored(source, patterns), f".dockerignore drops {source}"
-    for local in (".git", ".venv", "tests", ".pytest_cache", "service/x/__pycache__"):
+    for local in (
+        ".git",
+        ".venv",
+        "tests",
+        ".pytest_cache",
+        "service/x/__pycache__",
+        "clients/node",
+        "clients/python/.mypy_cache",
+        "clients/python/advantage_client.egg-info",
+    ):
         assert _ignored(local, patterns), f".dockerignore keeps {local}"
 
 
-def test_the_files_the_builder_copies_build_the_service_wheel(dockerfile, tmp_path: Path) -> None:
-    """``pip install .`` in the builder sees only the COPY'd files: build the wheel from a copy
-    of exactly those and check it carries the package and its console script."""
+def test_the_files_the_builder_copies_build_the_client_and_service_wheels(
+    dockerfile, tmp_path: Path
+) -> None:
+    """``pip install ./clients/python`` and ``pip install .`` in the builder see only the COPY'd
+    files: build both wheels from a copy of exactly those and check they carry the packages
+    (the client with the generated gRPC modules the service imports) and the console script."""
     _, stages, _ = dockerfile
     context = tmp_path / "context"
     context.mkdir()
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    ignore = shutil.ignore_patterns(
+        "__pycache__", "*.pyc", "*.egg-info", ".mypy_cache", ".ruff_cache", ".pytest_cache"
+    )
     for source in _copied_sources(stages["builder"]):
         src = ROOT / source
         if src.is_dir():
@@ -212,13 +233,19 @@ def test_the_files_the_builder_copies_build_the_service_wheel(dockerfile, tmp_pa
         else:
             shutil.copy2(src, context / source)
     pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
-    result = subprocess.run(
-        [*pip_wheel, "-q", "-w", str(tmp_path / "dist"), str(context)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    for project in (context / "clients" / "python", context):
+        result = subprocess.run(
+            [*pip_wheel, "-q", "-w", str(tmp_path / "dist"), str(project)],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+    (client_wheel,) = (tmp_path / "dist").glob("advantage_client-*.whl")
+    with zipfile.ZipFile(client_wheel) as archive:
+        client_names = archive.namelist()
+    for module in ("flat.py", "grpc_gen/advantage_pb2.py", "grpc_gen/advantage_pb2_grpc.py"):
+        assert f"advantage_client/{module}" in client_names
     (wheel,) = (tmp_path / "dist").glob("advantage_service-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
@@ -228,3 +255,4 @@ def test_the_files_the_builder_copies_build_the_service_wheel(dockerfile, tmp_pa
         )
     assert "advantage_service/__main__.py" in names
     assert "advantage_service/transports/server.py" in names
+    assert not any("grpc_gen" in n for n in names), "the gRPC modules live in the client only"

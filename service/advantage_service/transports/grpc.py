@@ -23,6 +23,8 @@ from functools import partial
 from typing import Any
 
 import grpc
+from advantage_client.grpc_gen import advantage_pb2 as pb
+from advantage_client.grpc_gen import advantage_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
@@ -45,8 +47,6 @@ from .grpc_codec import (
     estimators_message,
     lenient,
 )
-from .grpc_gen import advantage_pb2 as pb
-from .grpc_gen import advantage_pb2_grpc as pb_grpc
 from .grpc_stream import StreamEnd, StreamLimits, StreamSession
 
 log = logging.getLogger("advantage_service.grpc")

@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+from advantage_client.grpc_gen import advantage_pb2 as pb
 from google.protobuf.message import DecodeError
 
 from .. import jsonio
@@ -18,7 +19,6 @@ from ..engine import Saturated
 from ..errors import RequestError
 from ..estimators import AdvantageResult
 from ..request import ComputeRequest, parse_request
-from .grpc_gen import advantage_pb2 as pb
 from .openapi import EstimatorListing, estimator_listing
 
 TRANSPORT = "grpc"

@@ -19,6 +19,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from advantage_client.grpc_gen import advantage_pb2 as pb
 
 from .. import jsonio
 from ..auth import Principal
@@ -38,7 +39,6 @@ from .grpc_codec import (
     summary_message,
     write_tensor,
 )
-from .grpc_gen import advantage_pb2 as pb
 
 if TYPE_CHECKING:
     from .grpc import AdvantageServicer

@@ -1,1 +1,0 @@
-"""Generated from proto/advantage/v1/advantage.proto by proto/generate.py; do not edit."""
