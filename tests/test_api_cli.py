@@ -122,6 +122,36 @@ def test_compute_batch_equals_compute(preset):
     assert flat.scalars.dtype == torch.float32
 
 
+def test_compute_takes_numpy_arrays_inside_the_groups_with_the_numbers_of_lists():
+    # One builder for every caller: the clients' numpy arrays are what JSON lists are.
+    req = random_request(np.random.default_rng(5), estimator="cscr", n_groups=(3, 4), logprobs=True)
+    as_arrays = {
+        **req,
+        "groups": [
+            {
+                "id": g["id"],
+                "rollouts": [
+                    {
+                        "tokens": np.array(r["tokens"], dtype=np.int32),
+                        "reward": np.float32(r["reward"]),
+                        "logprobs": np.array(r["logprobs"], dtype=np.float32),
+                        "teacher_logprobs": {
+                            k: np.array(v, dtype=np.float32)
+                            for k, v in r["teacher_logprobs"].items()
+                        },
+                    }
+                    for r in g["rollouts"]
+                ],
+            }
+            for g in req["groups"]
+        ],
+    }
+    lists, arrays = compute(req, device="cpu"), compute(as_arrays, device="cpu")
+    for g1, g2 in zip(lists["groups"], arrays["groups"], strict=True):
+        for r1, r2 in zip(g1["rollouts"], g2["rollouts"], strict=True):
+            np.testing.assert_array_equal(r1["advantages"], r2["advantages"])
+
+
 def test_ktae_densifies_token_ids_when_the_packed_key_would_overflow(monkeypatch):
     req = random_request(np.random.default_rng(11), estimator="ktae", n_groups=(3, 3), vocab=6)
     # Spread the ids far apart so densifying actually renumbers them.

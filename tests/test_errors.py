@@ -278,6 +278,10 @@ def test_diagnostic_whose_term_is_off():
             lambda r: r["groups"][1]["rollouts"][1].update(tokens=None),
             ("invalid_type", "g1", 1, "tokens"),
         ),
+        (  # ragged nesting: numpy cannot convert it (a request error, not a crash)
+            lambda r: r["groups"][1]["rollouts"][0]["tokens"].__setitem__(1, [5]),
+            ("invalid_type", "g1", 0, "tokens"),
+        ),
         (
             lambda r: r["groups"][1]["rollouts"][1].update(logprob=[]),
             ("unknown_field", "g1", 1, "logprob"),

@@ -1,35 +1,26 @@
 """The JSON request contract (ARCHITECTURE.md, "Public HTTP API") decoded into a flat batch.
 
-Decoding walks the rollouts once to gather list lengths (a Python loop over rollouts is the
-price of nested JSON); the values themselves are converted by numpy in one pass per array.
+:func:`parse_options` checks the top-level fields; the rollouts become a batch by
+:func:`batch_from_groups` (JSON ``groups``, gRPC stream groups: the client package's one builder,
+``advantage_client.flat.flatten_groups``, numpy only) or by a transport's own decoder (Arrow
+tables, gRPC tensors), and :meth:`RequestOptions.with_batch` joins the two.
 """
 
 from __future__ import annotations
 
-import sys
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import Any
 
-import numpy as np
+from advantage_client.errors import AdvantageError
+from advantage_client.flat import TOP_LEVEL_FIELDS, flatten_groups
 
 from .batch import RolloutBatch
 from .errors import RequestError
 from .estimators import EstimatorSpec, resolve_estimator
 from .estimators.pipeline import all_diagnostics
 
-TOP_LEVEL_FIELDS = (
-    "request_id",
-    "namespace",
-    "estimator",
-    "ignore_token_ids",
-    "vocab_size",
-    "return",
-    "groups",
-)
-ROLLOUT_FIELDS = ("tokens", "reward", "logprobs", "teacher_logprobs")
 DEFAULT_NAMESPACE = "default"
 # JSON integers are unbounded; numbers the batch arrays cannot hold are request errors.
 INT64_LIMIT = 2**63
@@ -50,51 +41,41 @@ class ComputeRequest:
     client_request_id: bool = False
 
 
-def _is_number(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool)
+@dataclass(frozen=True)
+class RequestOptions:
+    """A request's checked top-level fields: everything but its rollouts."""
+
+    estimator: EstimatorSpec
+    request_id: str
+    namespace: str = DEFAULT_NAMESPACE
+    ignore_token_ids: list[int] = field(default_factory=list)
+    vocab_size: int | None = None
+    returns: tuple[str, ...] = ()
+    client_request_id: bool = False
+
+    def with_batch(self, batch: RolloutBatch) -> ComputeRequest:
+        """The request of these options over ``batch``."""
+        return ComputeRequest(
+            batch=batch,
+            estimator=self.estimator,
+            request_id=self.request_id,
+            namespace=self.namespace,
+            ignore_token_ids=list(self.ignore_token_ids),
+            vocab_size=self.vocab_size,
+            returns=self.returns,
+            client_request_id=self.client_request_id,
+        )
 
 
-def _where(groups: Sequence[Any], rollout: int, starts: np.ndarray) -> dict[str, Any]:
-    group = int(np.searchsorted(starts, rollout, side="right")) - 1
-    return {"group_id": str(groups[group].get("id")), "rollout_index": int(rollout - starts[group])}
+def parse_request(obj: Any) -> ComputeRequest:
+    """Decode and validate a JSON request (already parsed into Python objects)."""
+    options = parse_options(obj)
+    return options.with_batch(batch_from_groups(obj.get("groups"), options.vocab_size))
 
 
-def _flat_values(
-    lists: list[Any], dtype: type, name: str, groups: Sequence[Any], starts: np.ndarray
-) -> np.ndarray:
-    """Concatenate per-rollout number lists into one array, naming the first bad element."""
-    flat = list(chain.from_iterable(lists))
-    values = np.array(flat)
-    ok = (
-        values.dtype.kind in ("i", "u")
-        if dtype is np.int64
-        else values.dtype.kind in ("i", "u", "f")
-    )
-    if ok or values.size == 0:
-        return values.astype(dtype, copy=False)
-    # Error path only: find the first element of the wrong type.
-    for r, lst in enumerate(lists):
-        for t, x in enumerate(lst):
-            if not _is_number(x) or (dtype is np.int64 and not isinstance(x, int)):
-                kind = "an integer" if dtype is np.int64 else "a number"
-                raise RequestError(
-                    "invalid_type",
-                    f"{name}[{t}] must be {kind}, got {x!r}",
-                    field=name,
-                    **_where(groups, r, starts),
-                )
-    raise RequestError("invalid_type", f"{name} must hold numbers", field=name)
-
-
-GroupsDecoder = Callable[[Any, int | None], RolloutBatch]
-
-
-def parse_request(obj: Any, decode_groups: GroupsDecoder | None = None) -> ComputeRequest:
-    """Decode and validate a JSON request (already parsed into Python objects).
-
-    ``decode_groups(groups, vocab_size)`` builds the batch from the ``groups`` value (default:
-    :func:`parse_groups`); a transport that carries the rollouts elsewhere (Arrow) passes its own.
-    """
+def parse_options(obj: Any) -> RequestOptions:
+    """Decode and validate every top-level field of a request but ``groups`` (left to the
+    caller: :func:`batch_from_groups`, or a transport that carries the rollouts elsewhere)."""
     if not isinstance(obj, Mapping):
         raise RequestError("invalid_type", "the request must be a JSON object", field="")
     for key in obj:
@@ -138,9 +119,7 @@ def parse_request(obj: Any, decode_groups: GroupsDecoder | None = None) -> Compu
             field="return",
         )
     estimator = resolve_estimator(obj.get("estimator"))
-    batch = (decode_groups or parse_groups)(obj.get("groups"), vocab_size)
-    return ComputeRequest(
-        batch=batch,
+    return RequestOptions(
         estimator=estimator,
         request_id=request_id or uuid.uuid4().hex,
         namespace=namespace,
@@ -151,141 +130,26 @@ def parse_request(obj: Any, decode_groups: GroupsDecoder | None = None) -> Compu
     )
 
 
-def parse_groups(groups: Any, vocab_size: int | None) -> RolloutBatch:
-    """The ``groups`` array as a validated flat batch."""
-    if not isinstance(groups, list):
-        raise RequestError("invalid_type", "groups must be a list of groups", field="groups")
-    rollouts: list[Mapping[str, Any]] = []
-    sizes = []
-    for g, group in enumerate(groups):
-        if not isinstance(group, Mapping):
-            raise RequestError("invalid_type", f"groups[{g}] must be an object", field="groups")
-        gid = group.get("id")
-        if not isinstance(gid, str):
-            raise RequestError(
-                "invalid_type", f"groups[{g}].id must be a string, got {gid!r}", field="id"
-            )
-        extra = set(group) - {"id", "rollouts"}
-        if extra:
-            raise RequestError(
-                "unknown_field",
-                f"group has unknown fields {sorted(extra)}",
-                group_id=gid,
-                field=sorted(extra)[0],
-            )
-        members = group.get("rollouts")
-        if not isinstance(members, list) or not members:
-            raise RequestError(
-                "invalid_type", "rollouts must be a non-empty list", group_id=gid, field="rollouts"
-            )
-        for i, r in enumerate(members):
-            if not isinstance(r, Mapping):
-                raise RequestError(
-                    "invalid_type",
-                    "a rollout must be an object",
-                    group_id=gid,
-                    rollout_index=i,
-                    field="rollouts",
-                )
-        rollouts.extend(members)
-        sizes.append(len(members))
-    starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])[:-1]
-
-    def where(r: int) -> dict[str, Any]:
-        return _where(groups, r, starts)
-
-    token_lists = []
-    rewards = []
-    teacher_names: set[str] = set()
-    has_logprobs = 0
-    for r, rollout in enumerate(rollouts):
-        extra = set(rollout) - set(ROLLOUT_FIELDS)
-        if extra:
-            raise RequestError(
-                "unknown_field",
-                f"rollout has unknown fields {sorted(extra)}; known: {list(ROLLOUT_FIELDS)}",
-                field=sorted(extra)[0],
-                **where(r),
-            )
-        tokens = rollout.get("tokens")
-        if not isinstance(tokens, list):
-            raise RequestError(
-                "invalid_type", "tokens must be a list of token ids", field="tokens", **where(r)
-            )
-        reward = rollout.get("reward")
-        if not _is_number(reward):
-            raise RequestError(
-                "invalid_type",
-                f"reward must be a number, got {reward!r}",
-                field="reward",
-                **where(r),
-            )
-        if isinstance(reward, int) and abs(reward) > sys.float_info.max:  # JSON allows it
-            raise RequestError(
-                "invalid_value",
-                "reward is out of range; it must be finite",
-                field="reward",
-                **where(r),
-            )
-        token_lists.append(tokens)
-        rewards.append(reward)
-        has_logprobs += rollout.get("logprobs") is not None
-        teacher = rollout.get("teacher_logprobs")
-        if teacher is not None:
-            if not isinstance(teacher, Mapping):
-                raise RequestError(
-                    "invalid_type",
-                    "teacher_logprobs must map condition names to lists",
-                    field="teacher_logprobs",
-                    **where(r),
-                )
-            teacher_names.update(teacher)
-
-    lengths = np.fromiter((len(t) for t in token_lists), dtype=np.int64, count=len(token_lists))
-
-    def per_token(get: Any, name: str) -> np.ndarray:
-        lists = []
-        for r, rollout in enumerate(rollouts):
-            values = get(rollout)
-            if values is None:
-                raise RequestError(
-                    "missing_input",
-                    f"{name} is given for some rollouts but not this one; give "
-                    "it for every rollout or none",
-                    field=name,
-                    **where(r),
-                )
-            if not isinstance(values, list):
-                raise RequestError(
-                    "invalid_type", f"{name} must be a list of numbers", field=name, **where(r)
-                )
-            if len(values) != lengths[r]:
-                raise RequestError(
-                    "length_mismatch",
-                    f"{name} has {len(values)} values for {lengths[r]} tokens",
-                    field=name,
-                    **where(r),
-                )
-            lists.append(values)
-        return _flat_values(lists, np.float64, name, groups, starts)
-
-    logprobs = per_token(lambda r: r.get("logprobs"), "logprobs") if has_logprobs else None
-    teacher_logprobs = {
-        name: per_token(
-            lambda r, n=name: (r.get("teacher_logprobs") or {}).get(n), f"teacher_logprobs.{name}"
-        )
-        for name in sorted(teacher_names)
-    }
-    tokens = _flat_values(token_lists, np.int64, "tokens", groups, starts)
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    group_index = np.repeat(np.arange(len(groups), dtype=np.int64), sizes)
+def batch_from_groups(groups: Any, vocab_size: int | None) -> RolloutBatch:
+    """The ``groups`` array (rollout dicts: JSON lists, or numpy arrays from a gRPC stream) as a
+    validated flat batch; errors name the group, rollout and field."""
+    try:
+        flat = flatten_groups(groups)
+    except AdvantageError as exc:
+        raise RequestError(
+            exc.code,
+            exc.message,
+            group_id=exc.group_id,
+            rollout_index=exc.rollout_index,
+            field=exc.field,
+        ) from exc
     return RolloutBatch.from_flat(
-        tokens=tokens,
-        offsets=offsets,
-        group_ids=[g["id"] for g in groups],
-        group_index=group_index,
-        rewards=np.asarray(rewards, dtype=np.float64),
-        logprobs=logprobs,
-        teacher_logprobs=teacher_logprobs,
+        tokens=flat.tokens,
+        offsets=flat.offsets,
+        group_ids=flat.group_ids,
+        group_index=flat.group_index,
+        rewards=flat.rewards,
+        logprobs=flat.logprobs,
+        teacher_logprobs=flat.teacher_logprobs,
         vocab_size=vocab_size,
     )

@@ -15,6 +15,7 @@ from advantage_client import AdvantageError, GrpcClient, to_padded
 from advantage_client.grpc_client import options_message, rollout_message
 from advantage_client.grpc_gen import advantage_pb2 as pb
 from advantage_client.grpc_gen import advantage_pb2_grpc as pb_grpc
+from advantage_service import RequestError
 from advantage_service import compute as compute_in_process
 from grpc_support import Service, diagnostics_for, random_groups, stream_rollouts
 from process_support import poll
@@ -167,6 +168,36 @@ def test_rollouts_disagreeing_on_group_size_fail_the_group(service: Service) -> 
     assert len(responses) == 1
     error = responses[0].error.error
     assert (error.code, error.field, error.rollout_index) == ("invalid_value", "group_size", 1)
+
+
+def test_a_group_with_logprobs_on_some_rollouts_fails_as_the_same_json_group_does(
+    service: Service,
+) -> None:
+    # Stream groups are built by the JSON request's builder: the same check, the same error.
+    given = {"tokens": [1, 2], "reward": 1.0, "logprobs": [-0.5, -0.25]}
+    missing = {"tokens": [3], "reward": 0.0}
+    responses = raw_stream(
+        service.target,
+        [rollout("g", 2, rollout_id="a", **given), rollout("g", 2, rollout_id="b", **missing)],
+    )
+    assert [r.WhichOneof("kind") for r in responses] == ["error"]
+    with pytest.raises(RequestError) as info:
+        compute_in_process({"groups": [{"id": "g", "rollouts": [given, missing]}]}, device="cpu")
+    error = responses[0].error
+    assert list(error.rollout_ids) == ["a", "b"]
+    assert (error.error.code, error.error.message, error.error.field) == (
+        info.value.code,
+        info.value.message,
+        info.value.field,
+    )
+    assert (
+        (error.error.group_id, error.error.rollout_index)
+        == ("g", 1)
+        == (
+            info.value.group_id,
+            info.value.rollout_index,
+        )
+    )
 
 
 def test_stream_options_errors_end_the_call_with_invalid_argument(service: Service) -> None:

@@ -27,7 +27,7 @@ from .. import jsonio
 from ..batch import RolloutBatch
 from ..errors import RequestError
 from ..estimators import AdvantageResult
-from ..request import ComputeRequest, parse_request
+from ..request import ComputeRequest, parse_options
 
 MEDIA_TYPE = "application/vnd.apache.arrow.stream"
 REQUEST_METADATA = b"advantage.request"
@@ -84,19 +84,16 @@ def request_options(schema: pa.Schema) -> dict[str, Any]:
 def decode_request(body: bytes | bytearray | memoryview) -> ComputeRequest:
     """An Arrow IPC request body as a validated :class:`ComputeRequest`."""
     table = read_table(body)
-    options = request_options(table.schema)
-
-    def groups_from_table(groups: Any, vocab_size: int | None) -> RolloutBatch:
-        if groups is not None:
-            raise RequestError(
-                "unknown_field",
-                "with Arrow the rollouts are the table's rows; advantage.request may not "
-                "contain groups",
-                field="groups",
-            )
-        return batch_from_table(table, vocab_size)
-
-    return parse_request(options, decode_groups=groups_from_table)
+    metadata = request_options(table.schema)
+    options = parse_options(metadata)
+    if metadata.get("groups") is not None:
+        raise RequestError(
+            "unknown_field",
+            "with Arrow the rollouts are the table's rows; advantage.request may not "
+            "contain groups",
+            field="groups",
+        )
+    return options.with_batch(batch_from_table(table, options.vocab_size))
 
 
 class _Rows:

@@ -18,7 +18,7 @@ from ..batch import RolloutBatch
 from ..engine import Saturated
 from ..errors import RequestError
 from ..estimators import AdvantageResult
-from ..request import ComputeRequest, parse_request
+from ..request import ComputeRequest, parse_options
 from .openapi import EstimatorListing, estimator_listing
 
 TRANSPORT = "grpc"
@@ -126,29 +126,25 @@ def _required(message: Any, name: str) -> pb.Tensor:
 
 def decode_compute_request(request: pb.ComputeRequest) -> ComputeRequest:
     """A unary request as a validated :class:`ComputeRequest` (the JSON contract's checks)."""
-
-    def batch_from_arrays(groups: Any, vocab_size: int | None) -> RolloutBatch:
-        return RolloutBatch.from_flat(
-            tokens=read_tensor(_required(request, "tokens"), "tokens", integer=True),
-            offsets=read_tensor(_required(request, "offsets"), "offsets", integer=True),
-            group_ids=list(request.group_ids),
-            group_index=read_tensor(_required(request, "group_index"), "group_index", integer=True),
-            rewards=read_tensor(_required(request, "rewards"), "rewards", integer=False),
-            logprobs=(
-                read_tensor(request.logprobs, "logprobs", integer=False)
-                if request.HasField("logprobs")
-                else None
-            ),
-            teacher_logprobs={
-                name: read_tensor(values, f"teacher_logprobs.{name}", integer=False)
-                for name, values in sorted(request.teacher_logprobs.items())
-            },
-            vocab_size=vocab_size,
-        )
-
-    return parse_request(
-        options_object(request.options, request.request_id), decode_groups=batch_from_arrays
+    options = parse_options(options_object(request.options, request.request_id))
+    batch = RolloutBatch.from_flat(
+        tokens=read_tensor(_required(request, "tokens"), "tokens", integer=True),
+        offsets=read_tensor(_required(request, "offsets"), "offsets", integer=True),
+        group_ids=list(request.group_ids),
+        group_index=read_tensor(_required(request, "group_index"), "group_index", integer=True),
+        rewards=read_tensor(_required(request, "rewards"), "rewards", integer=False),
+        logprobs=(
+            read_tensor(request.logprobs, "logprobs", integer=False)
+            if request.HasField("logprobs")
+            else None
+        ),
+        teacher_logprobs={
+            name: read_tensor(values, f"teacher_logprobs.{name}", integer=False)
+            for name, values in sorted(request.teacher_logprobs.items())
+        },
+        vocab_size=options.vocab_size,
     )
+    return options.with_batch(batch)
 
 
 def summary_message(summary: Mapping[str, Any]) -> pb.Summary:

@@ -28,7 +28,7 @@ from ..config import Settings
 from ..engine import UNKNOWN_ESTIMATOR, Saturated, Slot
 from ..errors import LimitExceeded, RequestError
 from ..estimators import AdvantageResult
-from ..request import ComputeRequest, parse_request
+from ..request import ComputeRequest, RequestOptions, batch_from_groups, parse_options
 from .grpc_codec import (
     INTERNAL_MESSAGE,
     TRANSPORT,
@@ -99,45 +99,18 @@ class _Group:
         return [r.rollout_id for r in self.rollouts]
 
     def batch(self, vocab_size: int | None) -> RolloutBatch:
-        """The group as a one-group flat batch, rollouts in arrival order."""
-        rollouts = self.rollouts
-        lengths = np.fromiter((r.tokens.size for r in rollouts), np.int64, len(rollouts))
-
-        def per_token(get: Any, name: str) -> np.ndarray:
-            values = []
-            for i, r in enumerate(rollouts):
-                v = get(r)
-                if v is None:
-                    raise RequestError(
-                        "missing_input",
-                        f"{name} is given for some rollouts but not this one; give it for "
-                        "every rollout or none",
-                        group_id=self.group_id,
-                        rollout_index=i,
-                        field=name,
-                    )
-                values.append(v)
-            return np.concatenate(values)
-
-        logprobs = (
-            per_token(lambda r: r.logprobs, "logprobs")
-            if any(r.logprobs is not None for r in rollouts)
-            else None
-        )
-        conditions = sorted({c for r in rollouts for c in r.teacher_logprobs})
-        return RolloutBatch.from_flat(
-            tokens=np.concatenate([r.tokens for r in rollouts]),
-            offsets=np.concatenate([[0], np.cumsum(lengths)]),
-            group_ids=[self.group_id],
-            group_index=np.zeros(len(rollouts), dtype=np.int64),
-            rewards=np.array([r.reward for r in rollouts], dtype=np.float64),
-            logprobs=logprobs,
-            teacher_logprobs={
-                c: per_token(lambda r, c=c: r.teacher_logprobs.get(c), f"teacher_logprobs.{c}")
-                for c in conditions
-            },
-            vocab_size=vocab_size,
-        )
+        """The group as a one-group flat batch, rollouts in arrival order (built as a JSON
+        request's groups are, so with the same checks and errors)."""
+        rollouts = [
+            {
+                "tokens": r.tokens,
+                "reward": r.reward,
+                "logprobs": r.logprobs,
+                "teacher_logprobs": r.teacher_logprobs,
+            }
+            for r in self.rollouts
+        ]
+        return batch_from_groups([{"id": self.group_id, "rollouts": rollouts}], vocab_size)
 
 
 def decode_rollout(rollout: pb.Rollout, rollout_index: int) -> _Rollout:
@@ -230,7 +203,7 @@ class StreamSession:
         self.settings = servicer.settings
         self.limits = servicer.limits
         self.metrics = servicer.engine.metrics
-        self.template: ComputeRequest | None = None
+        self.template: RequestOptions | None = None
         self.pending: dict[str, _Group] = {}
         self.pending_tokens = 0
         # Groups answered with an error -> rollouts of theirs still expected (dropped).
@@ -278,11 +251,9 @@ class StreamSession:
             log.exception("internal error reading a stream")
             self.out.put_nowait(StreamEnd(internal=True))
 
-    def _template(self, options: dict[str, Any]) -> ComputeRequest:
-        """The stream's options, checked once: every group's request is this with its batch."""
-        none = np.zeros(0, dtype=np.int64)
-        empty = RolloutBatch.from_flat(none, np.zeros(1, dtype=np.int64), [], none, none)
-        template = parse_request(options, decode_groups=lambda groups, vocab: empty)
+    def _template(self, options: dict[str, Any]) -> RequestOptions:
+        """The stream's options, checked once: every group's request is these with its batch."""
+        template = parse_options(options)
         # Every group of the stream is in this namespace: one check for the whole stream.
         self.principal.authorize(template.namespace)
         return template
@@ -453,9 +424,8 @@ class StreamSession:
         template = self.template
 
         def decode() -> ComputeRequest:
-            return dataclasses.replace(
-                template, batch=group.batch(template.vocab_size), request_id=uuid.uuid4().hex
-            )
+            options = dataclasses.replace(template, request_id=uuid.uuid4().hex)
+            return options.with_batch(group.batch(template.vocab_size))
 
         try:
             with await self._admit() as slot:
