@@ -7,6 +7,7 @@ rollout's dense group number into ``group_ids``. No padding anywhere.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -77,6 +78,30 @@ def repeat_runs(values: torch.Tensor, starts: torch.Tensor, total: int) -> torch
     return out32.view(torch.float32) if dtype == torch.float32 else out32
 
 
+@dataclass(frozen=True)
+class Span:
+    """Where one request lies in a merged batch: its rollouts, groups and tokens."""
+
+    rollout_lo: int
+    rollout_hi: int
+    group_lo: int
+    group_hi: int
+    token_lo: int
+    token_hi: int
+
+    @property
+    def rollouts(self) -> slice:
+        return slice(self.rollout_lo, self.rollout_hi)
+
+    @property
+    def groups(self) -> slice:
+        return slice(self.group_lo, self.group_hi)
+
+    @property
+    def tokens(self) -> slice:
+        return slice(self.token_lo, self.token_hi)
+
+
 @dataclass(eq=False)
 class RolloutBatch:
     """Groups of rollouts as flat tensors.
@@ -93,8 +118,12 @@ class RolloutBatch:
     rewards: torch.Tensor
     logprobs: torch.Tensor | None = None
     teacher_logprobs: dict[str, torch.Tensor] = field(default_factory=dict)
-    # Prompt ids for KTAE history; defaults to the group ids.
+    # Prompt ids for state kept per prompt (history); defaults to the group ids.
     prompt_ids: list[str] | None = None
+    # A batch that merges several requests (``concat``): int64 (S+1,) on the CPU, request s owns
+    # rollouts [segments[s], segments[s + 1]). None: the batch is one request. Math over "the
+    # whole request" (whitening, GPG's B) runs per segment.
+    segments: torch.Tensor | None = None
 
     @classmethod
     def from_flat(
@@ -207,7 +236,71 @@ class RolloutBatch:
                 k: v.to(device, non_blocking=True) for k, v in self.teacher_logprobs.items()
             },
             prompt_ids=self.prompt_ids,
+            segments=self.segments,
         )
+
+    # ---- requests merged into one batch ---------------------------------------------------------
+
+    @classmethod
+    def concat(cls, batches: Sequence[RolloutBatch]) -> RolloutBatch:
+        """One batch holding ``batches`` one after another, each its own request (segment) and
+        its groups its own, even where group ids collide. They must carry the same per-token
+        inputs (the same teacher conditions, and log-probs in all or none)."""
+        if not batches:
+            raise ValueError("concat needs at least one batch")
+        first = batches[0]
+        device = first.device
+        rollouts = torch.tensor([b.num_rollouts for b in batches])
+        groups = torch.tensor([0] + [b.num_groups for b in batches]).cumsum(0)
+        tokens = torch.tensor([0] + [b.num_tokens for b in batches]).cumsum(0).to(device)
+        offsets = torch.cat(
+            [first.offsets[:1]] + [b.offsets[1:] + tokens[i] for i, b in enumerate(batches)]
+        )
+        group_index = torch.cat([b.group_index + int(groups[i]) for i, b in enumerate(batches)])
+        per_prompt = any(b.prompt_ids is not None for b in batches)
+        return cls(
+            tokens=torch.cat([b.tokens for b in batches]),
+            offsets=offsets,
+            group_index=group_index,
+            group_ids=[gid for b in batches for gid in b.group_ids],
+            rewards=torch.cat([b.rewards for b in batches]),
+            logprobs=(
+                None
+                if first.logprobs is None
+                else torch.cat([b.logprobs for b in batches if b.logprobs is not None])
+            ),
+            teacher_logprobs={
+                name: torch.cat([b.teacher_logprobs[name] for b in batches])
+                for name in first.teacher_logprobs
+            },
+            prompt_ids=(
+                [p for b in batches for p in (b.prompt_ids or b.group_ids)] if per_prompt else None
+            ),
+            segments=torch.cat([torch.zeros(1, dtype=torch.int64), rollouts.cumsum(0)]),
+        )
+
+    def spans(self) -> list[Span]:
+        """The rollouts, groups and tokens of each request the batch holds (one without
+        segments). A request's groups are contiguous: ``concat`` keeps them so."""
+        if self.segments is None:
+            return [Span(0, self.num_rollouts, 0, self.num_groups, 0, self.num_tokens)]
+        bounds = self.segments.tolist()
+        offsets = self.offsets.cpu()
+        index = self.group_index.cpu()
+        spans: list[Span] = []
+        for lo, hi in itertools.pairwise(bounds):
+            g_lo = int(index[lo]) if hi > lo else (spans[-1].groups.stop if spans else 0)
+            g_hi = int(index[hi - 1]) + 1 if hi > lo else g_lo
+            spans.append(Span(lo, hi, g_lo, g_hi, int(offsets[lo]), int(offsets[hi])))
+        return spans
+
+    def segment_of_rollout(self) -> torch.Tensor | None:
+        """int64 (B,): the request of each rollout (None for a batch of one request)."""
+        if self.segments is None:
+            return None
+        sizes = self.segments[1:] - self.segments[:-1]
+        segment = torch.arange(sizes.numel()).repeat_interleave(sizes)
+        return segment.to(self.device)
 
     # ---- validation ----------------------------------------------------------------------------
 

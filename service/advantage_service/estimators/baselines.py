@@ -135,9 +135,18 @@ def opo(batch: RolloutBatch, params: Mapping[str, Any]) -> torch.Tensor:
 )
 def gpg(batch: RolloutBatch, params: Mapping[str, Any]) -> torch.Tensor:
     """Group-mean baseline scaled up by the share of rollouts that carry a reward."""
-    nonzero = int((batch.rewards != 0).sum())
-    alpha = batch.num_rollouts / max(1, nonzero)
-    return alpha * centered(batch)
+    segment = batch.segment_of_rollout()
+    if segment is None:
+        nonzero = int((batch.rewards != 0).sum())
+        alpha = batch.num_rollouts / max(1, nonzero)
+        return alpha * centered(batch)
+    # Requests merged into one batch: B and the count are each request's own (float64 division,
+    # as Python's above: the same alpha bit for bit).
+    count = len(batch.spans())
+    sizes = torch.bincount(segment, minlength=count).double()
+    nonzero_per = torch.bincount(segment, (batch.rewards != 0).double(), minlength=count)
+    alpha_per = sizes / nonzero_per.clamp(min=1.0)
+    return alpha_per.index_select(0, segment) * centered(batch)
 
 
 @register_outcome(

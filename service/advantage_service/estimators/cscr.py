@@ -92,7 +92,11 @@ def _writes(
         f"teacher:{p['positive']}": f"teacher_logprobs.{p['positive']}",
         f"teacher:{p['negative']}": f"teacher_logprobs.{p['negative']}",
     },
-    state=TermState(writes=_writes, columns=("sens_sum", "sens_count")),
+    state=TermState(
+        writes=_writes,
+        columns=("sens_sum", "sens_count"),
+        select=lambda s, span: s[span.tokens],
+    ),
 )
 def cscr(batch: RolloutBatch, params: Mapping[str, Any], ctx: TermContext) -> TermOutput:
     """Credit weights that move a rollout's credit off counterfactually sensitive tokens."""

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..batch import RolloutBatch, repeat_runs
+from ..batch import RolloutBatch, Span, repeat_runs
 from ..errors import RequestError
 from .baselines import group_sum
 from .fisher import fisher_two_sided_grouped, margin_grid
@@ -331,6 +331,35 @@ class KeyTokenTables:
         keep = torch.zeros(num_tokens, dtype=torch.bool, device=device)
         return cls(i, i, f, f, f, f, i, i, keep, num_tokens)
 
+    def table_range(self, span: Span) -> tuple[int, int]:
+        """The tables [lo, hi) of the groups of ``span`` (tables are ordered by group)."""
+        bounds = torch.tensor([span.group_lo, span.group_hi], device=self.group.device)
+        lo, hi = torch.searchsorted(self.group, bounds).tolist()
+        return int(lo), int(hi)
+
+    def select(self, span: Span) -> KeyTokenTables:
+        """The tables of the groups of ``span`` (one request of a merged batch), renumbered
+        from 0 and mapping to that request's tokens: what tabulating it alone gives."""
+        m_lo, m_hi = self.table_range(span)
+        starts = self.starts if self.starts is not None else torch.cumsum(self.run, 0) - self.run
+        s_lo = int(starts[m_lo]) if m_hi > m_lo else 0
+        s_hi = s_lo + int(self.run[m_lo:m_hi].sum())
+        # The request's tokens are contiguous among the kept ones too.
+        kept_lo = span.token_lo if self.keep is None else int(self.keep[: span.token_lo].sum())
+        return KeyTokenTables(
+            group=self.group[m_lo:m_hi] - span.group_lo,
+            token=self.token[m_lo:m_hi],
+            a=self.a[m_lo:m_hi],
+            b=self.b[m_lo:m_hi],
+            occ_c=self.occ_c[m_lo:m_hi],
+            occ_w=self.occ_w[m_lo:m_hi],
+            order=self.order[s_lo:s_hi] - kept_lo,
+            run=self.run[m_lo:m_hi],
+            keep=None if self.keep is None else self.keep[span.tokens],
+            num_tokens=span.token_hi - span.token_lo,
+            starts=starts[m_lo:m_hi] - s_lo,
+        )
+
     def spread(self, values: torch.Tensor) -> torch.Tensor:
         """Per-table ``values`` (M,) -> per-token (N,), 0 at tokens that were not tabulated."""
         kept = torch.empty(self.order.numel(), dtype=values.dtype, device=values.device)
@@ -442,6 +471,16 @@ class KtaeState:
     totals: torch.Tensor
 
 
+def _select(state: KtaeState, span: Span) -> KtaeState:
+    m_lo, m_hi = state.tables.table_range(span)
+    return KtaeState(
+        tables=state.tables.select(span),
+        score=state.score[m_lo:m_hi],
+        scored=state.scored[span.groups],
+        totals=state.totals[span.groups],
+    )
+
+
 def _history_keys(batch: RolloutBatch, params: Mapping[str, Any]) -> list[str]:
     return prompt_ids(batch) if params["history"] != "none" else []
 
@@ -484,6 +523,7 @@ STATE: TermState[HistoryPrior] = TermState(
     space=SPACE,
     keys=_history_keys,
     decode=HistoryPrior.decode,
+    select=_select,
 )
 
 

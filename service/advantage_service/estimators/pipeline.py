@@ -145,7 +145,12 @@ def compute_batch(
     produced = {k: v for out in outputs.values() for k, v in out.diagnostics.items()}
     state = {name: out.state for name, out in outputs.items() if out.state is not None}
     if spec.whiten:
-        advantages = whiten(advantages)
+        # Over each request's tokens (a merged batch holds several).
+        spans = batch.spans()
+        if len(spans) == 1:
+            advantages = whiten(advantages)
+        else:
+            advantages = torch.cat([whiten(advantages[s.tokens]) for s in spans])
     if spec.clip is not None:
         # A bound past float32's range clips nothing (and torch refuses to convert it).
         bound = min(spec.clip, torch.finfo(advantages.dtype).max)

@@ -30,7 +30,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 import torch
 
-from ..batch import RolloutBatch
+from ..batch import RolloutBatch, Span
 
 P = TypeVar("P")
 
@@ -75,6 +75,9 @@ class TermState(Generic[P]):
       the term read nothing or the read failed: then no records may be written). ``batch`` is
       the request's batch as decoded (on the CPU). Runs on a worker thread after the answer.
     - ``columns``: the statistics columns ``writes`` may fill.
+    - ``select(state, span)``: the state of one request of a merged batch (``RolloutBatch.
+      concat``; ``span`` its rollouts, groups and tokens there), as if it had been computed
+      alone. A term without it is never computed merged with other requests.
     """
 
     writes: Callable[[RolloutBatch, Mapping[str, Any], Any, P | None, WriteOptions], TermWrites]
@@ -82,6 +85,7 @@ class TermState(Generic[P]):
     space: str | None = None
     keys: Callable[[RolloutBatch, Mapping[str, Any]], Sequence[str]] | None = None
     decode: Callable[[Sequence[bytes | None], torch.device], P] | None = None
+    select: Callable[[Any, Span], Any] | None = None
 
     def __post_init__(self) -> None:
         if (self.space is None) != (self.keys is None) or (self.keys is None) != (
