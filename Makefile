@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml constraints-dev.txt clients/python/pyproject.toml
 	# The client first: the service depends on it (advantage-client, not fetched from an index).
 	$(BIN)/python -m pip install --quiet -c constraints-dev.txt -e clients/python
 	$(BIN)/python -m pip install --quiet -c constraints-dev.txt -e '.[dev]'
+	# verl for the OTB parity tests, without its dependencies (ray[default], wandb, peft, a
+	# transformers range, ...): the tests import only its core_algos, whose needs the dev extra has
+	$(BIN)/python -m pip install --quiet --no-deps verl==0.9.1
 	touch $(STAMP)
 
 serve: install
