@@ -675,3 +675,165 @@ def random_request(
     if ignore_token_ids:
         request["ignore_token_ids"] = [int(t) for t in ignore_token_ids]
     return request
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-token methods over token-level inputs: forking tokens and OTB
+#
+# A group here is a list of rollouts, each a dict with the JSON request's field names: "reward",
+# and the per-token lists "entropy", "logprobs", "sum_pi_squared", optionally "is_weights".
+# ---------------------------------------------------------------------------------------------
+
+FLOAT32_RANK_LIMIT = 2**24
+
+
+def round_to_float32(value: Fraction) -> np.float32:
+    """The float32 nearest to the exact ``value`` (ties to even): one rounding, as a fused
+    multiply-add rounds."""
+    guess = np.float32(float(value))
+    candidates = [
+        np.nextafter(guess, np.float32(-np.inf)),
+        guess,
+        np.nextafter(guess, np.float32(np.inf)),
+    ]
+
+    def distance_then_odd(c: np.float32) -> tuple[Fraction, int]:
+        return abs(Fraction(float(c)) - value), int(np.array(c).view(np.int32)) & 1
+
+    return min(candidates, key=distance_then_odd)
+
+
+def torch_linear_quantile(values: Sequence[float], q: float) -> np.float32:
+    """torch.quantile(values as float32, q): linear interpolation, with torch's float32 steps.
+
+    q becomes float32; rank = float32(q) * (n - 1), rounded to float32; lo, hi = the sorted
+    values at floor(rank) and ceil(rank); w = rank - floor(rank) (exact). torch.lerp then gives
+    lo + w (hi - lo) for w < 0.5 and hi - (hi - lo)(1 - w) otherwise, with hi - lo and 1 - w
+    rounded to float32 and the rest a fused multiply-add (rounded once). Only for n <= 2^24,
+    the most torch.quantile accepts.
+    """
+    ordered = sorted(np.float32(v) for v in values)
+    n = len(ordered)
+    if not 0 < n <= FLOAT32_RANK_LIMIT:
+        raise ValueError(f"torch.quantile takes 1 to 2^24 values, got {n}")
+    rank = np.float32(q) * np.float32(n - 1)
+    lo, hi = ordered[math.floor(rank)], ordered[math.ceil(rank)]
+    weight = rank - np.float32(math.floor(rank))
+    diff = Fraction(float(np.float32(hi - lo)))
+    if weight < 0.5:
+        return round_to_float32(Fraction(float(lo)) + Fraction(float(weight)) * diff)
+    one_minus = Fraction(float(np.float32(1.0) - weight))
+    return round_to_float32(Fraction(float(hi)) - diff * one_minus)
+
+
+def forking_masks(
+    groups: list[list[dict[str, Any]]], rho: float, scope: str
+) -> list[list[np.ndarray]]:
+    """Per group, per rollout, the forking-token mask m_t = H_t >= tau (bool arrays).
+
+    tau = the (1 - rho) quantile (torch.quantile semantics) of the entropies of every token of
+    the request (scope "request") or of the group's tokens (scope "group").
+    """
+
+    def entropies(rollouts: list[dict[str, Any]]) -> list[float]:
+        return [float(np.float32(h)) for r in rollouts for h in r["entropy"]]
+
+    everything = [h for rollouts in groups for h in entropies(rollouts)]
+    masks = []
+    for rollouts in groups:
+        pool = everything if scope == "request" else entropies(rollouts)
+        tau = torch_linear_quantile(pool, 1.0 - rho) if pool else np.float32(np.inf)
+        masks.append(
+            [np.array([np.float32(h) >= tau for h in r["entropy"]], dtype=bool) for r in rollouts]
+        )
+    return masks
+
+
+def otb_group(
+    rollouts: list[dict[str, Any]], epsilon: float = 1e-8, handle_zero_tail: bool = True
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """OTB for one group: per rollout, (baseline B_t, advantage a_t = r - B_t), float64.
+
+    w_t = 1 - 2 exp(logprob_t) + sum_pi_squared_t (times is_weight_t^2 when given);
+    W_t = w_0 + ... + w_t; B_t = sum_i r_i W_it / (sum_i W_it + epsilon) over the rollouts with
+    more than t tokens; B = 0 for a group of one; with handle_zero_tail, a unique longest
+    rollout has B_t = 0 for t >= the second longest length.
+    """
+    lengths = [len(r["logprobs"]) for r in rollouts]
+    cumulative_w = []
+    for r in rollouts:
+        running, path = 0.0, []
+        for t in range(len(r["logprobs"])):
+            w = 1.0 - 2.0 * math.exp(float(r["logprobs"][t])) + float(r["sum_pi_squared"][t])
+            if r.get("is_weights") is not None:
+                w *= float(r["is_weights"][t]) ** 2
+            running += w
+            path.append(running)
+        cumulative_w.append(path)
+
+    baselines = [np.zeros(t, dtype=np.float64) for t in lengths]
+    if len(rollouts) > 1:
+        for t in range(max(lengths)):
+            alive = [i for i in range(len(rollouts)) if lengths[i] > t]
+            numerator = sum(float(rollouts[i]["reward"]) * cumulative_w[i][t] for i in alive)
+            denominator = sum(cumulative_w[i][t] for i in alive)
+            for i in alive:
+                baselines[i][t] = numerator / (denominator + epsilon)
+        longest = max(lengths)
+        at_longest = [i for i in range(len(rollouts)) if lengths[i] == longest]
+        if handle_zero_tail and len(at_longest) == 1:
+            second = sorted(lengths)[-2]
+            baselines[at_longest[0]][second:] = 0.0
+    return [(b, float(r["reward"]) - b) for b, r in zip(baselines, rollouts, strict=True)]
+
+
+def random_token_groups(
+    rng: np.random.Generator,
+    *,
+    n_groups: tuple[int, int] = (1, 5),
+    group_size: tuple[int, int] = (1, 6),
+    length: tuple[int, int] = (0, 20),
+    empty_prob: float = 0.15,
+    entropy_ties: bool = True,
+    is_weights: bool = False,
+    equal_rewards_prob: float = 0.2,
+) -> list[list[dict[str, Any]]]:
+    """Random groups for the per-token methods; ranges are inclusive (low, high).
+
+    Entropies sit on a 1/8 grid when ``entropy_ties`` (many exact ties), else continuous.
+    Probabilities are consistent: pi = exp(logprob) and sum_pi_squared in
+    [pi^2, pi^2 + (1 - pi)^2] (the rest of the mass spread out or on one token), so w >= 0;
+    pi is at most 0.9 (w >= 0.01, so float32 rounding of w stays small next to it) or exactly 1
+    (w = 0).
+    Some groups have one reward for every rollout (``equal_rewards_prob``).
+    """
+    groups = []
+    for _ in range(int(rng.integers(n_groups[0], n_groups[1] + 1))):
+        size = int(rng.integers(group_size[0], group_size[1] + 1))
+        same = rng.random() < equal_rewards_prob
+        shared = float(rng.integers(0, 2))
+        rollouts = []
+        for _ in range(size):
+            t = 0 if rng.random() < empty_prob else int(rng.integers(length[0], length[1] + 1))
+            pi = rng.uniform(0.0, 0.9, size=t).astype(np.float32)
+            pi[rng.random(t) < 0.1] = 1.0  # then sum_pi_squared = 1 and w = 0 exactly
+            logprobs = np.log(np.maximum(pi, np.float32(1e-6))).astype(np.float32)
+            pi = np.exp(logprobs.astype(np.float64))
+            rest = (1.0 - pi) ** 2 * rng.uniform(0.0, 1.0, size=t)
+            sum_pi_squared = np.clip(pi**2 + rest, 1e-6, 1.0).astype(np.float32)
+            if entropy_ties:
+                entropy = np.round(rng.exponential(1.0, size=t) * 8) / 8
+            else:
+                entropy = rng.exponential(1.0, size=t)
+            rollout: dict[str, Any] = {
+                "reward": shared if same else float(np.round(rng.uniform(-1, 2) * 64) / 64),
+                "entropy": [float(v) for v in entropy.astype(np.float32)],
+                "logprobs": [float(v) for v in logprobs],
+                "sum_pi_squared": [float(v) for v in sum_pi_squared],
+            }
+            if is_weights:
+                rho = np.clip(rng.lognormal(0.0, 0.5, size=t), 0.0, 2.0).astype(np.float32)
+                rollout["is_weights"] = [float(v) for v in rho]
+            rollouts.append(rollout)
+        groups.append(rollouts)
+    return groups
