@@ -22,10 +22,15 @@ DASHBOARDS = dashboards()
 # What the issue asks each dashboard to show, as metrics its queries must read.
 REQUIRED_METRICS = {
     "service-health": {
-        "advantage_requests_total",  # rate, errors, saturation (429)
+        "advantage_requests_total",  # rate, errors
+        "advantage_request_errors_total",  # overload refusals (503 overloaded)
         "advantage_request_duration_seconds_bucket",  # latency percentiles
-        "advantage_inflight_requests",
-        "advantage_max_inflight",
+        "advantage_queue_depth",  # saturation: the queue against its capacity
+        "advantage_max_queue",
+        "advantage_queue_wait_seconds_bucket",
+        "advantage_batch_requests_sum",  # requests per computation
+        "advantage_batch_requests_count",
+        "advantage_batch_requests_bucket",
         "advantage_stats_store_up",  # store health
         "advantage_stats_store_errors_total",
         "advantage_stats_store_duration_seconds_bucket",

@@ -1,9 +1,9 @@
 """The dashboards and alerts against the real thing: a ``prometheus`` server (OS package) scrapes
 a real service (its stats store on a throwaway redis-server) on loopback once a second while the
 test sends it traffic (computed requests with and without signal, KTAE/CSCR/OPSD, KTAE history,
-invalid requests, a burst past the admission limit); then every dashboard panel query must
-return data through Prometheus's HTTP API, every alert expression must evaluate, and Prometheus
-must have loaded and evaluated the rule file itself."""
+invalid requests, a burst past the queue, partly refused 503 overloaded); then every dashboard
+panel query must return data through Prometheus's HTTP API, every alert expression must
+evaluate, and Prometheus must have loaded and evaluated the rule file itself."""
 
 from __future__ import annotations
 
@@ -111,8 +111,11 @@ def start_redis(directory: Path) -> tuple[subprocess.Popen[bytes], str]:
 def start_service(directory: Path, redis_url: str) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("ADV_")}
-    # One request at a time, so a small concurrent burst is answered 429 (saturation panels).
+    # One compute worker and room for three requests: a small concurrent burst waits in the
+    # queue (queue panels), may be merged (requests per computation) and is partly refused
+    # 503 overloaded (overload panels).
     env["ADV_MAX_INFLIGHT"] = "1"
+    env["ADV_MAX_QUEUE"] = "3"
     env["ADV_REDIS_URL"] = redis_url
     log = (directory / "service.log").open("wb")
     # fmt: off
@@ -225,6 +228,7 @@ def send_wave(client: httpx.Client, seed: int, sent: dict[str, int]) -> None:
         summary = response.json()["summary"]
         for key in ("groups", "zero_signal_groups", "tokens"):
             sent[key] += summary[key]
+        sent["computed"] += 1
 
     for i, estimator in enumerate(ESTIMATORS):
         response = client.post("/v1/advantages", json=request(estimator, seed * 100 + i))
@@ -236,20 +240,24 @@ def send_wave(client: httpx.Client, seed: int, sent: dict[str, int]) -> None:
         )
         assert response.status_code == 422, response.text
         sent["invalid"] += 1
-    # A burst past ADV_MAX_INFLIGHT=1: some are turned away with 429.
+    # A burst past ADV_MAX_QUEUE=3: some wait, the rest are refused 503 overloaded.
     big = request("ktae", seed, groups=16, size=8, length=600)
     for _ in range(20):
         with ThreadPoolExecutor(8) as pool:
             codes = list(pool.map(lambda _: client.post("/v1/advantages", json=big), range(8)))
-        assert {r.status_code for r in codes} <= {200, 429}, [r.text for r in codes]
+        assert {r.status_code for r in codes} <= {200, 503}, [r.text for r in codes]
+        refused = [r for r in codes if r.status_code == 503]
         for response in codes:
             if response.status_code == 200:
                 count(response)
-        turned_away = sum(r.status_code == 429 for r in codes)
-        sent["saturated"] += turned_away
-        if turned_away:
+        for response in refused:
+            error = response.json()["error"]
+            assert error["code"] == "overloaded" and error["retry_after_ms"] > 0, error
+            assert int(response.headers["retry-after"]) >= 1
+        sent["overloaded"] += len(refused)
+        if refused:
             return
-    raise AssertionError("no request was turned away with 429 at ADV_MAX_INFLIGHT=1")
+    raise AssertionError("no request was refused 503 overloaded at ADV_MAX_QUEUE=3")
 
 
 @pytest.fixture(scope="module")
@@ -271,7 +279,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         stack = Stack(
             service_url,
             prometheus_url,
-            dict.fromkeys(("groups", "zero_signal_groups", "tokens", "invalid", "saturated"), 0),
+            dict.fromkeys(
+                ("groups", "zero_signal_groups", "tokens", "invalid", "overloaded", "computed"), 0
+            ),
         )
 
         def scraped(expr: str, at_least: float) -> Callable[[], bool]:
@@ -291,7 +301,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             send_wave(client, 2, stack.sent)
         total_groups = f'sum(advantage_groups_total{{job="{JOB}"}})'
         wait_for(scraped(total_groups, stack.sent["groups"]), 30, "the scrape of the last wave")
-        time.sleep(1.5)  # one more scrape: the in-flight gauge is back to 0 in the newest sample
+        time.sleep(1.5)  # one more scrape: the queue depth is back to 0 in the newest sample
         yield stack
     finally:
         for process in reversed(processes):
@@ -337,8 +347,9 @@ def test_every_dashboard_variable_lists_the_scraped_deployment(stack: Stack) -> 
 
 
 def test_panels_measure_what_was_sent(stack: Stack) -> None:
-    """The numbers behind the training dashboard are the traffic's: zero-signal groups (two of
-    every request's groups), tokens, rejected requests."""
+    """The numbers behind the dashboards are the traffic's: zero-signal groups (two of every
+    request's groups), tokens, rejected requests, overload refusals, and every computed request
+    counted once in the queue wait and in one computation."""
     selector = f'job="{JOB}"'
     sent = stack.sent
     zero = stack.scalar(f'sum(advantage_groups_total{{{selector}, signal="zero"}})')
@@ -351,9 +362,18 @@ def test_panels_measure_what_was_sent(stack: Stack) -> None:
     assert tokens == sent["tokens"] > 0
     invalid = stack.scalar(f'sum(advantage_requests_total{{{selector}, code="422"}})')
     assert invalid == sent["invalid"]
-    saturated = stack.scalar(f'sum(advantage_requests_total{{{selector}, code="429"}})')
-    assert saturated == sent["saturated"] > 0
-    assert stack.scalar(f"sum(advantage_inflight_requests{{{selector}}})") == 0
+    refused = stack.scalar(f'sum(advantage_requests_total{{{selector}, code="503"}})')
+    assert refused == sent["overloaded"] > 0
+    overloaded = f'sum(advantage_request_errors_total{{{selector}, error="overloaded"}})'
+    assert stack.scalar(overloaded) == sent["overloaded"]
+    # Every computed request waited once and was computed in one computation.
+    waits = stack.scalar(f"sum(advantage_queue_wait_seconds_count{{{selector}}})")
+    assert waits == sent["computed"]
+    assert stack.scalar(f"sum(advantage_batch_requests_sum{{{selector}}})") == sent["computed"]
+    computations = stack.scalar(f"sum(advantage_batch_requests_count{{{selector}}})")
+    assert 0 < computations <= sent["computed"]
+    assert stack.scalar(f"sum(advantage_queue_depth{{{selector}}})") == 0
+    assert stack.scalar(f"sum(advantage_max_queue{{{selector}}})") == 3
 
 
 # ---- the alerts ---------------------------------------------------------------------------------
@@ -382,8 +402,12 @@ def test_prometheus_loads_and_evaluates_the_alert_rules(stack: Stack) -> None:
     assert {r["name"] for r in rules} == {r["alert"] for r in alert_rules()}
     for rule in rules:
         assert rule["health"] == "ok", rule
-    # The healthy service under test trips none of them; only the deliberate 429 burst may have
-    # started the saturation alert's `for` clock.
-    active = {r["name"] for r in rules if r["state"] != "inactive"}
-    assert active <= {"AdvantageServiceSaturated"}, active
-    assert not [r["name"] for r in rules if r["state"] == "firing"]
+    # The healthy service under test trips none of them. The deliberate burst past the queue
+    # has started the overload alert's `for` clock (and may have the queue alert's), but its
+    # 503s are not server errors: the error-ratio alert stays quiet.
+    states = {r["name"]: r["state"] for r in rules}
+    active = {name for name, state in states.items() if state != "inactive"}
+    assert states["AdvantageServiceOverloaded"] == "pending", states
+    assert states["AdvantageServiceErrorRatioHigh"] == "inactive", states
+    assert active <= {"AdvantageServiceOverloaded", "AdvantageServiceQueueNearCapacity"}, active
+    assert not [name for name, state in states.items() if state == "firing"]
