@@ -8,10 +8,12 @@ from typing import Any
 class AdvantageError(Exception):
     """A request the service refused (or the client could not send), with where the problem is.
 
-    ``code`` is the service's stable word (``invalid_type``, ``limit_exceeded``, ``saturated``,
+    ``code`` is the service's stable word (``invalid_type``, ``limit_exceeded``, ``overloaded``,
     ...); ``group_id``/``rollout_index``/``field`` locate the offending value (None where they
     do not apply). ``status`` is the HTTP status, ``grpc_code`` the gRPC status code name, for
-    errors that came over the wire; ``retry_after`` the seconds the service asked to wait.
+    errors that came over the wire. ``retry_after`` is the whole seconds the service asked to
+    wait (``Retry-After``), ``retry_after_ms`` the same hint in milliseconds where the service
+    gave it (an overload refusal: the body's ``retry_after_ms``, gRPC's ``retry-after-ms``).
     """
 
     def __init__(
@@ -25,6 +27,7 @@ class AdvantageError(Exception):
         status: int | None = None,
         grpc_code: str | None = None,
         retry_after: float | None = None,
+        retry_after_ms: int | None = None,
     ) -> None:
         super().__init__(message)
         self.code = code
@@ -35,6 +38,7 @@ class AdvantageError(Exception):
         self.status = status
         self.grpc_code = grpc_code
         self.retry_after = retry_after
+        self.retry_after_ms = retry_after_ms
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -257,13 +257,20 @@ def _metadata(exc: grpc.Call) -> dict[str, Any]:
     return out
 
 
+def _whole(value: Any) -> int | None:
+    """A metadata value that is a whole non-negative number, else None."""
+    text = str(value).strip() if value is not None else ""
+    return int(text) if text.isdigit() else None
+
+
 def error_from_rpc(exc: grpc.RpcError) -> AdvantageError:
-    """The service's error (status details + trailing metadata) as an AdvantageError."""
+    """The service's error (status details + trailing metadata) as an AdvantageError, with its
+    retry hints: ``retry-after`` (seconds) and ``retry-after-ms``."""
     call: Any = exc
     code = call.code()
     meta = _metadata(call) if hasattr(call, "trailing_metadata") else {}
     index = meta.get("advantage-rollout-index")
-    retry_after = meta.get("retry-after")
+    retry_after = _whole(meta.get("retry-after"))
     return AdvantageError(
         meta.get("advantage-error-code") or code.name.lower(),
         call.details() or code.name,
@@ -272,6 +279,7 @@ def error_from_rpc(exc: grpc.RpcError) -> AdvantageError:
         field=meta.get("advantage-field-bin"),
         grpc_code=code.name,
         retry_after=float(retry_after) if retry_after is not None else None,
+        retry_after_ms=_whole(meta.get("retry-after-ms")),
     )
 
 
@@ -295,8 +303,10 @@ def tls_credentials(
 
 
 def is_retryable(error: AdvantageError) -> bool:
-    """UNAVAILABLE (no server yet, a restart) and saturation (HTTP's 429)."""
-    return error.grpc_code == "UNAVAILABLE" or error.code == "saturated"
+    """UNAVAILABLE (overloaded, no server yet, a restart), and overload under any status:
+    ``overloaded``, or ``saturated`` (RESOURCE_EXHAUSTED, HTTP's 429, from services before
+    UNAVAILABLE)."""
+    return error.grpc_code == "UNAVAILABLE" or error.code in ("overloaded", "saturated")
 
 
 class _StreamState:
@@ -376,9 +386,12 @@ class GrpcClient:
 
     ``target`` is ``host:port``. ``timeout`` (seconds) bounds each unary call;
     ``stream_timeout`` a whole stream (None: no bound). Unary calls are retried with
-    exponential backoff on UNAVAILABLE and on saturation (RESOURCE_EXHAUSTED with code
-    ``saturated``, honouring retry-after); a stream that loses its server reconnects and sends
-    again the rollouts of groups not yet answered.
+    exponential backoff on UNAVAILABLE (an overload refusal, or no server) and on saturation
+    (RESOURCE_EXHAUSTED with code ``saturated``, from services before UNAVAILABLE); an overload
+    refusal's wait is its ``retry-after-ms`` trailing metadata, else ``retry-after`` (see
+    :class:`RetryPolicy`), never above ``max_backoff``. A stream that loses its server (or is
+    refused) reconnects after the same wait and sends again the rollouts of groups not yet
+    answered.
 
     ``token``: the bearer token (``authorization`` metadata on every call). TLS: ``ca_file``
     (the CA that signed the service's certificate) and, for mutual TLS, ``client_cert`` and
@@ -433,7 +446,7 @@ class GrpcClient:
             except grpc.RpcError as exc:
                 error = error_from_rpc(exc)
                 if is_retryable(error):
-                    raise Retryable(error, error.retry_after) from None
+                    raise Retryable(error, error.retry_after, error.retry_after_ms) from None
                 raise error from None
 
         return self.retry.run(attempt)
@@ -503,7 +516,7 @@ class GrpcClient:
                 error = error_from_rpc(exc)
                 if not is_retryable(error) or failures >= self.retry.retries:
                     raise error from None
-                time.sleep(self.retry.delay(failures, error.retry_after))
+                time.sleep(self.retry.delay(failures, error.retry_after, error.retry_after_ms))
                 failures += 1
             finally:
                 call.cancel()

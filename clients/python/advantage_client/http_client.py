@@ -18,7 +18,8 @@ JSON = "application/json"
 ARROW = "application/vnd.apache.arrow.stream"
 REQUEST_METADATA = b"advantage.request"
 RESPONSE_METADATA = b"advantage.response"
-# Answers worth another try: saturated (429, with Retry-After) and not ready (503).
+# Answers worth another try: overloaded or not ready (503; overloaded with Retry-After and the
+# body's retry_after_ms), and saturated (429 with Retry-After, from services before 503).
 RETRY_STATUSES = (429, 503)
 
 
@@ -108,9 +109,17 @@ def json_response_dict(body: bytes) -> dict[str, Any]:
     return response
 
 
+def _retry_after_ms(value: Any) -> int | None:
+    """The body's ``retry_after_ms`` when it is a whole number of milliseconds, else None."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
+
+
 def error_from_response(response: httpx.Response) -> AdvantageError:
-    """The service's ``{"error": {...}}`` (or whatever came back) as an AdvantageError."""
-    retry_after = response.headers.get("retry-after")
+    """The service's ``{"error": {...}}`` (or whatever came back) as an AdvantageError, with
+    its retry hints: ``Retry-After`` (seconds) and the body's ``retry_after_ms``."""
+    retry_after = response.headers.get("retry-after", "").strip()
     try:
         detail = response.json()["error"]
         if not isinstance(detail, dict):
@@ -124,7 +133,8 @@ def error_from_response(response: httpx.Response) -> AdvantageError:
         rollout_index=detail.get("rollout_index"),
         field=detail.get("field"),
         status=response.status_code,
-        retry_after=float(retry_after) if retry_after and retry_after.isdigit() else None,
+        retry_after=float(retry_after) if retry_after.isdigit() else None,
+        retry_after_ms=_retry_after_ms(detail.get("retry_after_ms")),
     )
 
 
@@ -143,8 +153,11 @@ class HttpClient:
     """A client of the HTTP API.
 
     ``wire="arrow"`` (default) sends and receives Arrow IPC: the flat arrays, no per-number
-    text; ``"json"`` the JSON contract. ``timeout`` bounds each request (seconds). Retries with
-    exponential backoff on connection failures, 429 (honouring Retry-After) and 503.
+    text; ``"json"`` the JSON contract. ``timeout`` bounds each request (seconds). Retries
+    connection failures and 503 (overloaded, or not ready) with exponential backoff; an
+    overload refusal's wait is the body's ``retry_after_ms``, else ``Retry-After`` (see
+    :class:`RetryPolicy`), never above ``max_backoff``. 429 (saturated, from services before
+    503) is retried the same way.
 
     ``token``: the bearer token (``Authorization: Bearer``). For an ``https://`` URL,
     ``ca_file`` is the CA that signed the service's certificate (system CAs when None), and
@@ -207,7 +220,7 @@ class HttpClient:
                 return response
             error = error_from_response(response)
             if response.status_code in RETRY_STATUSES:
-                raise Retryable(error, error.retry_after)
+                raise Retryable(error, error.retry_after, error.retry_after_ms)
             raise error
 
         return self.retry.run(attempt)

@@ -1,4 +1,4 @@
-"""Retries with exponential backoff and jitter, honouring the service's Retry-After."""
+"""Retries with exponential backoff and jitter, honouring the service's retry hints."""
 
 from __future__ import annotations
 
@@ -10,27 +10,53 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
+# A millisecond hint is waited out plus up to this share more, so that clients refused at the
+# same moment (and given the same hint) do not all come back at the same moment.
+HINT_JITTER = 0.2
+
 
 class Retryable(Exception):
-    """Raised by an attempt that may be retried; ``last`` is what to raise when out of tries."""
+    """Raised by an attempt that may be retried; ``last`` is what to raise when out of tries.
 
-    def __init__(self, last: BaseException, retry_after: float | None = None) -> None:
+    ``retry_after_ms``: the service's hint in milliseconds (the body's ``retry_after_ms``, the
+    ``retry-after-ms`` trailing metadata); ``retry_after``: its whole seconds (``Retry-After``).
+    """
+
+    def __init__(
+        self,
+        last: BaseException,
+        retry_after: float | None = None,
+        retry_after_ms: int | None = None,
+    ) -> None:
         super().__init__(str(last))
         self.last = last
         self.retry_after = retry_after
+        self.retry_after_ms = retry_after_ms
 
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """``retries`` more tries after the first; the n-th waits a random time in
-    [backoff * 2^n / 2, backoff * 2^n], at most ``max_backoff``, and at least the service's
-    Retry-After (itself capped by ``max_backoff``)."""
+    """``retries`` more tries after the first. The n-th waits:
+
+    - with the service's millisecond hint (``retry_after_ms``), that long plus up to 20% jitter,
+      whatever the backoff would be (the service sizes it from how fast its queue drains);
+    - else with ``Retry-After`` seconds, a random time in [backoff * 2^n / 2, backoff * 2^n]
+      but at least Retry-After;
+    - else that random time alone;
+
+    and never longer than ``max_backoff``.
+    """
 
     retries: int = 3
     backoff: float = 0.1
     max_backoff: float = 10.0
 
-    def delay(self, attempt: int, retry_after: float | None = None) -> float:
+    def delay(
+        self, attempt: int, retry_after: float | None = None, retry_after_ms: int | None = None
+    ) -> float:
+        if retry_after_ms is not None and retry_after_ms >= 0:
+            hint = retry_after_ms / 1000.0
+            return min(self.max_backoff, random.uniform(hint, hint * (1.0 + HINT_JITTER)))
         ceiling = min(self.max_backoff, self.backoff * 2**attempt)
         wait = random.uniform(ceiling / 2, ceiling)
         if retry_after is not None:
@@ -47,5 +73,5 @@ class RetryPolicy:
             except Retryable as exc:
                 if attempt >= self.retries:
                     raise exc.last from None
-                sleep(self.delay(attempt, exc.retry_after))
+                sleep(self.delay(attempt, exc.retry_after, exc.retry_after_ms))
                 attempt += 1
