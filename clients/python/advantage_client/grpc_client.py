@@ -124,6 +124,8 @@ def summary_dict(summary: pb.Summary) -> dict[str, Any]:
         "device": summary.device,
         "compute_ms": summary.compute_ms,
         "history": summary.history,
+        # (0 from a server of an earlier release, which never merged: one request each)
+        "batch_requests": summary.batch_requests or 1,
     }
 
 
