@@ -8,6 +8,11 @@
 // the HTTP JSON request and the advantages per group and rollout, for programs to compare.
 // The batch travels flat, as the service computes it: all tokens concatenated, `offsets`
 // marking where each rollout starts, raw little-endian bytes with an explicit dtype.
+//
+// UNAVAILABLE (status 14) is retried a few times: the service answers it when it is overloaded
+// (its queue is full; `advantage-error-code: overloaded`, with `retry-after-ms` saying how long
+// to wait) and while a server restarts. The wait is retry-after-ms plus up to 20% jitter, else
+// retry-after seconds, else an exponential backoff.
 
 "use strict";
 
@@ -37,6 +42,10 @@ const GROUPS = [
 ];
 const ESTIMATOR = "ktae";
 const RETURNS = ["scalar"];
+const DEADLINE_MS = 30000; // per attempt
+const RETRIES = 4; // tries after the first
+const BACKOFF_MS = 200; // the n-th retry waits 100% to 50% of BACKOFF_MS * 2^n without a hint
+const MAX_BACKOFF_MS = 10000; // no wait is longer, hint or not
 
 function int32Tensor(values) {
   const data = Buffer.alloc(4 * values.length);
@@ -89,6 +98,51 @@ function computeRequest(groups) {
   };
 }
 
+function metadataValue(err, key) {
+  const values = err.metadata ? err.metadata.get(key) : [];
+  return values.length ? String(values[0]) : undefined;
+}
+
+// Worth another try: UNAVAILABLE (overloaded, or no server yet), and the 429-like
+// RESOURCE_EXHAUSTED "saturated" of services that predate the queue.
+function retryable(err) {
+  return err.code === grpc.status.UNAVAILABLE ||
+    metadataValue(err, "advantage-error-code") === "saturated";
+}
+
+// How long to wait before retry `attempt` (0 first): the service's hint, else a backoff.
+function retryDelayMs(err, attempt) {
+  const hintMs = Number(metadataValue(err, "retry-after-ms"));
+  if (metadataValue(err, "retry-after-ms") !== undefined && hintMs >= 0) {
+    return Math.min(MAX_BACKOFF_MS, hintMs * (1 + 0.2 * Math.random()));
+  }
+  const ceiling = Math.min(MAX_BACKOFF_MS, BACKOFF_MS * 2 ** attempt);
+  let wait = ceiling * (0.5 + 0.5 * Math.random());
+  const seconds = Number(metadataValue(err, "retry-after"));
+  if (metadataValue(err, "retry-after") !== undefined && seconds >= 0) {
+    wait = Math.max(wait, Math.min(MAX_BACKOFF_MS, 1000 * seconds));
+  }
+  return wait;
+}
+
+// Compute, retrying what is worth retrying; `done(err, response)` once it is over.
+function computeWithRetries(client, request, attempt, done) {
+  const deadline = new Date(Date.now() + DEADLINE_MS);
+  client.Compute(request, { deadline }, (err, response) => {
+    if (err && retryable(err) && attempt < RETRIES) {
+      const wait = Math.round(retryDelayMs(err, attempt));
+      const code = metadataValue(err, "advantage-error-code");
+      const why = code === "overloaded" || code === "saturated" ?
+        `is overloaded (${err.details})` : `is unavailable (${err.details || err.message})`;
+      console.error(`advantage-service ${why}; retrying in ${wait} ms ` +
+        `(retry ${attempt + 1} of ${RETRIES})`);
+      setTimeout(() => computeWithRetries(client, request, attempt + 1, done), wait);
+      return;
+    }
+    done(err, response, attempt);
+  });
+}
+
 // The flat response back into groups of rollouts.
 function byGroup(response) {
   const offsets = readTensor(response.offsets);
@@ -120,13 +174,13 @@ function main() {
   });
   const { AdvantageService } = grpc.loadPackageDefinition(definition).advantage.v1;
   const client = new AdvantageService(target, grpc.credentials.createInsecure());
-  const deadline = new Date(Date.now() + 30000);
 
-  client.Compute(computeRequest(GROUPS), { deadline }, (err, response) => {
+  computeWithRetries(client, computeRequest(GROUPS), 0, (err, response, attempt) => {
     client.close();
     if (err) {
-      const code = err.metadata ? err.metadata.get("advantage-error-code")[0] : undefined;
-      console.error(`advantage-service: ${err.details || err.message} (${code || err.code})`);
+      const code = metadataValue(err, "advantage-error-code");
+      const tries = attempt ? ` after ${attempt + 1} tries` : "";
+      console.error(`advantage-service: ${err.details || err.message} (${code || err.code})${tries}`);
       process.exitCode = 1;
       return;
     }
