@@ -37,9 +37,6 @@ sys.path.insert(0, str(ROOT / "tests"))
 from loadgen import Load, LoadConfig, RssSampler, Shape, rss_summary, summarize  # noqa: E402
 from stats.redis_support import RedisServer, free_port  # noqa: E402
 
-# Room for every client at once: 12 unary clients plus 4 streams computing up to 8 groups each.
-# With fewer slots the excess is answered 429 by design; this run measures faults, not that.
-MAX_INFLIGHT = 48
 KTAE = "ktae"
 KTAE_HISTORY = {"outcome": "grpo", "ktae": {"history": "prompt"}}
 
@@ -54,7 +51,6 @@ def start_service(
         ADV_HOST="127.0.0.1",
         ADV_LOG_LEVEL="info",
         ADV_LOG_FORMAT="json",
-        ADV_MAX_INFLIGHT=str(MAX_INFLIGHT),
         ADV_SHUTDOWN_DELAY_SECONDS="1",
     )
     env.update({f"ADV_{k.upper()}": str(v) for k, v in settings.items()})

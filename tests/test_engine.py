@@ -16,7 +16,8 @@ from advantage_service import LimitExceeded, RequestError, compute
 from advantage_service import engine as engine_module
 from advantage_service.api import compute_request
 from advantage_service.config import Settings
-from advantage_service.engine import Engine, Saturated
+from advantage_service.engine import Engine
+from advantage_service.errors import Overloaded
 from advantage_service.metrics import BulkHistogram, Metrics
 from advantage_service.request import parse_request
 from advantage_service.transports import arrow
@@ -138,29 +139,33 @@ def test_group_size_limit_names_the_group() -> None:
     assert samples(engine)[key] == 1
 
 
-def test_admission_refuses_beyond_max_inflight_instead_of_queueing() -> None:
-    engine = engine_with(max_inflight=2)
-    first, second = engine.admit("t"), engine.admit("t")
-    with pytest.raises(Saturated) as info:
-        engine.admit("t")
-    assert info.value.retry_after >= 1
-    with pytest.raises(Saturated):
+def test_admission_refuses_beyond_max_queue_with_a_retry_hint() -> None:
+    engine = engine_with(max_queue=2)
+    first, second = engine.admit(), engine.admit()
+    with pytest.raises(Overloaded) as info:
+        engine.admit()
+    assert (info.value.status, info.value.code) == (503, "overloaded")
+    assert info.value.retry_after_ms >= 10 and info.value.retry_after_seconds >= 1
+    assert info.value.to_dict()["retry_after_ms"] == info.value.retry_after_ms
+    with pytest.raises(Overloaded):
         asyncio.run(engine.compute(parse_request(make_request()), "t"))
     assert engine.inflight == 2
+    assert samples(engine)[("advantage_inflight_requests", ())] == 2
     first.release()
-    first.release()  # releasing twice frees one slot, not two
-    third = engine.admit("t")
-    with pytest.raises(Saturated):
-        engine.admit("t")
+    first.release()  # releasing twice frees one place, not two
+    third = engine.admit()
+    with pytest.raises(Overloaded):
+        engine.admit()
     second.release()
     third.release()
     assert engine.inflight == 0
     assert samples(engine)[("advantage_inflight_requests", ())] == 0
     key = (
         "advantage_requests_total",
-        (("code", "429"), ("estimator", "unknown"), ("transport", "t")),
+        (("code", "503"), ("estimator", "unknown"), ("transport", "t")),
     )
-    assert samples(engine)[key] == 3
+    assert samples(engine)[key] == 1  # (the direct admits are the transport's to count)
+    asyncio.run(engine.compute(parse_request(make_request()), "t"))
 
 
 def test_a_failed_decode_releases_its_slot_and_is_counted() -> None:

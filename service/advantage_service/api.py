@@ -30,7 +30,11 @@ def compute_request(
 
 
 def summarize(
-    req: ComputeRequest, device: torch.device, compute_ms: float, history: str = "none"
+    req: ComputeRequest,
+    device: torch.device,
+    compute_ms: float,
+    history: str = "none",
+    batch_requests: int = 1,
 ) -> dict[str, Any]:
     batch = req.batch
     return {
@@ -41,6 +45,7 @@ def summarize(
         "device": device.type,
         "compute_ms": round(compute_ms, 3),
         "history": history,
+        "batch_requests": batch_requests,
     }
 
 

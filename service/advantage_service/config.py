@@ -36,7 +36,40 @@ class Settings(BaseSettings):
         default=7 * 24 * 3600, gt=0, description="how long per-prompt history and statistics live"
     )
     max_inflight: int = Field(
-        default=4, ge=1, description="requests computed at once; beyond it the answer is 429"
+        default=4,
+        ge=1,
+        description="compute workers: computations at once (each may hold several merged "
+        "requests); further requests wait in the queue",
+    )
+    max_queue: int = Field(
+        default=256,
+        ge=1,
+        description="requests held at once (being received, waiting or computing); beyond it "
+        "the answer is 503 overloaded with a retry hint",
+    )
+    max_queue_bytes: int = Field(
+        default=1024 * MIB,
+        ge=1,
+        description="bytes of request bodies held at once; beyond it the answer is 503 "
+        "overloaded (a lone request is always admitted up to ADV_MAX_BODY_BYTES)",
+    )
+    queue_timeout_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        description="the longest a request may wait from admission to the start of its "
+        "computation; then the answer is 503 overloaded",
+    )
+    max_batch_tokens: int = Field(
+        default=524_288,
+        ge=0,
+        description="dynamic batching: compatible waiting requests are computed as one batch "
+        "of at most this many tokens; 0: never merge",
+    )
+    max_batch_delay_ms: float = Field(
+        default=0.0,
+        ge=0,
+        description="dynamic batching: how long a mergeable request may wait for company when "
+        "it would run alone (0: never waits)",
     )
     max_request_tokens: int = Field(
         default=8_388_608, ge=1, description="tokens in one request; above it the answer is 413"

@@ -1,6 +1,12 @@
-"""The data plane every transport calls: limits, admission, the estimator pipeline off the event
-loop, statistics hooks and metrics. No wire types here: a transport hands in a decoded request
-(or a function that decodes one) and, optionally, a function that encodes the answer.
+"""The data plane every transport calls: admission and the queue (``scheduler``), decoding off
+the event loop, limits, the estimator pipeline on the compute workers (merging compatible
+requests), the reads and writes of terms that keep state (``term_state``, ``stats_writer``),
+and metrics. No wire types here: a transport hands in a decoded request (or a function that
+decodes one) and, optionally, a function that encodes the answer.
+
+Threads: decoding and encoding run on a pool of ``ADV_MAX_INFLIGHT`` codec threads, so a queued
+request's body is parsed while others compute; computations run on ``ADV_MAX_INFLIGHT`` compute
+workers, fed by the scheduler; statistics writes on one worker of their own, after the answer.
 """
 
 from __future__ import annotations
@@ -8,30 +14,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
-import os
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
 
-from . import __version__
+from . import __version__, assembly, merging
+from .accounting import UNKNOWN_ESTIMATOR, Call
 from .api import compute_request, summarize
 from .auth import Authenticator, Principal
 from .batch import RolloutBatch
 from .config import Settings
-from .errors import LimitExceeded, RequestError
+from .errors import LimitExceeded, RequestError, deadline_exceeded
 from .estimators import TERMS, AdvantageResult, TermContext, resolve_device
+from .estimators.pipeline import check_inputs
 from .estimators.state import WriteOptions
-from .logs import access
 from .metrics import TOKEN_SAMPLE, Metrics
 from .request import ComputeRequest, parse_request
-from .stats import StatsStore, make_store
+from .scheduler import Computation, Scheduler, Ticket
+from .stats import StatsStore
+from .stats_writer import StatsWriter
 from .term_state import StateSession
 
 log = logging.getLogger("advantage_service.engine")
@@ -40,90 +46,7 @@ T = TypeVar("T")
 Decoder = Callable[[], ComputeRequest]
 Encoder = Callable[[ComputeRequest, AdvantageResult, dict[str, Any]], T]
 
-# Estimator label for requests rejected before their estimator was known.
-UNKNOWN_ESTIMATOR = "unknown"
-# Weight of the newest request in the moving average that sizes Retry-After.
-RETRY_AFTER_SMOOTHING = 0.2
-
-
-class Saturated(Exception):
-    """Every admission slot is taken: the client should retry after ``retry_after`` seconds
-    (HTTP 429 with Retry-After, gRPC RESOURCE_EXHAUSTED). The engine never queues."""
-
-    code = "saturated"
-
-    def __init__(self, limit: int, retry_after: int) -> None:
-        self.limit = limit
-        self.retry_after = retry_after
-        self.message = (
-            f"the service is computing {limit} requests (ADV_MAX_INFLIGHT); "
-            f"retry after {retry_after} s"
-        )
-        super().__init__(self.message)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "code": self.code,
-            "message": self.message,
-            "group_id": None,
-            "rollout_index": None,
-            "field": None,
-        }
-
-
-def deadline_exceeded(seconds: float) -> RequestError:
-    """The answer to a request whose computation outlived ``ADV_REQUEST_TIMEOUT_SECONDS``
-    (HTTP 504, gRPC DEADLINE_EXCEEDED)."""
-    return RequestError(
-        "deadline_exceeded",
-        f"the computation took longer than {seconds:g} s (ADV_REQUEST_TIMEOUT_SECONDS): "
-        "split the batch or retry later",
-        status=504,
-    )
-
-
-class Slot:
-    """One admitted request. Release it once (a context manager does).
-
-    A worker thread cannot be interrupted, so a request answered before its worker finished
-    (deadline, cancellation) keeps its slot until the worker is done: :meth:`hold` ties the
-    slot to a worker's future, and the release waits for every held future.
-    """
-
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
-        self._released = False
-        self._freed = False
-        self._busy: set[asyncio.Future[Any]] = set()
-
-    def hold(self, future: asyncio.Future[Any]) -> None:
-        """Keep the slot taken until ``future`` (a worker's) is done."""
-        self._busy.add(future)
-        future.add_done_callback(self._worker_done)
-
-    def _worker_done(self, future: asyncio.Future[Any]) -> None:
-        self._busy.discard(future)
-        if not future.cancelled():
-            future.exception()  # retrieved: an abandoned worker's error is not "never retrieved"
-        if self._released and not self._busy:
-            self._free()
-
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            if not self._busy:
-                self._free()
-
-    def _free(self) -> None:
-        if not self._freed:
-            self._freed = True
-            self._engine._release()
-
-    def __enter__(self) -> Slot:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
+__all__ = ["UNKNOWN_ESTIMATOR", "Computed", "Engine", "check_finite"]
 
 
 @dataclass
@@ -168,72 +91,57 @@ def check_finite(req: ComputeRequest, result: AdvantageResult) -> None:
         )
 
 
-# Niceness of the statistics worker (and the torch threads it starts, which inherit it): building
-# a request's statistics costs about as much CPU as computing it, and must not slow the next
-# request's compute on a busy machine.
-STATS_NICENESS = 10
-
-
-def _lower_priority() -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), STATS_NICENESS)
-
-
 class Engine:
     """The data plane. ``await engine.compute(request, transport)`` from any transport."""
 
-    def __init__(self, settings: Settings, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics | None = None,
+        *,
+        store: StatsStore | None = None,
+        auth: Authenticator | None = None,
+    ) -> None:
         self.settings = settings
         self.metrics = metrics if metrics is not None else Metrics()
         self.device = resolve_device(settings.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"device {settings.device!r} was asked for but CUDA is unavailable")
-        # One worker per admission slot: the admitted requests are exactly those computing.
-        self._executor = ThreadPoolExecutor(
+        self.auth = auth if auth is not None else assembly.authenticator(settings, self.metrics)
+        self.store = store if store is not None else assembly.stats_store(settings, self.metrics)
+        self.metrics.build_info.labels(__version__, self.device.type).set(1)
+        self.metrics.max_inflight.set(settings.max_inflight)
+        self.metrics.max_queue.set(settings.max_queue)
+        self._workers = ThreadPoolExecutor(
             max_workers=settings.max_inflight, thread_name_prefix="advantage-compute"
         )
-        self._lock = threading.Lock()
-        self._inflight = 0
-        self._mean_seconds = 1.0
+        self._codecs = ThreadPoolExecutor(
+            max_workers=settings.max_inflight, thread_name_prefix="advantage-codec"
+        )
+        self.scheduler = Scheduler(
+            workers=settings.max_inflight,
+            executor=self._workers,
+            compute=self._compute_requests,
+            merge_key=merging.merge_key,
+            max_queue=settings.max_queue,
+            max_queue_bytes=settings.max_queue_bytes,
+            queue_timeout=settings.queue_timeout_seconds,
+            max_batch_tokens=settings.max_batch_tokens,
+            max_batch_delay=settings.max_batch_delay_ms / 1000.0,
+            on_depth=self.metrics.queue_depth.set,
+            on_held=self.metrics.inflight_requests.set,
+            on_wait=self.metrics.queue_wait_seconds.observe,
+            on_batch=self.metrics.batch_requests.observe,
+        )
+        self.writer = StatsWriter(
+            4 * settings.max_inflight,
+            on_error=lambda op: self.metrics.stats_store_errors_total.labels(op).inc(),
+        )
+        self.write_options = WriteOptions(compression=settings.stats_compression)
         self.warm = False
         self.draining = False
         # Set when the listeners close on shutdown: transports refuse new calls (UNAVAILABLE).
         self.closing = False
-        self.metrics.max_inflight.set(settings.max_inflight)
-        # Raises TokensFileError for a bad tokens file: the service must not start open by
-        # mistake.
-        self.auth = Authenticator(
-            settings.auth_tokens_file,
-            reload_seconds=settings.auth_reload_seconds,
-            on_reload=lambda outcome: self.metrics.auth_reloads_total.labels(outcome).inc(),
-            on_tokens=self.metrics.auth_tokens.set,
-        )
-        self.metrics.build_info.labels(__version__, self.device.type).set(1)
-        self.store: StatsStore = make_store(
-            settings.redis_url,
-            ttl_seconds=settings.stats_ttl_seconds,
-            **(
-                {
-                    "on_error": lambda op: self.metrics.stats_store_errors_total.labels(op).inc(),
-                    "on_duration": lambda op, sec: self.metrics.stats_store_duration_seconds.labels(
-                        op
-                    ).observe(sec),
-                    "on_up": lambda up: self.metrics.stats_store_up.set(1 if up else 0),
-                }
-                if settings.redis_url
-                else {}
-            ),
-        )
-        if not settings.redis_url:
-            self.metrics.stats_store_up.set(1)
-        # Statistics are written after the answer, by one worker of their own so that they never
-        # take a compute worker from an admitted request; at most this many wait at once.
-        self._stats_executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="advantage-stats", initializer=_lower_priority
-        )
-        self._pending_writes: set[asyncio.Task[None]] = set()
-        self.max_pending_writes = 4 * settings.max_inflight
-        self.write_options = WriteOptions(compression=settings.stats_compression)
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -244,7 +152,8 @@ class Engine:
 
     @property
     def inflight(self) -> int:
-        return self._inflight
+        """Requests admitted and not yet answered (being received, waiting or computing)."""
+        return self.scheduler.held
 
     def warm_up(self) -> None:
         """Compute one tiny request so the first client does not pay for lazy initialisation:
@@ -268,13 +177,14 @@ class Engine:
                 ],
             }
         )
-        self._compute_sync(req, None, observe=False)
+        compute_request(req, self.device)
         self.warm = True
 
     def close(self) -> None:
         """Wait for running computations, then stop the workers."""
-        self._executor.shutdown(wait=True)
-        self._stats_executor.shutdown(wait=True)
+        self._workers.shutdown(wait=True)
+        self._codecs.shutdown(wait=True)
+        self.writer.close()
 
     async def start(self) -> None:
         """Connect the stats store (a store that is down is retried with backoff later) and
@@ -290,19 +200,12 @@ class Engine:
     async def settle_writes(self, timeout: float | None = None) -> set[asyncio.Task[None]]:
         """Wait (up to ``timeout`` s) for the statistics writes scheduled so far; the ones still
         running then."""
-        pending = list(self._pending_writes)
-        if not pending:
-            return set()
-        _, late = await asyncio.wait(pending, timeout=timeout)
-        return late
+        return await self.writer.settle(timeout)
 
     async def flush(self, timeout: float | None = None) -> None:
         """Wait (up to ``timeout`` s) for scheduled statistics writes, then close the store."""
         await self.auth.stop()
-        if self._pending_writes:
-            log.info("flushing %d statistics writes", len(self._pending_writes))
-        for task in await self.settle_writes(timeout):
-            task.cancel()
+        await self.writer.flush(timeout)
         await self.store.close()
 
     def stats_store_status(self) -> str:
@@ -323,31 +226,27 @@ class Engine:
             principal.authorize(namespace)
         return await self.store.token_stats(namespace, order, limit)
 
-    # ---- admission ------------------------------------------------------------------------------
+    # ---- calls and admission --------------------------------------------------------------------
 
-    def admit(self, transport: str) -> Slot:
-        """Take an admission slot or raise :class:`Saturated` (counted as a 429)."""
-        with self._lock:
-            if self._inflight >= self.settings.max_inflight:
-                saturated = Saturated(self.settings.max_inflight, self.retry_after)
-            else:
-                self._inflight += 1
-                saturated = None
-        if saturated is not None:
-            self.record_rejection(transport, 429, saturated.code)
-            raise saturated
-        self.metrics.inflight_requests.inc()
-        return Slot(self)
+    def call(
+        self,
+        transport: str,
+        *,
+        principal: Principal | None = None,
+        started: float | None = None,
+        count: bool = True,
+    ) -> Call:
+        """The accounting of one call: ``with engine.call(...) as call:`` around everything the
+        transport does for it, so that it is timed, counted and logged once, however it ends."""
+        call = Call(self.metrics, transport, principal=principal, count=count)
+        if started is not None:
+            call.started = started
+        return call
 
-    def _release(self) -> None:
-        with self._lock:
-            self._inflight -= 1
-        self.metrics.inflight_requests.dec()
-
-    @property
-    def retry_after(self) -> int:
-        """Whole seconds a rejected client should wait: about one typical request."""
-        return max(1, math.ceil(self._mean_seconds))
+    def admit(self, nbytes: int = 0) -> Ticket:
+        """A place in the queue for a request whose body has (at least) ``nbytes`` bytes, taken
+        before the body is read; raises :class:`~.errors.Overloaded` (503) when it is full."""
+        return self.scheduler.admit(nbytes)
 
     # ---- limits ---------------------------------------------------------------------------------
 
@@ -381,173 +280,142 @@ class Engine:
         transport: str,
         *,
         encode: Encoder[T] | None = None,
-        slot: Slot | None = None,
+        ticket: Ticket | None = None,
         started: float | None = None,
         principal: Principal | None = None,
+        call: Call | None = None,
     ) -> Computed[T]:
-        """Decode (when given a decoder), authorise, check limits, compute, record, encode.
+        """Decode (when given a decoder), authorise, check limits, queue, compute, record,
+        encode.
 
-        Every step that costs more than microseconds runs in a worker thread, so the event loop
-        keeps answering health checks and metrics. Takes an admission slot unless the transport
-        already holds one (``slot``, from :meth:`admit`, taken before reading a large body).
-        ``principal`` (from :attr:`auth`) must allow the request's namespace (403 otherwise).
-        Raises :class:`RequestError` (422/413, 403, 504 past ``ADV_REQUEST_TIMEOUT_SECONDS``)
-        and :class:`Saturated`. The answer comes on time at the deadline; the slot stays taken
-        until the worker really finishes, so admission never overcommits.
+        Takes a place in the queue unless the transport already holds one (``ticket``, from
+        :meth:`admit`, taken before reading a large body). ``principal`` (from :attr:`auth`)
+        must allow the request's namespace (403 otherwise). Accounts for the call (metrics, the
+        access line) unless the transport does (``call``, from :meth:`call`). Raises
+        :class:`RequestError`: 422/413 for the request, 403, 503 :class:`~.errors.Overloaded`
+        (queue full, or waited past ``ADV_QUEUE_TIMEOUT_SECONDS``), 504 past
+        ``ADV_REQUEST_TIMEOUT_SECONDS``. The answer comes on time at the deadline; the place
+        stays taken until the decoding or encoding worker really finishes.
         """
-        started = time.perf_counter() if started is None else started
-        own = slot is None
-        if slot is None:
-            slot = self.admit(transport)
-        label = UNKNOWN_ESTIMATOR
-        req: ComputeRequest | None = None
-        summary: dict[str, Any] | None = None
+        own_call = call is None
+        if call is None:
+            call = self.call(transport, principal=principal, started=started)
+        with call if own_call else contextlib.nullcontext(call):
+            own_ticket = ticket is None
+            if ticket is None:
+                ticket = self.admit()
+            try:
+                return await self._compute(request, encode, ticket, principal, call)
+            finally:
+                if own_ticket:
+                    ticket.release()
+
+    async def _compute(
+        self,
+        request: ComputeRequest | Decoder,
+        encode: Encoder[T] | None,
+        ticket: Ticket,
+        principal: Principal | None,
+        call: Call,
+    ) -> Computed[T]:
         limit = self.settings.request_timeout_seconds
         deadline = asyncio.timeout(limit)
         try:
-            try:
-                async with deadline:
-                    req = (
-                        request
-                        if isinstance(request, ComputeRequest)
-                        else await self._run(slot, request)
-                    )
-                    label = req.estimator.label
-                    if principal is not None:
-                        principal.authorize(req.namespace)
-                    self.check_limits(req)
-                    session = StateSession(self.store, req, self.device, self.write_options)
-                    try:
-                        result, seconds = await self._run(
-                            slot, self._compute_sync, req, session.context
-                        )
-                        history = await session.settle()
-                    finally:
-                        session.cancel()
-                    summary = summarize(req, self.device, seconds * 1000.0, history)
-                    self.metrics.compute_duration_seconds.labels(label, self.device.type).observe(
-                        seconds
-                    )
-                    self._write_stats(session, result)
-                    encoded = (
-                        None
-                        if encode is None
-                        else await self._run(slot, encode, req, result, summary)
-                    )
-            except TimeoutError:
-                if not deadline.expired():
-                    raise
-                raise deadline_exceeded(limit) from None
-        except RequestError as exc:
-            self.record_rejection(
-                transport, exc.status, exc.code, label, req, started=started, principal=principal
-            )
-            raise
-        except asyncio.CancelledError:
-            # The client went away (gRPC cancels the handler) or shutdown ran out of time.
-            self._access(transport, 499, "cancelled", label, req, None, started, principal)
-            raise
-        except Exception:
-            self.record_rejection(
-                transport, 500, "internal", label, req, started=started, principal=principal
-            )
-            raise
-        finally:
-            if own:
-                slot.release()
-        elapsed = time.perf_counter() - started
-        self.metrics.requests_total.labels(transport, label, "200").inc()
-        self.metrics.request_duration_seconds.labels(transport, label).observe(elapsed)
-        self._mean_seconds += RETRY_AFTER_SMOOTHING * (elapsed - self._mean_seconds)
-        self._access(transport, 200, None, label, req, summary, started, principal)
-        return Computed(req, result, summary, encoded)
+            async with deadline:
+                req = (
+                    request
+                    if isinstance(request, ComputeRequest)
+                    else await self._on_codec(ticket, request)
+                )
+                call.request, call.estimator = req, req.estimator.label
+                if principal is not None:
+                    principal.authorize(req.namespace)
+                self.check_limits(req)
+                # Request errors before the queue: a merged computation never fails for one.
+                check_inputs(req.batch, req.estimator, req.returns)
+                session = StateSession(self.store, req, self.device, self.write_options)
+                context = session.context if session.context.reads else None
+                try:
+                    done = await self.scheduler.run(req, context, ticket)
+                    if done.error is not None:
+                        raise done.error
+                    history = await session.settle()
+                finally:
+                    session.cancel()
+                assert done.result is not None
+                summary = summarize(req, self.device, done.seconds * 1000.0, history, done.shared)
+                call.summary = summary
+                self.writer.schedule(session, done.result)
+                encoded = (
+                    None
+                    if encode is None
+                    else await self._on_codec(ticket, encode, req, done.result, summary)
+                )
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            raise deadline_exceeded(limit) from None
+        return Computed(req, done.result, summary, encoded)
 
-    def record_rejection(
-        self,
-        transport: str,
-        status: int,
-        error: str,
-        estimator: str = UNKNOWN_ESTIMATOR,
-        request: ComputeRequest | None = None,
-        *,
-        started: float | None = None,
-        principal: Principal | None = None,
-        namespace: str | None = None,
-    ) -> None:
-        """Count and log a request answered with an error (transports call this for errors they
-        raise before the engine sees the request: unauthenticated, unsupported media type, body
-        too large)."""
-        self.metrics.requests_total.labels(transport, estimator, str(status)).inc()
-        self.metrics.request_errors_total.labels(transport, error).inc()
-        self._access(
-            transport, status, error, estimator, request, None, started, principal, namespace
-        )
-
-    def log_access(
-        self,
-        transport: str,
-        status: int,
-        error: str | None = None,
-        started: float | None = None,
-        principal: Principal | None = None,
-        namespace: str | None = None,
-    ) -> None:
-        """An access line for a request that is not a computation (statistics, listings)."""
-        self._access(
-            transport, status, error, UNKNOWN_ESTIMATOR, None, None, started, principal, namespace
-        )
-
-    def _access(
-        self,
-        transport: str,
-        status: int,
-        error: str | None,
-        estimator: str,
-        req: ComputeRequest | None,
-        summary: dict[str, Any] | None,
-        started: float | None,
-        principal: Principal | None,
-        namespace: str | None = None,
-    ) -> None:
-        batch = req.batch if req is not None else None
-        access(
-            request_id=req.request_id if req is not None else None,
-            namespace=req.namespace if req is not None else namespace,
-            principal=principal.name if principal is not None else None,
-            transport=transport,
-            estimator=estimator,
-            groups=batch.num_groups if batch is not None else None,
-            rollouts=batch.num_rollouts if batch is not None else None,
-            tokens=batch.num_tokens if batch is not None else None,
-            history=summary["history"] if summary is not None else None,
-            compute_ms=round(summary["compute_ms"], 3) if summary is not None else None,
-            total_ms=(
-                round(1000.0 * (time.perf_counter() - started), 3) if started is not None else None
-            ),
-            status=status,
-            error=error,
-        )
-
-    async def _run(self, slot: Slot | None, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` on a compute worker. If the caller stops waiting (deadline, client
-        gone, shutdown timeout), ``slot`` stays taken until the worker really finishes."""
-        future = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-        if slot is not None:
-            slot.hold(future)
+    async def _on_codec(self, ticket: Ticket, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on a codec thread; the request's place stays taken until it ends."""
+        future = asyncio.get_running_loop().run_in_executor(self._codecs, fn, *args)
+        ticket.keep(future)
         return await asyncio.shield(future)
 
-    def _compute_sync(
-        self, req: ComputeRequest, context: TermContext | None, observe: bool = True
+    # ---- on the compute workers ---------------------------------------------------------------
+
+    def _compute_requests(
+        self, reqs: Sequence[ComputeRequest], contexts: Sequence[TermContext | None]
+    ) -> list[Computation]:
+        """One computation for ``reqs`` (merged when there are several), an outcome each. A
+        merged computation that fails is redone one request at a time, so that an error is its
+        own request's alone."""
+        if len(reqs) == 1:
+            return [self._compute_alone(reqs[0], contexts[0])]
+        try:
+            batch = merging.merge(reqs)
+            merged, seconds = self._timed(replace(reqs[0], batch=batch), None)
+            parts = merging.split(merged, batch)
+        except Exception:
+            log.exception("a merged computation of %d requests failed; computing each", len(reqs))
+            return [self._compute_alone(r, c) for r, c in zip(reqs, contexts, strict=True)]
+        self.metrics.compute_duration_seconds.labels(
+            reqs[0].estimator.label, self.device.type
+        ).observe(seconds)
+        shared = len(reqs)
+        return [
+            self._finish(req, part, seconds, shared) for req, part in zip(reqs, parts, strict=True)
+        ]
+
+    def _compute_alone(self, req: ComputeRequest, context: TermContext | None) -> Computation:
+        try:
+            result, seconds = self._timed(req, context)
+        except Exception as exc:  # its own request's error (or fault) alone
+            return Computation(None, exc, 0.0, 1)
+        self.metrics.compute_duration_seconds.labels(req.estimator.label, self.device.type).observe(
+            seconds
+        )
+        return self._finish(req, result, seconds, 1)
+
+    def _timed(
+        self, req: ComputeRequest, context: TermContext | None
     ) -> tuple[AdvantageResult, float]:
         start = time.perf_counter()
         result = compute_request(req, self.device, context)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        seconds = time.perf_counter() - start
-        check_finite(req, result)
-        if observe:
-            self._observe(req.batch, result, req.estimator.label)
-        return result, seconds
+        return result, time.perf_counter() - start
+
+    def _finish(
+        self, req: ComputeRequest, result: AdvantageResult, seconds: float, shared: int
+    ) -> Computation:
+        try:
+            check_finite(req, result)
+        except RequestError as exc:
+            return Computation(None, exc, seconds, shared)
+        self._observe(req.batch, result, req.estimator.label)
+        return Computation(result, None, seconds, shared)
 
     def _observe(self, batch: RolloutBatch, result: AdvantageResult, label: str) -> None:
         """Batch-level training-health metrics (runs on the worker, a few ms at most)."""
@@ -559,35 +427,11 @@ class Engine:
             m.groups_total.labels("zero").inc(zero)
             m.groups_total.labels("nonzero").inc(batch.num_groups - zero)
             correct = torch.zeros(batch.num_groups, dtype=torch.float64).index_add_(
-                0, batch.group_index, (batch.rewards > 0).double()
+                0, batch.group_index.cpu(), (batch.rewards.cpu() > 0).double()
             )
-            m.group_accuracy.observe_many((correct / batch.group_sizes).numpy())
+            m.group_accuracy.observe_many((correct / batch.group_sizes.cpu()).numpy())
         n = result.advantages.numel()
         if n:
             stride = max(1, n // TOKEN_SAMPLE)
             sample = result.advantages[::stride][:TOKEN_SAMPLE].cpu().numpy()
             m.token_advantage.observe_many(sample.astype(np.float64), label)
-
-    # ---- statistics store ---------------------------------------------------------------------
-
-    def _write_stats(self, session: StateSession, result: AdvantageResult) -> None:
-        """Schedule the request's statistics and records writes; they run after the answer."""
-        if len(self._pending_writes) >= self.max_pending_writes:
-            # The store is slower than the traffic: drop this request's statistics rather than
-            # let pending writes (and their tensors) grow without bound.
-            self.metrics.stats_store_errors_total.labels("record_dropped").inc()
-            return
-        task = asyncio.get_running_loop().create_task(self._record(session, result))
-        self._pending_writes.add(task)
-        task.add_done_callback(self._pending_writes.discard)
-
-    async def _record(self, session: StateSession, result: AdvantageResult) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            update = await loop.run_in_executor(self._stats_executor, session.update, result)
-            await session.record(update)
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # statistics must never take the service down
-            log.exception("statistics write for request %s failed", session.req.request_id)
-            self.metrics.stats_store_errors_total.labels("record").inc()

@@ -1,7 +1,9 @@
 """The one error type a request can fail with.
 
-Every check that rejects client input raises :class:`RequestError`; the transports map it to
-HTTP 422/413 or gRPC INVALID_ARGUMENT/RESOURCE_EXHAUSTED without looking inside.
+Every check that rejects a request raises :class:`RequestError` (or a subclass): client input
+(422/413), authentication (401/403), overload (:class:`Overloaded`, 503) and deadlines (504). The
+transports map its ``status`` to HTTP or gRPC (INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
+UNAUTHENTICATED, PERMISSION_DENIED, UNAVAILABLE, DEADLINE_EXCEEDED) without looking inside.
 """
 
 from __future__ import annotations
@@ -52,3 +54,33 @@ class LimitExceeded(RequestError):
 
     def __init__(self, message: str, *, field: str | None = None, **where: Any) -> None:
         super().__init__("limit_exceeded", message, field=field, status=413, **where)
+
+
+class Overloaded(RequestError):
+    """The service cannot take the request now: its queue is full, or the request waited in it
+    past ``ADV_QUEUE_TIMEOUT_SECONDS`` (HTTP 503 with ``Retry-After``, gRPC UNAVAILABLE), as
+    Triton, KServe and Knative answer overload. ``retry_after_ms`` is sized from the rate the
+    queue drains at; clients that retry 5xx / UNAVAILABLE retry it."""
+
+    def __init__(self, message: str, *, retry_after_ms: int, field: str | None = "queue") -> None:
+        super().__init__("overloaded", message, field=field, status=503)
+        self.retry_after_ms = int(retry_after_ms)
+
+    @property
+    def retry_after_seconds(self) -> int:
+        """Whole seconds for ``Retry-After`` (rounded up, at least 1)."""
+        return max(1, -(-self.retry_after_ms // 1000))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "retry_after_ms": self.retry_after_ms}
+
+
+def deadline_exceeded(seconds: float) -> RequestError:
+    """The answer to a request whose computation outlived ``ADV_REQUEST_TIMEOUT_SECONDS``
+    (HTTP 504, gRPC DEADLINE_EXCEEDED)."""
+    return RequestError(
+        "deadline_exceeded",
+        f"the computation took longer than {seconds:g} s (ADV_REQUEST_TIMEOUT_SECONDS): "
+        "split the batch or retry later",
+        status=504,
+    )

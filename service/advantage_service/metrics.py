@@ -64,6 +64,7 @@ ADVANTAGE_BUCKETS = (
     5.0,
     10.0,
 )
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
 STATS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 # Token advantages observed per request: an evenly strided sample keeps the cost near 1 ms.
 TOKEN_SAMPLE = 4096
@@ -193,10 +194,30 @@ class Metrics:
             registry=r,
         )
         self.inflight_requests = Gauge(
-            "advantage_inflight_requests", "Requests admitted and not yet answered", registry=r
+            "advantage_inflight_requests",
+            "Requests admitted and not yet answered (being received, waiting or computing)",
+            registry=r,
         )
         self.max_inflight = Gauge(
-            "advantage_max_inflight", "Admission limit (ADV_MAX_INFLIGHT)", registry=r
+            "advantage_max_inflight", "Computations at once (ADV_MAX_INFLIGHT workers)", registry=r
+        )
+        self.max_queue = Gauge(
+            "advantage_max_queue", "Requests the replica holds at most (ADV_MAX_QUEUE)", registry=r
+        )
+        self.queue_depth = Gauge(
+            "advantage_queue_depth", "Requests decoded and waiting for a compute worker", registry=r
+        )
+        self.queue_wait_seconds = Histogram(
+            "advantage_queue_wait_seconds",
+            "Time from admission to the start of a request's computation (body, decode, queue)",
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.batch_requests = Histogram(
+            "advantage_batch_requests",
+            "Requests computed together in one computation (dynamic batching)",
+            buckets=BATCH_BUCKETS,
+            registry=r,
         )
         self.stats_store_errors_total = Counter(
             "advantage_stats_store_errors_total",

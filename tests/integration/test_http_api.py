@@ -186,8 +186,8 @@ def test_openapi_documents_real_request_and_response_schemas(server: Server) -> 
     example_response = operation["responses"]["200"]["content"]["application/json"]["example"]
     want = json.loads(jsonio.dumps(compute(example_request, device="cpu")))
     assert_same_groups(example_response["groups"], want["groups"])
-    for status in ("200", "413", "415", "422", "429"):
+    for status in ("200", "413", "415", "422", "503"):
         assert status in operation["responses"], status
-    assert "Retry-After" in operation["responses"]["429"]["headers"]
+    assert "Retry-After" in operation["responses"]["503"]["headers"]
     docs = server.client.get("/docs")
     assert docs.status_code == 200 and "swagger" in docs.text.lower()

@@ -1,9 +1,10 @@
-"""Admission and shutdown on a real server: 429 with Retry-After beyond ADV_MAX_INFLIGHT, and a
-SIGTERM that stops accepting, finishes the request in flight, and exits 0.
+"""Admission and shutdown on a real server: 503 with Retry-After and a retry hint beyond
+ADV_MAX_QUEUE, a SIGTERM that stops accepting, finishes the request in flight and exits 0, and a
+SIGTERM with a full queue that answers or refuses every queued request cleanly (none lost).
 
-A request is held in flight deterministically by sending its headers and only part of its body
-over a raw socket: the service admits a request before reading its body, so the slot stays
-taken until the test sends the rest. No timing races, no sleeps.
+A request is held deterministically by sending its headers and only part of its body over a
+raw socket: the service admits a request (takes its place in the queue) before reading its
+body, so the place stays taken until the test sends the rest. No timing races, no sleeps.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from __future__ import annotations
 import json
 import signal
 import socket
+import threading
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 from advantage_service import compute
@@ -66,18 +69,21 @@ def assert_answers(request: dict[str, Any], payload: bytes) -> None:
             )
 
 
-def test_saturated_service_answers_429_with_retry_after(
+def test_a_full_queue_answers_503_with_retry_after_and_a_retry_hint(
     server_factory: Callable[..., Server],
 ) -> None:
-    server = server_factory(max_inflight=1)
+    server = server_factory(max_queue=1)
     held_request = random_request(seed=21)
     held = PartialPost(server, json.dumps(held_request).encode())
     poll(lambda: inflight(server) == 1, 30, "the held request to be admitted")
 
     refused = server.client.post("/v1/advantages", json=random_request(seed=22))
-    assert refused.status_code == 429, refused.text
-    assert int(refused.headers["retry-after"]) >= 1
-    assert refused.json()["error"]["code"] == "saturated"
+    assert refused.status_code == 503, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "overloaded" and "ADV_MAX_QUEUE" in error["message"]
+    assert 10 <= error["retry_after_ms"] <= 60_000
+    # Retry-After: the hint in whole seconds, rounded up.
+    assert int(refused.headers["retry-after"]) == max(1, -(-error["retry_after_ms"] // 1000))
     # Health, readiness and metrics are not admission-controlled.
     assert server.client.get("/healthz").status_code == 200
     assert server.client.get("/readyz").status_code == 200
@@ -91,7 +97,7 @@ def test_saturated_service_answers_429_with_retry_after(
     assert samples[INFLIGHT] == 0
     key = (
         "advantage_requests_total",
-        (("code", "429"), ("estimator", "unknown"), ("transport", "http_json")),
+        (("code", "503"), ("estimator", "unknown"), ("transport", "http_json")),
     )
     assert samples[key] == 1
 
@@ -120,4 +126,51 @@ def test_sigterm_stops_accepting_finishes_in_flight_and_exits_zero(
     assert status == 200, payload
     assert headers["content-type"] == "application/json"
     assert_answers(held_request, payload)
+    assert server.proc.wait(30) == 0, server.output()
+
+
+def test_sigterm_with_a_full_queue_answers_or_refuses_every_queued_request(
+    server_factory: Callable[..., Server],
+) -> None:
+    """More queued work than the shutdown timeout allows: the requests computed in time are
+    answered, the rest are refused 503 (retry elsewhere) before the deadline (a shutdown timeout
+    of 1 s refuses them at once); every client gets an HTTP answer, none a dropped connection,
+    and the process exits 0."""
+    server = server_factory(max_inflight=1, max_batch_tokens=0, shutdown_timeout_seconds=1)
+    bodies = [random_request(seed=100 + i, estimator="ktae", groups=16) for i in range(48)]
+    for body in bodies:  # (heavier: each computation takes a noticeable time)
+        for group in body["groups"]:
+            for rollout in group["rollouts"]:
+                rollout["tokens"] = rollout["tokens"] * 60
+                del rollout["logprobs"], rollout["teacher_logprobs"]
+    outcomes: list[Any] = [None] * len(bodies)
+
+    def send(i: int) -> None:
+        try:
+            with httpx.Client(base_url=server.url, timeout=60) as client:
+                outcomes[i] = client.post("/v1/advantages", json=bodies[i])
+        except httpx.HTTPError as exc:
+            outcomes[i] = exc
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
+    for thread in threads:
+        thread.start()
+    depth = ("advantage_queue_depth", ())
+    poll(lambda: server.metrics()[depth] >= 4, 30, "requests waiting in the queue")
+    server.proc.send_signal(signal.SIGTERM)
+    for thread in threads:
+        thread.join(60)
+    # A client that had not connected when the listener closed is refused the connection (a
+    # clean answer: it retries elsewhere); one that was admitted is never cut off.
+    lost = [o for o in outcomes if not isinstance(o, httpx.Response | httpx.ConnectError)]
+    assert not lost, lost[:3]
+    answered = [o for o in outcomes if isinstance(o, httpx.Response)]
+    assert len(answered) >= 4
+    statuses = sorted(o.status_code for o in answered)
+    assert set(statuses) <= {200, 503}, statuses
+    assert 200 in statuses and 503 in statuses, statuses
+    for o in answered:
+        if o.status_code == 503:
+            assert o.json()["error"]["code"] == "overloaded", o.text
+            assert "shutting down" in o.json()["error"]["message"]
     assert server.proc.wait(30) == 0, server.output()

@@ -1,11 +1,11 @@
 """The per-request compute deadline (ADV_REQUEST_TIMEOUT_SECONDS): the client is answered on
-time (HTTP 504, gRPC DEADLINE_EXCEEDED), while the admission slot stays taken until the worker
-thread really finishes, so the service never computes more than ADV_MAX_INFLIGHT at once."""
+time (HTTP 504, gRPC DEADLINE_EXCEEDED), while the worker stays busy until its thread really
+finishes, so the service never computes more than ADV_MAX_INFLIGHT at once: the next request
+waits in the queue for it."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,10 +17,11 @@ from advantage_client.grpc_client import compute_request_message
 from advantage_client.grpc_gen import advantage_pb2_grpc as pb_grpc
 from advantage_client.http_client import arrow_request_body
 from advantage_service.config import Settings
-from advantage_service.engine import Engine, Saturated
+from advantage_service.engine import Engine
 from advantage_service.errors import RequestError
 from advantage_service.metrics import Metrics
 from advantage_service.request import parse_request
+from holding import Hold, held_request
 from process_support import poll
 from support import Service
 
@@ -54,47 +55,36 @@ def big_request(tokens: int = 2_000_000, groups: int = 16) -> dict[str, Any]:
 SMALL = {"groups": [{"id": "p", "rollouts": [{"tokens": [1], "reward": 1.0}]}]}
 
 
-def test_engine_answers_at_the_deadline_and_holds_the_slot_until_the_worker_ends() -> None:
+def test_engine_answers_at_the_deadline_and_keeps_the_worker_busy_until_it_ends() -> None:
     engine = Engine(
-        Settings(device="cpu", max_inflight=1, request_timeout_seconds=0.2),
+        Settings(device="cpu", max_inflight=1, request_timeout_seconds=0.5),
         Metrics(process=False),
     )
-    release = threading.Event()
-    finished = threading.Event()
-    original = engine._compute_sync
 
-    def slow(*args: Any, **kwargs: Any) -> Any:
-        release.wait(30)
-        try:
-            return original(*args, **kwargs)
-        finally:
-            finished.set()
-
-    engine._compute_sync = slow  # type: ignore[method-assign]
-
-    async def scenario() -> None:
+    async def scenario(hold: Hold) -> None:
         started = time.perf_counter()
         with pytest.raises(RequestError) as late:
-            await engine.compute(parse_request(SMALL), "test")
+            await engine.compute(parse_request(held_request()), "test")
         waited = time.perf_counter() - started
         assert late.value.status == 504 and late.value.code == "deadline_exceeded"
         assert waited < 2.0
-        # The worker still runs: its slot is still taken, the next request is refused.
-        assert engine.inflight == 1
-        with pytest.raises(Saturated):
-            await engine.compute(parse_request(SMALL), "test")
-        release.set()
-        while not finished.is_set() or engine.inflight:
-            await asyncio.sleep(0.01)
+        # The worker still runs: the next request waits in the queue instead of computing.
+        queued = asyncio.ensure_future(
+            engine.compute(parse_request(held_request("next", block=False)), "test")
+        )
+        await asyncio.sleep(0.2)
+        assert not queued.done() and engine.scheduler.depth == 1
+        assert hold.computed == [["held"]]
+        hold.release.set()
+        computed = await asyncio.wait_for(queued, 10)
+        assert computed.summary["rollouts"] == 2 and hold.computed[-1] == ["next"]
+        assert engine.inflight == 0
         assert engine.metrics.registry.get_sample_value("advantage_inflight_requests") == 0
-        engine._compute_sync = original  # type: ignore[method-assign]
-        computed = await engine.compute(parse_request(SMALL), "test")
-        assert computed.summary["rollouts"] == 1
 
     try:
-        asyncio.run(scenario())
+        with Hold() as hold:
+            asyncio.run(scenario(hold))
     finally:
-        release.set()
         engine.close()
 
 

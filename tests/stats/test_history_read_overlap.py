@@ -19,7 +19,7 @@ import pytest
 import torch
 from advantage_service.api import compute_request
 from advantage_service.config import Settings
-from advantage_service.engine import Engine, Saturated
+from advantage_service.engine import Engine
 from advantage_service.errors import RequestError
 from advantage_service.estimators import TermContext
 from advantage_service.estimators import ktae as ktae_module
@@ -145,17 +145,11 @@ async def test_a_read_that_outlives_the_request_does_not_strand_its_worker() -> 
     with pytest.raises(RequestError) as raised:
         await engine.compute(parse_request(body(5, ["q"])), "test")
     assert raised.value.code == "deadline_exceeded"
-    # The only worker was waiting for that read: the cancelled read must release it (the slot
-    # stays taken until the worker finishes, which takes it a moment, not the read's 30 s).
+    # The only worker may have been waiting for that read: the cancelled read must release it
+    # (the worker stays busy until it finishes, which takes it a moment, not the read's 30 s),
+    # so the next request is computed within seconds.
     store.delay = 0.0
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            computed = await engine.compute(parse_request(body(6, ["q"])), "test")
-            break
-        except Saturated:
-            assert time.monotonic() < deadline, "the worker is still waiting for the read"
-            await asyncio.sleep(0.05)
+    computed = await asyncio.wait_for(engine.compute(parse_request(body(6, ["q"])), "test"), 10)
     assert computed.summary is not None and computed.summary["history"] == "applied"
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -29,13 +28,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from ..auth import AuthError, Principal
+from ..accounting import Call
+from ..auth import Principal
 from ..config import Settings
-from ..engine import Engine, Saturated
-from ..errors import RequestError
+from ..engine import Engine
+from ..errors import Overloaded, RequestError
 from .grpc_codec import (
     INTERNAL_MESSAGE,
-    RETRY_AFTER_KEY,
     SERVICE_NAME,
     SHUTTING_DOWN,
     TRANSPORT,
@@ -43,13 +42,15 @@ from .grpc_codec import (
     abort,
     decode_compute_request,
     encode_compute_response,
-    error_metadata,
     estimators_message,
     lenient,
 )
 from .grpc_stream import StreamEnd, StreamLimits, StreamSession
 
 log = logging.getLogger("advantage_service.grpc")
+
+# The retry hint of a stream refused for ADV_STREAM_MAX_OPEN (streams last long: a second).
+STREAM_RETRY_MS = 1000
 
 
 def add_servicer(servicer: AdvantageServicer, server: grpc.aio.Server) -> None:
@@ -88,48 +89,39 @@ class AdvantageServicer(pb_grpc.AdvantageServiceServicer):
         self._estimators = estimators_message()
         self.open_streams = 0
 
-    async def _authenticate(
-        self, context: grpc.aio.ServicerContext, *, count: bool = True
-    ) -> Principal:
-        """The caller's principal from the ``authorization: Bearer ...`` metadata; ends the
-        call with UNAUTHENTICATED otherwise (and with UNAVAILABLE once the service is closing
-        for shutdown: the client retries elsewhere)."""
+    async def _authenticate(self, context: grpc.aio.ServicerContext, call: Call) -> Principal:
+        """The caller's principal from the ``authorization: Bearer ...`` metadata (kept on
+        ``call``); raises UNAUTHENTICATED otherwise. Ends the call with UNAVAILABLE once the
+        service is closing for shutdown: the client retries elsewhere."""
         if self.engine.closing:
             await abort(context, SHUTTING_DOWN)
         authorization = None
         for key, value in context.invocation_metadata() or ():
             if key == "authorization":
                 authorization = value.decode() if isinstance(value, bytes) else value
-        try:
-            return self.engine.auth.authenticate(authorization)
-        except AuthError as exc:
-            if count:
-                self.engine.record_rejection(TRANSPORT, exc.status, exc.code)
-            else:
-                self.engine.log_access(TRANSPORT, exc.status, exc.code)
-            await abort(context, exc)
-            raise  # unreachable: abort raises
+        call.principal = self.engine.auth.authenticate(authorization)
+        return call.principal
 
     async def Compute(
         self, request: pb.ComputeRequest, context: grpc.aio.ServicerContext
     ) -> pb.ComputeResponse:
-        started = time.perf_counter()
-        principal = await self._authenticate(context)
-        if isinstance(request, Malformed):
-            error = request.error()
-            self.engine.record_rejection(TRANSPORT, error.status, error.code, principal=principal)
-            await abort(context, error)
         try:
-            computed = await self.engine.compute(
-                partial(decode_compute_request, request),
-                TRANSPORT,
-                encode=encode_compute_response,
-                started=started,
-                principal=principal,
-            )
-        except (RequestError, Saturated) as exc:
+            with self.engine.call(TRANSPORT) as call:
+                principal = await self._authenticate(context, call)
+                if isinstance(request, Malformed):
+                    raise request.error()
+                computed = await self.engine.compute(
+                    partial(decode_compute_request, request),
+                    TRANSPORT,
+                    encode=encode_compute_response,
+                    principal=principal,
+                    call=call,
+                )
+        except RequestError as exc:
             await abort(context, exc)
             raise  # unreachable: abort raises
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
         except Exception:
             log.exception("internal error in Compute")
             await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
@@ -142,21 +134,20 @@ class AdvantageServicer(pb_grpc.AdvantageServiceServicer):
         request_iterator: AsyncIterator[pb.StreamRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.StreamResponse]:
-        principal = await self._authenticate(context)
-        if self.open_streams >= self.settings.stream_max_open:
-            refused = RequestError(
-                "saturated",
-                f"{self.open_streams} streams are open; the limit is "
-                f"{self.settings.stream_max_open} (ADV_STREAM_MAX_OPEN): retry later",
-                field="streams",
-                status=429,
-            )
-            self.engine.record_rejection(TRANSPORT, refused.status, refused.code)
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                refused.message,
-                trailing_metadata=(*error_metadata(refused), (RETRY_AFTER_KEY, "1")),
-            )
+        try:
+            with self.engine.call(TRANSPORT) as call:
+                principal = await self._authenticate(context, call)
+                if self.open_streams >= self.settings.stream_max_open:
+                    raise Overloaded(
+                        f"{self.open_streams} streams are open; the limit is "
+                        f"{self.settings.stream_max_open} (ADV_STREAM_MAX_OPEN): retry later",
+                        retry_after_ms=STREAM_RETRY_MS,
+                        field="streams",
+                    )
+                call.skip()  # the stream's groups are accounted one by one, as computed
+        except RequestError as exc:
+            await abort(context, exc)
+            raise  # unreachable: abort raises
         session = StreamSession(self, principal)
         metrics = self.engine.metrics
         self.open_streams += 1
@@ -179,9 +170,13 @@ class AdvantageServicer(pb_grpc.AdvantageServiceServicer):
     async def ListEstimators(
         self, request: pb.ListEstimatorsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListEstimatorsResponse:
-        await self._authenticate(context, count=False)
-        if isinstance(request, Malformed):
-            await abort(context, request.error())
+        try:
+            with self.engine.call(TRANSPORT, count=False) as call:
+                await self._authenticate(context, call)
+                if isinstance(request, Malformed):
+                    raise request.error()
+        except RequestError as exc:
+            await abort(context, exc)
         return self._estimators
 
 

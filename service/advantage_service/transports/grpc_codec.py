@@ -15,8 +15,7 @@ from google.protobuf.message import DecodeError
 
 from .. import jsonio
 from ..batch import RolloutBatch
-from ..engine import Saturated
-from ..errors import RequestError
+from ..errors import Overloaded, RequestError
 from ..estimators import AdvantageResult
 from ..request import ComputeRequest, parse_options
 from .openapi import EstimatorListing, estimator_listing
@@ -37,6 +36,7 @@ GROUP_ID_KEY = "advantage-group-id-bin"
 ROLLOUT_INDEX_KEY = "advantage-rollout-index"
 FIELD_KEY = "advantage-field-bin"
 RETRY_AFTER_KEY = "retry-after"
+RETRY_AFTER_MS_KEY = "retry-after-ms"
 INTERNAL_MESSAGE = "internal error; see the service log"
 SHUTTING_DOWN = RequestError(
     "shutting_down", "the service is shutting down; retry on another replica", status=503
@@ -201,20 +201,18 @@ STATUS_CODES = {
     403: grpc.StatusCode.PERMISSION_DENIED,
     413: grpc.StatusCode.RESOURCE_EXHAUSTED,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    503: grpc.StatusCode.UNAVAILABLE,
+    503: grpc.StatusCode.UNAVAILABLE,  # overloaded (or shutting down): retry, elsewhere or later
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
 
-def status_code(exc: RequestError | Saturated) -> grpc.StatusCode:
-    """422 -> INVALID_ARGUMENT; 413 and saturation -> RESOURCE_EXHAUSTED; 401 ->
-    UNAUTHENTICATED; 403 -> PERMISSION_DENIED; 504 -> DEADLINE_EXCEEDED."""
-    if isinstance(exc, Saturated):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED
+def status_code(exc: RequestError) -> grpc.StatusCode:
+    """422 -> INVALID_ARGUMENT; 413 -> RESOURCE_EXHAUSTED; 503 (overloaded) -> UNAVAILABLE;
+    401 -> UNAUTHENTICATED; 403 -> PERMISSION_DENIED; 504 -> DEADLINE_EXCEEDED."""
     return STATUS_CODES.get(exc.status, grpc.StatusCode.INVALID_ARGUMENT)
 
 
-def error_metadata(exc: RequestError | Saturated) -> tuple[tuple[str, str | bytes], ...]:
+def error_metadata(exc: RequestError) -> tuple[tuple[str, str | bytes], ...]:
     """Trailing metadata locating the error (keys in the .proto's header comment)."""
     detail = exc.to_dict()
     metadata: list[tuple[str, str | bytes]] = [(ERROR_CODE_KEY, detail["code"])]
@@ -224,8 +222,9 @@ def error_metadata(exc: RequestError | Saturated) -> tuple[tuple[str, str | byte
         metadata.append((ROLLOUT_INDEX_KEY, str(detail["rollout_index"])))
     if detail["field"] is not None:
         metadata.append((FIELD_KEY, str(detail["field"]).encode()))
-    if isinstance(exc, Saturated):
-        metadata.append((RETRY_AFTER_KEY, str(exc.retry_after)))
+    if isinstance(exc, Overloaded):
+        metadata.append((RETRY_AFTER_KEY, str(exc.retry_after_seconds)))
+        metadata.append((RETRY_AFTER_MS_KEY, str(exc.retry_after_ms)))
     return tuple(metadata)
 
 
@@ -238,7 +237,7 @@ def error_message(exc: RequestError) -> pb.Error:
     return error
 
 
-async def abort(context: grpc.aio.ServicerContext, exc: RequestError | Saturated) -> None:
+async def abort(context: grpc.aio.ServicerContext, exc: RequestError) -> None:
     """End the call with the error's status, message and trailing metadata (raises)."""
     await context.abort(status_code(exc), exc.message, trailing_metadata=error_metadata(exc))
 

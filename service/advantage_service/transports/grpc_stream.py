@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import logging
 import time
@@ -25,7 +24,6 @@ from .. import jsonio
 from ..auth import Principal
 from ..batch import RolloutBatch
 from ..config import Settings
-from ..engine import UNKNOWN_ESTIMATOR, Saturated, Slot
 from ..errors import LimitExceeded, RequestError
 from ..estimators import AdvantageResult
 from ..request import ComputeRequest, RequestOptions, batch_from_groups, parse_options
@@ -47,8 +45,6 @@ log = logging.getLogger("advantage_service.grpc")
 
 # Stream limits when the settings do not carry them.
 DEFAULT_STREAM_MAX_PENDING_GROUPS = 4096
-# Longest wait between two tries for an admission slot for a completed stream group.
-ADMISSION_POLL_MAX_SECONDS = 0.02
 
 # ---- stream assembly ---------------------------------------------------------------------------
 
@@ -374,15 +370,10 @@ class StreamSession:
 
     def _reject(self, exc: RequestError) -> None:
         """Count a group answered with an error before it reached the engine."""
-        label = self.template.estimator.label if self.template is not None else UNKNOWN_ESTIMATOR
-        self.engine.record_rejection(
-            TRANSPORT,
-            exc.status,
-            exc.code,
-            label,
-            principal=self.principal,
-            namespace=self.template.namespace if self.template is not None else None,
-        )
+        call = self.engine.call(TRANSPORT, principal=self.principal)
+        if self.template is not None:
+            call.estimator, call.namespace = self.template.estimator.label, self.template.namespace
+        call.finish(exc.status, exc.code)
 
     async def _answer(self, response: pb.StreamResponse) -> None:
         await self.outstanding.acquire()
@@ -407,18 +398,6 @@ class StreamSession:
 
     # ---- computing --------------------------------------------------------------------------
 
-    async def _admit(self) -> Slot:
-        """An admission slot, waited for: a stream's completed group has nowhere to be retried
-        from, so it waits for a slot where a unary request would be refused. The wait is
-        bounded per stream by ``max_outstanding`` (the stream stops reading meanwhile)."""
-        delay = 0.001
-        while True:
-            if self.engine.inflight < self.settings.max_inflight:
-                with contextlib.suppress(Saturated):
-                    return self.engine.admit(TRANSPORT)
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, ADMISSION_POLL_MAX_SECONDS)
-
     async def _compute(self, group: _Group) -> None:
         assert self.template is not None
         template = self.template
@@ -428,14 +407,14 @@ class StreamSession:
             return options.with_batch(group.batch(template.vocab_size))
 
         try:
-            with await self._admit() as slot:
-                computed = await self.engine.compute(
-                    decode,
-                    TRANSPORT,
-                    encode=partial(encode_group_result, group),
-                    slot=slot,
-                    started=group.completed_at,
-                )
+            # Queued like any request (and merged with whatever else waits); a group refused as
+            # overloaded, or that waited past the queue timeout, is its own error on the stream.
+            computed = await self.engine.compute(
+                decode,
+                TRANSPORT,
+                encode=partial(encode_group_result, group),
+                started=group.completed_at,
+            )
             assert computed.encoded is not None
             response = computed.encoded
         except RequestError as exc:

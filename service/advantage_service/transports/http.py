@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from functools import partial
@@ -25,10 +24,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from .. import __version__, jsonio
-from ..auth import CHALLENGE, AuthError, Principal
+from ..accounting import Call
+from ..auth import CHALLENGE, Principal
 from ..config import Settings
-from ..engine import Engine, Saturated
-from ..errors import LimitExceeded, RequestError
+from ..engine import Engine
+from ..errors import LimitExceeded, Overloaded, RequestError
 from ..estimators import AdvantageResult
 from ..request import ComputeRequest, parse_request
 from ..response import build_response
@@ -126,8 +126,11 @@ def encode_json(req: ComputeRequest, result: AdvantageResult, summary: dict[str,
     return orjson.dumps(build_response(req, result, summary), option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-async def read_body(request: Request, limit: int, timeout: float) -> bytes:
-    """The request body, refusing more than ``limit`` bytes (413) and slow senders (408)."""
+async def read_body(
+    request: Request, limit: int, timeout: float, hold: Callable[[int], None] | None = None
+) -> bytes:
+    """The request body, refusing more than ``limit`` bytes (413) and slow senders (408).
+    ``hold(n)`` is told the bytes received so far (the queue's byte budget: it may refuse)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise LimitExceeded(
@@ -146,6 +149,8 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes:
                         f"the body is over the limit of {limit} bytes (ADV_MAX_BODY_BYTES)",
                         field="body",
                     )
+                if hold is not None:
+                    hold(size)
     except TimeoutError as exc:
         raise RequestError(
             "body_timeout",
@@ -233,26 +238,18 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.state.settings = settings
     app.add_middleware(CloseWhenDraining, engine=engine)
 
-    def authenticate(request: Request, transport: str, *, count: bool = True) -> Principal:
-        """The caller's principal from ``Authorization: Bearer``; a 401 otherwise (counted in
-        the request metrics when ``count``, logged always)."""
-        try:
-            return engine.auth.authenticate(request.headers.get("authorization"))
-        except AuthError as exc:
-            if count:
-                engine.record_rejection(transport, exc.status, exc.code)
-            else:
-                engine.log_access(transport, exc.status, exc.code)
-            raise
+    def authenticate(request: Request, call: Call) -> Principal:
+        """The caller's principal from ``Authorization: Bearer`` (a 401 otherwise), kept on
+        ``call`` for its accounting."""
+        call.principal = engine.auth.authenticate(request.headers.get("authorization"))
+        return call.principal
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, exc: RequestError) -> Response:
         headers = {"WWW-Authenticate": CHALLENGE} if exc.status == 401 else None
+        if isinstance(exc, Overloaded):
+            headers = {"Retry-After": str(exc.retry_after_seconds)}
         return _error_response(exc.status, exc.to_dict(), headers)
-
-    @app.exception_handler(Saturated)
-    async def saturated(request: Request, exc: Saturated) -> Response:
-        return _error_response(429, exc.to_dict(), {"Retry-After": str(exc.retry_after)})
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
@@ -280,37 +277,30 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         tags=["advantages"],
     )
     async def advantages(request: Request) -> Response:
-        started = time.perf_counter()
-        # Before admission: a client without a valid token takes no slot and sends no body.
-        principal = authenticate(request, "http")
-        try:
+        with engine.call("http") as call:
+            # Before admission: a client without a valid token takes no place and sends no body.
+            principal = authenticate(request, call)
             fmt = request_format(request.headers.get("content-type"))
-        except RequestError as exc:
-            engine.record_rejection("http", exc.status, exc.code)
-            raise
-        transport = f"http_{fmt}"
-        arrow_out = wants_arrow(request.headers.get("accept"))
-        # Admission before the body: a saturated service does not buffer what it will refuse.
-        with engine.admit(transport) as slot:
-            try:
-                body = await read_body(request, settings.max_body_bytes, settings.body_timeout)
-            except RequestError as exc:
-                engine.record_rejection(
-                    transport, exc.status, exc.code, started=started, principal=principal
+            call.transport = transport = f"http_{fmt}"
+            arrow_out = wants_arrow(request.headers.get("accept"))
+            declared = request.headers.get("content-length") or ""
+            expected = min(int(declared), settings.max_body_bytes) if declared.isdigit() else 0
+            # Admission before the body: an overloaded service does not buffer what it refuses.
+            with engine.admit(expected) as ticket:
+                try:
+                    body = await read_body(
+                        request, settings.max_body_bytes, settings.body_timeout, ticket.hold
+                    )
+                except ClientDisconnect:
+                    call.finish(499, "client_disconnected")
+                    return Response(status_code=400)
+                decode: Callable[[], ComputeRequest] = partial(
+                    arrow.decode_request if fmt == "arrow" else decode_json, body
                 )
-                raise
-            except ClientDisconnect:
-                engine.record_rejection(
-                    transport, 499, "client_disconnected", started=started, principal=principal
+                encode = arrow.encode_response if arrow_out else encode_json
+                computed = await engine.compute(
+                    decode, transport, encode=encode, ticket=ticket, principal=principal, call=call
                 )
-                return Response(status_code=400)
-            decode: Callable[[], ComputeRequest] = partial(
-                arrow.decode_request if fmt == "arrow" else decode_json, body
-            )
-            encode = arrow.encode_response if arrow_out else encode_json
-            computed = await engine.compute(
-                decode, transport, encode=encode, slot=slot, started=started, principal=principal
-            )
         if arrow_out:
             assert computed.encoded is not None
             return Response(memoryview(computed.encoded), media_type=ARROW)
@@ -324,8 +314,9 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         tags=["advantages"],
     )
     async def estimators(request: Request) -> dict[str, Any]:
-        authenticate(request, "http_estimators", count=False)
-        return listing
+        with engine.call("http_estimators", count=False) as call:
+            authenticate(request, call)
+            return listing
 
     @app.get(
         "/v1/stats/tokens",
@@ -347,22 +338,16 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         ] = "key",
         limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
     ) -> Response:
-        started = time.perf_counter()
-        principal = authenticate(request, STATS_TRANSPORT, count=False)
-        try:
+        with engine.call(STATS_TRANSPORT, count=False) as call:
+            call.namespace = namespace
+            principal = authenticate(request, call)
             stats = await engine.token_stats(namespace, order, limit, principal)
-        except AuthError as exc:
-            engine.log_access(STATS_TRANSPORT, exc.status, exc.code, started, principal, namespace)
-            raise
-        if stats is None:
-            engine.log_access(
-                STATS_TRANSPORT, 503, "stats_unavailable", started, principal, namespace
-            )
-            return _error_response(
-                503, _detail("stats_unavailable", "the stats store is unreachable; retry later")
-            )
-        engine.log_access(STATS_TRANSPORT, 200, None, started, principal, namespace)
-        return JSONResponse(stats)
+            if stats is None:
+                call.finish(503, "stats_unavailable")
+                return _error_response(
+                    503, _detail("stats_unavailable", "the stats store is unreachable; retry later")
+                )
+            return JSONResponse(stats)
 
     @app.get("/healthz", summary="The process is alive", response_model=Health, tags=["ops"])
     async def healthz() -> dict[str, Any]:

@@ -29,6 +29,11 @@ class ErrorDetail(BaseModel):
     group_id: str | None = Field(None, description="the group of the offending value")
     rollout_index: int | None = Field(None, description="the rollout's index within its group")
     field: str | None = Field(None, description="the offending field, e.g. reward, logprobs")
+    retry_after_ms: int | None = Field(
+        None,
+        description="overloaded only: milliseconds to wait before retrying, sized from the "
+        "rate the queue drains at",
+    )
 
 
 class ErrorResponse(BaseModel):
@@ -96,6 +101,10 @@ class Summary(BaseModel):
     device: str
     compute_ms: float
     history: Literal["none", "applied", "unavailable"]
+    batch_requests: int = Field(
+        description="requests computed together in this computation (dynamic batching; 1: "
+        "alone); compute_ms is the shared computation's time"
+    )
 
 
 RolloutOut = create_model(  # type: ignore[call-overload]
@@ -331,10 +340,17 @@ ADVANTAGE_RESPONSES: dict[int | str, dict[str, Any]] = {
     413: error_content("over ADV_MAX_BODY_BYTES, ADV_MAX_REQUEST_TOKENS or ADV_MAX_GROUP_SIZE"),
     415: error_content("Content-Type is neither application/json nor " + ARROW),
     422: error_content("a request the service will not compute; names group, rollout, field"),
-    429: {
-        **error_content("ADV_MAX_INFLIGHT requests are computing; retry after Retry-After"),
+    503: {
+        **error_content(
+            "overloaded: the queue is full (ADV_MAX_QUEUE, ADV_MAX_QUEUE_BYTES) or the request "
+            "waited past ADV_QUEUE_TIMEOUT_SECONDS; retry after retry_after_ms (the body) or "
+            "Retry-After"
+        ),
         "headers": {
-            "Retry-After": {"description": "seconds to wait", "schema": {"type": "integer"}}
+            "Retry-After": {
+                "description": "whole seconds to wait (retry_after_ms rounded up)",
+                "schema": {"type": "integer"},
+            }
         },
     },
     504: error_content("the computation took longer than ADV_REQUEST_TIMEOUT_SECONDS"),

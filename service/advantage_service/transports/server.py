@@ -142,6 +142,17 @@ async def run(settings: Settings) -> int:
         )
         engine.draining = True
         grpc_stopping = asyncio.ensure_future(close_listeners())
+        # Requests still queued just before the shutdown deadline would be cut off with their
+        # connections: refuse them (503 / UNAVAILABLE, retry elsewhere) while they can be told.
+        loop.call_later(
+            max(0.0, settings.shutdown_delay_seconds + settings.shutdown_timeout_seconds - 1.0),
+            refuse_queued,
+        )
+
+    def refuse_queued() -> None:
+        refused = engine.scheduler.refuse_waiting("the service is shutting down")
+        if refused:
+            log.warning("shutdown deadline near: refused %d queued requests", refused)
 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

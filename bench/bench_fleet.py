@@ -1,0 +1,178 @@
+"""A trainer fleet against one replica on its defaults: N client processes, each sending small
+requests over HTTP (JSON) as fast as it can, with no retries.
+
+    python bench/bench_fleet.py [--duration 20] [--clients 1,4,8,16,32,64]
+        [--estimators ktae,grpo] [--merging on,off]
+
+The request: 4 groups x 8 rollouts x 512 tokens (lengths 256-768, Zipf ids), the same body for
+every call of a client. For every estimator, merging setting (``off`` is ADV_MAX_BATCH_TOKENS=0)
+and N, a fresh service process on its defaults (ADV_MAX_INFLIGHT=4, ADV_MAX_QUEUE=256, ...)
+and N processes for ``--duration`` seconds. Prints per run: requests answered and refused,
+requests/s and tokens/s answered, p50/p99 latency of the answered, fairness (the fewest and most
+answers of one client, and their ratio), and requests per computation (the service's
+``advantage_batch_requests`` histogram over the run). Then the ratio of requests/s with merging
+on to off at each N, and the markdown table the README records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_load import start_service
+from loadgen import Shape, make_request
+
+SHAPE = Shape(groups=4, rollouts=8, tokens=512)
+
+
+def client(url: str, body: bytes, start_at: float, stop_at: float, out: Any) -> None:
+    """Send ``body`` back to back from ``start_at`` until ``stop_at``; put (answered latencies,
+    refused count, failed count) on ``out``."""
+    latencies: list[float] = []
+    refused = failed = 0
+    headers = {"content-type": "application/json"}
+    with httpx.Client(base_url=url, timeout=120.0) as http:
+        time.sleep(max(0.0, start_at - time.time()))
+        while time.time() < stop_at:
+            started = time.perf_counter()
+            try:
+                status = http.post("/v1/advantages", content=body, headers=headers).status_code
+            except httpx.HTTPError:
+                failed += 1
+                continue
+            if status == 200:
+                latencies.append(time.perf_counter() - started)
+            elif status in (429, 503):
+                refused += 1
+            else:
+                failed += 1
+    out.put((latencies, refused, failed))
+
+
+def batch_histogram(url: str) -> tuple[float, float]:
+    """(sum, count) of the service's advantage_batch_requests histogram."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    total = count = 0.0
+    for line in text.splitlines():
+        if line.startswith("advantage_batch_requests_sum"):
+            total = float(line.split()[-1])
+        elif line.startswith("advantage_batch_requests_count"):
+            count = float(line.split()[-1])
+    return total, count
+
+
+def run(estimator: str, merging: str, clients: int, duration: float) -> dict[str, Any]:
+    body = orjson.dumps(
+        make_request(0, SHAPE, estimator=estimator, namespace="fleet", prompts=64),
+        option=orjson.OPT_SERIALIZE_NUMPY,
+    )
+    tokens = sum(len(r["tokens"]) for g in json.loads(body)["groups"] for r in g["rollouts"])
+    settings = {} if merging == "on" else {"max_batch_tokens": 0}
+    with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
+        proc, url, _, _ = start_service(Path(tmp), settings)
+        try:
+            # One warm-up request, then every client starts at the same instant.
+            httpx.post(url + "/v1/advantages", content=body, timeout=60)
+            before = batch_histogram(url)
+            ctx = mp.get_context("spawn")
+            out = ctx.Queue()
+            start_at = time.time() + 2.0 + 0.05 * clients
+            stop_at = start_at + duration
+            procs = [
+                ctx.Process(target=client, args=(url, body, start_at, stop_at, out))
+                for _ in range(clients)
+            ]
+            for p in procs:
+                p.start()
+            results = [out.get(timeout=duration + 300) for _ in procs]
+            for p in procs:
+                p.join(30)
+            after = batch_histogram(url)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    answered = [len(r[0]) for r in results]
+    latencies = np.array([x for r in results for x in r[0]])
+    computations = after[1] - before[1]
+    return {
+        "estimator": estimator,
+        "merging": merging,
+        "clients": clients,
+        "answered": int(sum(answered)),
+        "refused": int(sum(r[1] for r in results)),
+        "failed": int(sum(r[2] for r in results)),
+        "requests_per_s": sum(answered) / duration,
+        "tokens_per_s": sum(answered) * tokens / duration,
+        "p50_ms": float(np.percentile(latencies, 50) * 1000) if latencies.size else None,
+        "p99_ms": float(np.percentile(latencies, 99) * 1000) if latencies.size else None,
+        "fewest": min(answered),
+        "most": max(answered),
+        "fairness": min(answered) / max(answered) if max(answered) else 0.0,
+        "requests_per_computation": (after[0] - before[0]) / computations if computations else 0,
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        "| estimator | merging | clients | answered | refused | req/s | tokens/s | p50 ms "
+        "| p99 ms | fewest/most per client | req per computation |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|"
+    )
+    lines = [head]
+    for r in rows:
+        lines.append(
+            f"| {r['estimator']} | {r['merging']} | {r['clients']} | {r['answered']:,} | "
+            f"{r['refused']:,} | {r['requests_per_s']:.1f} | {r['tokens_per_s']:,.0f} | "
+            f"{r['p50_ms']:.0f} | {r['p99_ms']:.0f} | {r['fewest']}/{r['most']} "
+            f"({r['fairness']:.2f}) | {r['requests_per_computation']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=20.0)
+    parser.add_argument("--clients", default="1,4,8,16,32,64")
+    parser.add_argument("--estimators", default="ktae,grpo")
+    parser.add_argument("--merging", default="on,off")
+    args = parser.parse_args()
+    rows = []
+    for estimator in args.estimators.split(","):
+        for n in (int(c) for c in args.clients.split(",")):
+            for merging in args.merging.split(","):
+                row = run(estimator, merging, n, args.duration)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    print()
+    for estimator in args.estimators.split(","):
+        mine = [r for r in rows if r["estimator"] == estimator]
+        best = max(r["requests_per_s"] for r in mine if r["merging"] == "on")
+        for r in mine:
+            if r["merging"] == "on" and r["clients"] == 32:
+                print(
+                    f"{estimator}: req/s at 32 clients / best of any N: "
+                    f"{r['requests_per_s'] / best:.2f}"
+                )
+        by = {(r["clients"], r["merging"]): r["requests_per_s"] for r in mine}
+        for n in sorted({r["clients"] for r in mine}):
+            if (n, "on") in by and (n, "off") in by and by[(n, "off")]:
+                ratio = by[(n, "on")] / by[(n, "off")]
+                print(f"{estimator} {n} clients: merging on / off {ratio:.2f}")
+    print()
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
