@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+SERVE_STAMP := $(VENV)/.serve-installed
+PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints-dev.txt
 PYTEST_ARGS ?=
 
 .PHONY: install serve test test-deps bench lint format clean
@@ -18,9 +20,21 @@ $(STAMP): pyproject.toml constraints-dev.txt clients/python/pyproject.toml
 	# verl for the OTB parity tests, without its dependencies (ray[default], wandb, peft, a
 	# transformers range, ...): the tests import only its core_algos, whose needs the dev extra has
 	$(BIN)/python -m pip install --quiet --no-deps verl==0.9.1
-	touch $(STAMP)
+	touch $(STAMP) $(SERVE_STAMP)
 
-serve: install
+# What serving needs and nothing else (no test, lint or trainer libraries); the development
+# environment of `make install` has it too.
+$(SERVE_STAMP): pyproject.toml constraints-dev.txt clients/python/pyproject.toml
+	@echo "make serve: preparing $(VENV) with what serving needs (torch for the CPU, FastAPI, gRPC, Redis client)"
+	@test -x $(BIN)/python || { echo "  [1/3] creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
+	@echo "  [2/3] the client package (the service's gRPC modules and batch builder)"
+	@$(PIP) -e clients/python
+	@echo "  [3/3] the service and its runtime dependencies (torch is the large one: a few minutes on a first install)"
+	@$(PIP) -e .
+	@touch $@
+	@echo "make serve: ready ($$(du -sh $(VENV) | cut -f1) in $(VENV))"
+
+serve: $(SERVE_STAMP)
 	$(BIN)/advantage-service serve
 
 # Real services the tests start themselves (on free ports, in temporary directories):
