@@ -4,6 +4,7 @@ Arrow, for every preset; and its listing, health and OpenAPI endpoints say what 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import numpy as np
@@ -191,3 +192,19 @@ def test_openapi_documents_real_request_and_response_schemas(server: Server) -> 
     assert "Retry-After" in operation["responses"]["503"]["headers"]
     docs = server.client.get("/docs")
     assert docs.status_code == 200 and "swagger" in docs.text.lower()
+
+
+def test_docs_need_nothing_from_outside_the_service(server: Server) -> None:
+    """/docs works on an air-gapped cluster: every script, stylesheet and image the page loads
+    is served by the service itself, and / leads a person to it."""
+    page = server.client.get("/docs").text
+    assets = re.findall(r'(?:src|href)="([^"]+)"', page)
+    assert assets and all(a.startswith("/") for a in assets), assets
+    for asset in assets:
+        answer = server.client.get(asset)
+        assert answer.status_code == 200 and len(answer.content) > 100, asset
+    bundle = next(a for a in assets if a.endswith("swagger-ui-bundle.js"))
+    assert b"SwaggerUIBundle" in server.client.get(bundle).content
+    assert "/openapi.json" in page
+    start = server.client.get("/", follow_redirects=False)
+    assert start.status_code in (302, 307) and start.headers["location"] == "/docs"

@@ -18,10 +18,13 @@ from typing import Annotated, Any, Literal
 import orjson
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import JSONResponse, RedirectResponse, Response
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from swagger_ui_bundle import swagger_ui_path
 
 from .. import __version__, jsonio
 from ..accounting import Call
@@ -49,6 +52,8 @@ log = logging.getLogger("advantage_service.http")
 
 JSON = "application/json"
 ARROW = arrow.MEDIA_TYPE
+# Where the packaged Swagger UI assets are served.
+DOCS_ASSETS = "/docs/assets"
 # The transport label of GET /v1/stats/tokens in access lines and rejection counts.
 STATS_TRANSPORT = "http_stats"
 
@@ -233,10 +238,30 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
             "(`Content-Type`/`Accept: " + ARROW + "`). Estimators: `GET /v1/estimators`."
         ),
         lifespan=lifespan,
+        # Swagger UI is served from the package (below), never from a CDN: the page must work
+        # on an air-gapped cluster. (ReDoc would load from a CDN: not offered.)
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.engine = engine
     app.state.settings = settings
     app.add_middleware(CloseWhenDraining, engine=engine)
+    app.mount(DOCS_ASSETS, StaticFiles(directory=str(swagger_ui_path)), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> Response:
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url or "/openapi.json",
+            title="advantage-service API",
+            swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+            swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+            swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png",
+        )
+
+    @app.get("/", include_in_schema=False)
+    async def root() -> Response:
+        """The start page a person opens: the API documentation."""
+        return RedirectResponse("/docs")
 
     def authenticate(request: Request, call: Call) -> Principal:
         """The caller's principal from ``Authorization: Bearer`` (a 401 otherwise), kept on
