@@ -54,6 +54,43 @@ def test_cli_and_python_api_give_identical_numbers_for_every_preset(tmp_path):
                     )
 
 
+def test_cli_writes_the_json_the_http_service_answers_byte_for_byte():
+    """One float formatting for the JSON contract: the CLI's output is the HTTP answer's text
+    (float32 values in their shortest float32 repr, 1e-6 not 1e-06), compute times aside."""
+    import asyncio
+    import re
+
+    import httpx
+    from advantage_service.config import Settings
+    from advantage_service.engine import Engine
+    from advantage_service.transports.http import create_app
+
+    req = random_request(np.random.default_rng(3), estimator="ktae", n_groups=(3, 3))
+    req["request_id"] = "same"
+    proc = run_cli(["compute", "--device", "cpu"], json.dumps(req))
+    assert proc.returncode == 0, proc.stderr
+
+    async def post() -> str:
+        engine = Engine(Settings(device="cpu"))
+        engine.warm_up()
+        transport = httpx.ASGITransport(app=create_app(engine.settings, engine))
+        async with httpx.AsyncClient(transport=transport, base_url="http://service") as client:
+            answer = await client.post("/v1/advantages", json=req)
+        engine.close()
+        return answer.text
+
+    via_http = asyncio.run(post())
+
+    def without_times(text: str) -> str:
+        return re.sub(r'"compute_ms":[0-9.e+-]+', '"compute_ms":0', text.strip())
+
+    assert without_times(proc.stdout) == without_times(via_http)
+    assert '"epsilon":1e-6' in proc.stdout
+    # Every float in it is a float32 value's shortest repr (at most 9 significant digits).
+    numbers = re.findall(r"-?\d+\.\d+(?:e-?\d+)?", proc.stdout.split('"summary"')[0])
+    assert numbers and all(len(n.lstrip("-").replace(".", "").split("e")[0]) <= 10 for n in numbers)
+
+
 def test_cli_reads_stdin_and_writes_stdout():
     req = random_request(np.random.default_rng(1), estimator="ktae")
     proc = run_cli(["compute", "--device", "cpu"], json.dumps(req))

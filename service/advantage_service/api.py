@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .errors import RequestError
 from .estimators import AdvantageResult, TermContext, compute_batch, resolve_device
 from .request import ComputeRequest, parse_request
 from .response import build_response
@@ -27,6 +28,37 @@ def compute_request(
         vocab_size=req.vocab_size,
         context=context,
     )
+
+
+def check_finite(req: ComputeRequest, result: AdvantageResult) -> None:
+    """Raise RequestError when a result value is NaN or infinite.
+
+    Valid inputs give finite values; extreme parameters can overflow float32 (``opsd.coef`` of
+    1e308) or divide zero by zero (``epsilon`` 0 on a group of equal rewards). JSON cannot carry
+    such a value, and a trainer must not train on one, so the request is refused and located.
+    """
+    batch = req.batch
+    per_token = {"advantages": result.advantages, **result.diagnostics}
+    for name, values in per_token.items():
+        finite = torch.isfinite(values)
+        if not bool(finite.all()):
+            p = int(torch.nonzero(~finite)[0])
+            rollout, token = batch.token_position(p)
+            raise RequestError(
+                "non_finite_result",
+                f"the estimator gave {name}[{token}] = {float(values[p])}; its parameters are "
+                "too extreme for this data (float32)",
+                **batch.locate_rollout(rollout, "estimator"),
+            )
+    finite = torch.isfinite(result.scalars)
+    if not bool(finite.all()):
+        i = int(torch.nonzero(~finite)[0])
+        raise RequestError(
+            "non_finite_result",
+            f"the estimator gave a non-finite scalar ({float(result.scalars[i])}); its "
+            "parameters are too extreme for this data",
+            **batch.locate_rollout(i, "estimator"),
+        )
 
 
 def summarize(
@@ -62,5 +94,6 @@ def compute(request: Mapping[str, Any], device: str = "auto") -> dict[str, Any]:
     result = compute_request(req, dev)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
+    check_finite(req, result)
     elapsed = (time.perf_counter() - start) * 1000.0
     return build_response(req, result, summarize(req, dev, elapsed, history))

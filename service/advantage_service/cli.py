@@ -26,6 +26,7 @@ def _compute(args: argparse.Namespace) -> int:
     except RequestError as exc:
         print(jsonio.dumps({"error": exc.to_dict()}), file=sys.stderr)
         return 1
+    # (the HTTP JSON contract's formatting: float32 values in their shortest float32 repr)
     out = jsonio.dumps(response) + "\n"
     if args.output == "-":
         sys.stdout.write(out)

@@ -25,7 +25,7 @@ import torch
 
 from . import __version__, assembly, merging
 from .accounting import UNKNOWN_ESTIMATOR, Call
-from .api import compute_request, summarize
+from .api import check_finite, compute_request, summarize
 from .auth import Authenticator, Principal
 from .batch import RolloutBatch
 from .config import Settings
@@ -58,37 +58,6 @@ class Computed(Generic[T]):
     result: AdvantageResult
     summary: dict[str, Any]
     encoded: T | None = None
-
-
-def check_finite(req: ComputeRequest, result: AdvantageResult) -> None:
-    """Raise RequestError when a result value is NaN or infinite.
-
-    Valid inputs give finite values; extreme parameters can overflow float32 (``opsd.coef`` of
-    1e308) or divide zero by zero (``epsilon`` 0 on a group of equal rewards). JSON cannot carry
-    such a value, and a trainer must not train on one, so the request is refused and located.
-    """
-    batch = req.batch
-    per_token = {"advantages": result.advantages, **result.diagnostics}
-    for name, values in per_token.items():
-        finite = torch.isfinite(values)
-        if not bool(finite.all()):
-            p = int(torch.nonzero(~finite)[0])
-            rollout, token = batch.token_position(p)
-            raise RequestError(
-                "non_finite_result",
-                f"the estimator gave {name}[{token}] = {float(values[p])}; its parameters are "
-                "too extreme for this data (float32)",
-                **batch.locate_rollout(rollout, "estimator"),
-            )
-    finite = torch.isfinite(result.scalars)
-    if not bool(finite.all()):
-        i = int(torch.nonzero(~finite)[0])
-        raise RequestError(
-            "non_finite_result",
-            f"the estimator gave a non-finite scalar ({float(result.scalars[i])}); its "
-            "parameters are too extreme for this data",
-            **batch.locate_rollout(i, "estimator"),
-        )
 
 
 class Engine:

@@ -1,4 +1,9 @@
-"""JSON text for the contract: numpy arrays become lists, and parse errors become RequestErrors."""
+"""JSON text for the contract: numpy arrays become lists, and parse errors become RequestErrors.
+
+One float formatting everywhere (HTTP, gRPC's JSON fields, Arrow metadata, the CLI): orjson's,
+each float32 value in its shortest float32 repr (``0.70710576``, not ``0.7071057558059692``) and
+float64 values in their shortest repr (``1e-6``).
+"""
 
 from __future__ import annotations
 
@@ -6,21 +11,27 @@ import json
 from typing import Any
 
 import numpy as np
+import orjson
 
 from .errors import RequestError
 
 
 def _default(value: Any) -> Any:
-    if isinstance(value, np.ndarray):
-        return value.tolist()
+    if isinstance(value, np.ndarray):  # (one orjson does not take natively: not contiguous)
+        return np.ascontiguousarray(value)
     if isinstance(value, np.generic):
         return value.item()
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
+def dumps_bytes(obj: Any) -> bytes:
+    """Compact JSON of a response (numpy arrays as lists), UTF-8."""
+    return orjson.dumps(obj, default=_default, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
 def dumps(obj: Any) -> str:
     """Compact JSON of a response (numpy arrays as lists)."""
-    return json.dumps(obj, default=_default, separators=(",", ":"), allow_nan=False)
+    return dumps_bytes(obj).decode()
 
 
 def loads(text: str | bytes) -> Any:

@@ -26,7 +26,8 @@ def build_response(
     }
     for name in req.returns:
         if name == "scalar":
-            columns["scalar"] = result.scalars.cpu().numpy().tolist()
+            # (numpy float32 scalars: JSON prints their shortest float32 repr, as for arrays)
+            columns["scalar"] = list(result.scalars.cpu().numpy())
         else:
             columns[name] = split_per_rollout(result.diagnostics[name].cpu().numpy(), offsets)
     rows = [
