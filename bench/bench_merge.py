@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from advantage_service.api import compute_request
 from advantage_service.estimators import resolve_device
 from advantage_service.merging import merge, split
-from advantage_service.request import parse_request
+from advantage_service.request import ComputeRequest, parse_request
 from loadgen import Shape, make_request
 
 SHAPE = Shape(groups=4, rollouts=8, tokens=512)
@@ -56,10 +56,10 @@ def main() -> None:
         ]
         tokens = sum(r.batch.num_tokens for r in reqs)
 
-        def one_by_one() -> list[np.ndarray]:
+        def one_by_one(reqs: list[ComputeRequest] = reqs) -> list[np.ndarray]:
             return [compute_request(r, device).advantages.cpu().numpy() for r in reqs]
 
-        def merged() -> list[np.ndarray]:
+        def merged(reqs: list[ComputeRequest] = reqs) -> list[np.ndarray]:
             batch = merge(reqs)
             whole = compute_request(replace(reqs[0], batch=batch), device)
             return [part.advantages.cpu().numpy() for part in split(whole, batch)]
