@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On a machine with a CUDA GPU: the CUDA tests, the estimator benchmark on the GPU and the CPU,
-# and the stats-store benchmark on the GPU, in one go. Run from the repository root after `make install` (with a CUDA build of torch).
+# the stats-store benchmark on the GPU and dynamic batching (merged vs one-by-one computations of
+# 32 small requests) on both, in one go. Run from the repository root after `make install` (with a CUDA build of torch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -13,3 +14,5 @@ PY=${PYTHON:-.venv/bin/python}
 if command -v redis-server >/dev/null; then
   "$PY" bench/bench_stats.py --device cuda --visits 6 --repeats 3
 fi
+"$PY" bench/bench_merge.py --device cuda
+"$PY" bench/bench_merge.py --device cpu
