@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -223,3 +224,40 @@ def test_repeat_runs_equals_repeat_interleave_for_every_bit_pattern(dtype):
     want = torch.repeat_interleave(values, runs)
     assert got.dtype == dtype
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))  # bit for bit (-0.0 too)
+
+
+def test_a_bad_setting_is_one_line_and_exit_2_without_a_traceback():
+    for args, env, name in (
+        (["--redis-url", "foo://bar"], {}, "ADV_REDIS_URL"),
+        (["--max-inflight", "0"], {}, "ADV_MAX_INFLIGHT"),
+        ([], {"ADV_MAX_QUEUE": "many"}, "ADV_MAX_QUEUE"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "advantage_service", "serve", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, **env},
+        )
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and name in lines[0] and "Traceback" not in proc.stderr, lines
+
+
+def test_every_setting_has_a_serve_flag_that_overrides_its_variable(monkeypatch):
+    from advantage_service.cli import build_parser
+    from advantage_service.config import Settings
+    from advantage_service.transports.server import settings_from_args
+
+    parser = build_parser()
+    serve = next(
+        a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith("serve")
+    )
+    flags = {action.dest for action in serve._actions}
+    assert set(Settings.model_fields) <= flags
+    monkeypatch.setenv("ADV_MAX_QUEUE", "9")
+    monkeypatch.setenv("ADV_MAX_BATCH_TOKENS", "5")
+    args = parser.parse_args(["serve", "--max-queue", "7", "--queue-timeout-seconds", "2.5"])
+    settings = settings_from_args(args)
+    assert (settings.max_queue, settings.queue_timeout_seconds) == (7, 2.5)
+    assert settings.max_batch_tokens == 5  # from the variable: no flag given

@@ -56,17 +56,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    compute = sub.add_parser("compute", help="compute a JSON request in-process")
+    compute = sub.add_parser(
+        "compute",
+        help="compute a JSON request in-process",
+        description="Read one request in the HTTP JSON contract (docs/http.md), compute it "
+        "in this process and write the response JSON: the service's numbers and errors (a "
+        "request error is printed as the HTTP error object on stderr, exit 1). KTAE history "
+        "needs the service's stats store: here it is 'unavailable'.",
+    )
     compute.add_argument("--input", "-i", default="-", help="request JSON file, - for stdin")
     compute.add_argument("--output", "-o", default="-", help="response JSON file, - for stdout")
-    compute.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    compute.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="where to compute: auto (default: CUDA when available), cpu or cuda",
+    )
     compute.set_defaults(run=_compute)
     serve = sub.add_parser(
         "serve",
         help="run the HTTP and gRPC service",
-        description="Every flag overrides its ADV_* environment variable (ADV_HOST, ...); the "
-        "limits are set by ADV_MAX_INFLIGHT, ADV_MAX_REQUEST_TOKENS, ADV_MAX_BODY_BYTES, "
-        "ADV_MAX_GROUP_SIZE, ADV_REQUEST_TIMEOUT_SECONDS; docs/reliability.md has them all.",
+        description="Every setting is a flag and an ADV_* environment variable (--max-queue "
+        "and ADV_MAX_QUEUE, ...); a flag overrides its variable. docs/http.md and "
+        "docs/reliability.md explain them.",
     )
     serve.add_argument("--host", help="interface to listen on (default 127.0.0.1)")
     serve.add_argument("--http-port", type=int, help="HTTP port (default 8000)")
@@ -85,8 +97,27 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--auth-tokens-file", help='bearer tokens, JSON {"tokens": {"<token>": ["namespace"]}}'
     )
+    _add_setting_flags(serve)
     serve.set_defaults(run=_serve)
     return parser
+
+
+def _add_setting_flags(serve: argparse.ArgumentParser) -> None:
+    """A flag for every setting without one above (the limits, timeouts, ...), from the settings
+    object itself, so the two never drift apart."""
+    from .config import Settings
+
+    taken = {action.dest for action in serve._actions}
+    for name, field in Settings.model_fields.items():
+        if name in taken:
+            continue
+        default = "unset" if field.default is None else repr(field.default).strip("'")
+        serve.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            metavar=name.split("_")[-1].upper(),
+            help=f"{field.description or name} (ADV_{name.upper()}; default {default})",
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -136,6 +136,16 @@ class Settings(BaseSettings):
         default="json", description="json: one JSON object per line; text: for a terminal"
     )
 
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, value: str | None) -> str | None:
+        if value and not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(
+                f"{value!r} is not a Redis URL: use redis://host:port/db, rediss:// (TLS) or "
+                "unix:///path/to/socket"
+            )
+        return value
+
     @field_validator("device")
     @classmethod
     def _known_device(cls, value: str) -> str:

@@ -20,6 +20,7 @@ from collections.abc import Generator
 from typing import Any
 
 import uvicorn
+from pydantic import ValidationError
 
 from .. import logs
 from ..auth import TokensFileError
@@ -33,28 +34,15 @@ log = logging.getLogger("advantage_service.server")
 # On shutdown, how long new gRPC calls are refused (UNAVAILABLE) before the server stops.
 GRPC_REFUSE_BEFORE_STOP_SECONDS = 0.25
 
+
 # CLI flag (argparse dest) -> settings field; a flag given overrides the ADV_* variable.
-FLAG_SETTINGS = {
-    "host": "host",
-    "http_port": "http_port",
-    "grpc_port": "grpc_port",
-    "device": "device",
-    "redis_url": "redis_url",
-    "log_level": "log_level",
-    "log_format": "log_format",
-    "tls_cert": "tls_cert",
-    "tls_key": "tls_key",
-    "tls_client_ca": "tls_client_ca",
-    "auth_tokens_file": "auth_tokens_file",
-}
-
-
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    """Settings from ADV_* variables, with the CLI flags that were given on top."""
+    """Settings from ADV_* variables, with the CLI flags that were given on top (every setting
+    has a flag of its name)."""
     given = {
-        field: getattr(args, flag)
-        for flag, field in FLAG_SETTINGS.items()
-        if getattr(args, flag, None) is not None
+        name: getattr(args, name)
+        for name in Settings.model_fields
+        if getattr(args, name, None) is not None
     }
     return Settings(**given)
 
@@ -173,8 +161,15 @@ def serve(args: argparse.Namespace) -> int:
     """Entry point of ``advantage-service serve``."""
     try:
         settings = settings_from_args(args)
-    except ValueError as exc:  # pydantic's ValidationError: a bad flag or ADV_* value
-        print(f"advantage-service: invalid settings: {exc}", file=sys.stderr)
+    except ValidationError as exc:  # a bad flag or ADV_* value: one line each, no traceback
+        for error in exc.errors():
+            name = ".".join(str(part) for part in error["loc"]) or "settings"
+            message = str(error["msg"]).removeprefix("Value error, ")
+            print(
+                f"advantage-service: invalid setting ADV_{name.upper()} (--"
+                f"{name.replace('_', '-')}): {message}",
+                file=sys.stderr,
+            )
         return 2
     logs.configure(settings.log_level, settings.log_format)
     try:
