@@ -4,12 +4,14 @@ Python API (same numbers as the server):
 
 - :func:`compute`: the JSON request dict in, the response dict out.
 - :class:`RolloutBatch` ``.from_flat(...)`` and :func:`compute_batch`: the flat fast path.
+- :func:`compute_padded`: a trainer's (B, T) padded tensors in, (B, T) advantages out.
 """
 
 from .api import compute
 from .batch import RolloutBatch
 from .errors import LimitExceeded, RequestError
 from .estimators import AdvantageResult, EstimatorSpec, compute_batch, presets, resolve_estimator
+from .padded import PaddedResult, compute_padded
 
 __version__ = "0.1.0"
 
@@ -17,11 +19,13 @@ __all__ = [
     "AdvantageResult",
     "EstimatorSpec",
     "LimitExceeded",
+    "PaddedResult",
     "RequestError",
     "RolloutBatch",
     "__version__",
     "compute",
     "compute_batch",
+    "compute_padded",
     "presets",
     "resolve_estimator",
 ]

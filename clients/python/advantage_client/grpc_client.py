@@ -23,6 +23,14 @@ from .flat import (
 )
 from .grpc_gen import advantage_pb2 as pb
 from .grpc_gen import advantage_pb2_grpc as pb_grpc
+from .padded import (
+    WIRE_TOKEN_INPUTS,
+    FlatRequest,
+    PaddedResult,
+    flat_request,
+    result_from_flat,
+    unsupported_inputs,
+)
 from .retry import Retryable, RetryPolicy
 
 # numpy dtype -> wire dtype; arrays of other dtypes are converted to the nearest of these.
@@ -113,6 +121,41 @@ def compute_request_message(request: Mapping[str, Any]) -> pb.ComputeRequest:
     for name, values in flat.teacher_logprobs.items():
         message.teacher_logprobs[name].CopyFrom(to_tensor(values))
     return message
+
+
+def flat_request_message(req: FlatRequest) -> pb.ComputeRequest:
+    """A padded call's flat arrays as a ``ComputeRequest`` (raw tensors, trainer's row order)."""
+    layout, options = req.layout, req.options
+    message = pb.ComputeRequest(
+        request_id=options.get("request_id") or "",
+        options=options_message(
+            namespace=options.get("namespace"),
+            estimator=options.get("estimator"),
+            ignore_token_ids=options.get("ignore_token_ids"),
+            returns=options.get("return"),
+        ),
+        group_ids=layout.group_ids,
+        group_index=to_tensor(layout.group_index),
+        offsets=to_tensor(layout.offsets),
+        tokens=to_tensor(req.tokens),
+        rewards=to_tensor(layout.rewards),
+    )
+    for name, values in req.per_token.items():
+        getattr(message, name).CopyFrom(to_tensor(values))
+    for name, values in req.teacher_logprobs.items():
+        message.teacher_logprobs[name].CopyFrom(to_tensor(values))
+    return message
+
+
+def flat_response_result(response: pb.ComputeResponse, req: FlatRequest) -> PaddedResult:
+    """A ``ComputeResponse`` (flat, request order) scattered back into the padded layout."""
+    return result_from_flat(
+        req.layout,
+        from_tensor(response.advantages),
+        from_tensor(response.scalars),
+        {name: from_tensor(values) for name, values in response.diagnostics.items()},
+        req.token_ids,
+    )
 
 
 def summary_dict(summary: pb.Summary) -> dict[str, Any]:
@@ -458,6 +501,50 @@ class GrpcClient:
         float32 arrays for the per-token lists. Raises :class:`AdvantageError`."""
         response = self._unary(self.stub.Compute, compute_request_message(request))
         return compute_response_dict(response)
+
+    def compute_padded(
+        self,
+        tokens: Any,
+        mask: Any,
+        rewards: Any,
+        group_ids: Any,
+        *,
+        estimator: Any = "grpo",
+        logprobs: Any = None,
+        teacher_logprobs: Mapping[str, Any] | None = None,
+        entropy: Any = None,
+        sum_pi_squared: Any = None,
+        is_weights: Any = None,
+        diagnostics: Sequence[str] = (),
+        ignore_token_ids: Sequence[int] | None = None,
+        namespace: str | None = None,
+        request_id: str | None = None,
+    ) -> PaddedResult:
+        """Advantages for a trainer's padded batch, sent as one unary ``Compute`` of raw
+        tensors; the same arguments and result as :meth:`HttpClient.compute_padded`.
+        Raises :class:`AdvantageError`."""
+        per_token = {
+            "logprobs": logprobs,
+            "entropy": entropy,
+            "sum_pi_squared": sum_pi_squared,
+            "is_weights": is_weights,
+        }
+        unsupported_inputs(per_token, WIRE_TOKEN_INPUTS, "the gRPC client")
+        req = flat_request(
+            tokens,
+            mask,
+            rewards,
+            group_ids,
+            estimator=estimator,
+            per_token=per_token,
+            teacher_logprobs=teacher_logprobs,
+            diagnostics=diagnostics,
+            ignore_token_ids=ignore_token_ids,
+            namespace=namespace,
+            request_id=request_id,
+        )
+        response = self._unary(self.stub.Compute, flat_request_message(req))
+        return flat_response_result(response, req)
 
     def list_estimators(self) -> dict[str, Any]:
         """The same object as HTTP's ``GET /v1/estimators``."""

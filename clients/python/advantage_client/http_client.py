@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import ssl
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import httpx
@@ -12,6 +12,14 @@ import numpy as np
 
 from .errors import AdvantageError
 from .flat import check_top_level, flatten_groups, nest_rows, split_rows
+from .padded import (
+    WIRE_TOKEN_INPUTS,
+    FlatRequest,
+    PaddedResult,
+    flat_request,
+    result_from_flat,
+    unsupported_inputs,
+)
 from .retry import Retryable, RetryPolicy
 
 JSON = "application/json"
@@ -61,6 +69,61 @@ def arrow_request_body(request: Mapping[str, Any]) -> bytes:
     with pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
     return bytes(sink.getvalue().to_pybytes())
+
+
+def arrow_flat_body(req: FlatRequest) -> bytes:
+    """A padded call's flat arrays as an Arrow IPC request, one row per rollout in the
+    trainer's row order (the service numbers groups by first appearance)."""
+    import pyarrow as pa
+
+    layout = req.layout
+    offsets = pa.array(layout.offsets.astype(np.int32), type=pa.int32())
+
+    def lists(values: np.ndarray, kind: pa.DataType) -> pa.Array:
+        return pa.ListArray.from_arrays(offsets, pa.array(values, type=kind))
+
+    group_ids = pa.array(layout.group_ids, type=pa.string())
+    tokens_type = pa.int32() if req.tokens.dtype == np.int32 else pa.int64()
+    columns: dict[str, pa.Array] = {
+        "group_id": group_ids.take(pa.array(layout.group_index)),
+        "reward": pa.array(layout.rewards, type=pa.float64()),
+        "tokens": lists(req.tokens, tokens_type),
+    }
+    for name, values in req.per_token.items():
+        columns[name] = lists(values, pa.float32())
+    for name, values in req.teacher_logprobs.items():
+        columns[f"teacher.{name}"] = lists(values, pa.float32())
+    table = pa.table(columns).replace_schema_metadata(
+        {REQUEST_METADATA: json.dumps(req.options, default=_json_default)}
+    )
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return bytes(sink.getvalue().to_pybytes())
+
+
+def arrow_flat_result(body: bytes, req: FlatRequest) -> PaddedResult:
+    """An Arrow response (rows in request order) scattered back into the padded layout."""
+    import pyarrow as pa
+
+    with pa.ipc.open_stream(pa.py_buffer(body)) as reader:
+        table = reader.read_all()
+
+    def flat(name: str) -> np.ndarray:
+        column = table.column(name).combine_chunks()
+        offsets = column.offsets.to_numpy(zero_copy_only=False)
+        values = column.values.to_numpy(zero_copy_only=False)
+        return np.asarray(values[offsets[0] : offsets[-1]], dtype=np.float32)
+
+    scalars = table.column("scalar").to_numpy()
+    names = [d for d in req.options["return"] if d != "scalar"]
+    return result_from_flat(
+        req.layout,
+        flat("advantages"),
+        scalars,
+        {name: flat(name) for name in names},
+        req.token_ids,
+    )
 
 
 def arrow_response_dict(body: bytes) -> dict[str, Any]:
@@ -245,6 +308,63 @@ class HttpClient:
             headers={"content-type": JSON, "accept": JSON},
         )
         return json_response_dict(response.content)
+
+    def compute_padded(
+        self,
+        tokens: Any,
+        mask: Any,
+        rewards: Any,
+        group_ids: Any,
+        *,
+        estimator: Any = "grpo",
+        logprobs: Any = None,
+        teacher_logprobs: Mapping[str, Any] | None = None,
+        entropy: Any = None,
+        sum_pi_squared: Any = None,
+        is_weights: Any = None,
+        diagnostics: Sequence[str] = (),
+        ignore_token_ids: Sequence[int] | None = None,
+        namespace: str | None = None,
+        request_id: str | None = None,
+    ) -> PaddedResult:
+        """Advantages for a trainer's padded batch, sent as flat Arrow columns (whatever
+        ``wire`` says: the padded path has no per-rollout dicts to send as JSON).
+
+        ``tokens``, ``mask`` and the per-token arrays (B, T) (numpy, torch, anything with
+        ``__array__`` or DLPack); a rollout's tokens are where ``mask`` is true, in order;
+        ``rewards`` (B,); ``group_ids`` (B,) strings or integers in any order. Returns
+        :class:`~advantage_client.padded.PaddedResult` of numpy arrays: ``advantages`` (B, T)
+        float32 with 0 off the mask, ``scalars`` (B,), ``diagnostics`` {name: (B, T)}. An
+        estimator with no token-level term sends zeros for the token ids (``tokens`` may be
+        None). Raises :class:`AdvantageError`.
+        """
+        per_token = {
+            "logprobs": logprobs,
+            "entropy": entropy,
+            "sum_pi_squared": sum_pi_squared,
+            "is_weights": is_weights,
+        }
+        unsupported_inputs(per_token, WIRE_TOKEN_INPUTS, "the HTTP client")
+        req = flat_request(
+            tokens,
+            mask,
+            rewards,
+            group_ids,
+            estimator=estimator,
+            per_token=per_token,
+            teacher_logprobs=teacher_logprobs,
+            diagnostics=diagnostics,
+            ignore_token_ids=ignore_token_ids,
+            namespace=namespace,
+            request_id=request_id,
+        )
+        response = self._send(
+            "POST",
+            "/v1/advantages",
+            content=arrow_flat_body(req),
+            headers={"content-type": ARROW, "accept": ARROW},
+        )
+        return arrow_flat_result(response.content, req)
 
     def list_estimators(self) -> dict[str, Any]:
         listing: dict[str, Any] = self._send("GET", "/v1/estimators").json()

@@ -1,0 +1,282 @@
+"""``compute_padded``: advantages for a trainer's (B, T) padded batch, in-process.
+
+The same signature and result as the clients' ``compute_padded`` (``advantage_client.padded``
+holds the layout both share): a rollout's tokens are the positions where ``mask`` is true (left
+padding, right padding, holes), rows of one group need not be adjacent, and the answer is (B, T)
+with exact zeros off the mask. Given torch tensors it answers torch tensors on their device (and
+computes there); given numpy arrays, numpy arrays.
+
+Two paths, chosen by the estimator:
+
+- no token-level term (the outcome baselines): the per-row scalars are all there is, so nothing
+  is gathered: the lengths come from the mask, the scalars (whitened and clipped over the
+  request's tokens as the flat pipeline does) are broadcast over each row's mask, as verl's own
+  outcome estimators do;
+- token-level terms (KTAE, CSCR, OPSD): the tokens and per-token inputs are gathered through the
+  mask into the flat batch, computed by :func:`compute_batch`, and scattered back. On the CPU the
+  gather and scatter are numpy's boolean indexing over views of the tensors (several times
+  faster than torch's on the CPU); on CUDA, torch's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from advantage_client.errors import AdvantageError
+from advantage_client.padded import PaddedLayout, PaddedResult, as_numpy, group_index_of
+
+from .batch import RolloutBatch
+from .errors import RequestError
+from .estimators import OUTCOMES, compute_batch, resolve_estimator
+from .estimators.pipeline import WHITEN_EPS, check_inputs
+
+__all__ = ["PaddedResult", "compute_padded"]
+
+PER_TOKEN_INPUTS = ("logprobs", "entropy", "sum_pi_squared", "is_weights")
+
+
+def _batch_inputs() -> frozenset[str]:
+    """The per-token inputs this service version's batch carries."""
+    return frozenset(f.name for f in dataclasses.fields(RolloutBatch)) & frozenset(PER_TOKEN_INPUTS)
+
+
+def _token_level(spec: Any) -> bool:
+    """Whether the estimator's advantages vary within a rollout: a token-level term, or an
+    outcome that is per token (OTB)."""
+    return bool(spec.terms) or bool(getattr(OUTCOMES[spec.outcome], "per_token", False))
+
+
+def _request_error(exc: AdvantageError) -> RequestError:
+    return RequestError(
+        exc.code,
+        exc.message,
+        group_id=exc.group_id,
+        rollout_index=exc.rollout_index,
+        field=exc.field,
+    )
+
+
+class _Padded:
+    """The (B, T) side of one call: the mask on the device, and on the CPU its numpy view for
+    numpy's (faster) boolean indexing."""
+
+    def __init__(self, mask: Any, rewards: Any, group_ids: Any) -> None:
+        self.torch = isinstance(mask, torch.Tensor)
+        self.device = mask.device if isinstance(mask, torch.Tensor) else torch.device("cpu")
+        self.cuda = self.device.type != "cpu"
+        if self.cuda:
+            assert isinstance(mask, torch.Tensor)
+            if mask.dim() != 2:
+                raise RequestError(
+                    "invalid_shape", f"mask must be (B, T), got {tuple(mask.shape)}", field="mask"
+                )
+            self.mask_t = mask if mask.dtype == torch.bool else mask != 0
+            names, index = group_index_of(group_ids)
+            b = self.mask_t.shape[0]
+            if index.shape != (b,):
+                raise RequestError(
+                    "invalid_shape",
+                    f"group_ids must have {b} entries (one per row), got {index.size}",
+                    field="group_ids",
+                )
+            self.group_ids = names
+            self.group_index = torch.as_tensor(index, device=self.device)
+            self.rewards = torch.as_tensor(rewards, device=self.device).double()
+            if self.rewards.shape != (b,):
+                raise RequestError(
+                    "invalid_shape",
+                    f"rewards must have shape ({b},), got {tuple(self.rewards.shape)}",
+                    field="rewards",
+                )
+            self.lengths = self.mask_t.sum(1)
+            self.layout: PaddedLayout | None = None
+        else:
+            layout = PaddedLayout.from_padded(mask, rewards, group_ids)
+            self.layout = layout
+            self.mask_t = torch.from_numpy(layout.mask)
+            self.group_ids = layout.group_ids
+            self.group_index = torch.from_numpy(layout.group_index)
+            self.rewards = torch.from_numpy(np.ascontiguousarray(layout.rewards))
+            self.lengths = torch.from_numpy(layout.lengths)
+        self.offsets = torch.zeros(self.lengths.numel() + 1, dtype=torch.int64, device=self.device)
+        torch.cumsum(self.lengths, 0, out=self.offsets[1:])
+
+    def gather(self, values: Any, name: str) -> torch.Tensor:
+        """(B, T) values at the mask: (N,) on the device."""
+        if self.layout is not None:
+            return torch.from_numpy(self.layout.gather(values, name))
+        tensor = torch.as_tensor(values, device=self.device)
+        if tensor.shape != self.mask_t.shape:
+            raise RequestError(
+                "invalid_shape",
+                f"{name} must have the mask's shape {tuple(self.mask_t.shape)}, got "
+                f"{tuple(tensor.shape)}",
+                field=name,
+            )
+        return tensor[self.mask_t]
+
+    def scatter(self, flat: torch.Tensor) -> torch.Tensor:
+        """(N,) float32 back into (B, T), exactly 0 off the mask."""
+        if self.layout is not None:
+            return torch.from_numpy(self.layout.scatter(flat.numpy()))
+        out = torch.zeros(self.mask_t.shape, dtype=torch.float32, device=self.device)
+        out[self.mask_t] = flat
+        return out
+
+    def broadcast(self, per_row: torch.Tensor) -> torch.Tensor:
+        """(B,) float32 over each row's mask, exactly 0 off it: (B, T)."""
+        if self.layout is not None:
+            return torch.from_numpy(self.layout.broadcast(per_row.numpy()))
+        return torch.where(self.mask_t, per_row.unsqueeze(1), per_row.new_zeros(()))
+
+    def out(self, tensor: torch.Tensor) -> Any:
+        """A result as the caller's kind: the tensor, or numpy for numpy inputs."""
+        return tensor if self.torch else tensor.numpy()
+
+
+def _outcome_only(
+    padded: _Padded, spec: Any, wanted: tuple[str, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages (B, T), scalars (B,)) for an estimator without token-level terms: the flat
+    pipeline's numbers with nothing gathered (each row's advantages are one value)."""
+    num_tokens = int(padded.offsets[-1])
+    batch = RolloutBatch(
+        # No term reads the token ids: a view of one zero, N long, keeps the sizes right.
+        tokens=torch.zeros(1, dtype=torch.int32, device=padded.device).expand(num_tokens),
+        offsets=padded.offsets,
+        group_index=padded.group_index,
+        group_ids=padded.group_ids,
+        rewards=padded.rewards.float(),
+    )
+    bad = torch.nonzero(~torch.isfinite(batch.rewards))
+    if bad.numel():
+        i = int(bad[0])
+        raise RequestError(
+            "invalid_value",
+            f"reward of row {i} is {float(batch.rewards[i])}; it must be finite",
+            **batch.locate_rollout(i, "reward"),
+        )
+    check_inputs(batch, spec, wanted)
+    scalars = OUTCOMES[spec.outcome].fn(batch, spec.outcome_params)
+    assert isinstance(scalars, torch.Tensor)  # (an outcome per token takes the flat path)
+    per_row = scalars.float()
+    if spec.whiten and num_tokens:
+        # Whitening over the request's tokens, with each row's value counted once per token.
+        wide = per_row.double()
+        weights = padded.lengths.double()
+        mean = (wide * weights).sum() / num_tokens
+        var = (
+            (weights * (wide - mean) ** 2).sum() / (num_tokens - 1)
+            if num_tokens > 1
+            else wide.new_zeros(())
+        )
+        per_row = ((wide - mean) / torch.sqrt(var + WHITEN_EPS)).float()
+    if spec.clip is not None:
+        bound = min(spec.clip, torch.finfo(torch.float32).max)
+        per_row = per_row.clamp(-bound, bound)
+    return padded.broadcast(per_row), scalars.float()
+
+
+def compute_padded(
+    tokens: Any,
+    mask: Any,
+    rewards: Any,
+    group_ids: Any,
+    *,
+    estimator: Any = "grpo",
+    logprobs: Any = None,
+    teacher_logprobs: Mapping[str, Any] | None = None,
+    entropy: Any = None,
+    sum_pi_squared: Any = None,
+    is_weights: Any = None,
+    diagnostics: Sequence[str] = (),
+    ignore_token_ids: Sequence[int] | None = None,
+    namespace: str | None = None,
+    request_id: str | None = None,
+) -> PaddedResult:
+    """Per-token advantages for a padded batch, computed in this process.
+
+    tokens: int (B, T) token ids (may be None for an estimator with no token-level term);
+    mask: bool or 0/1 (B, T), true at each rollout's tokens; rewards: (B,); group_ids: (B,)
+    strings, integers or objects naming each row's group, in any order; logprobs and each
+    ``teacher_logprobs[condition]``: float (B, T); ``diagnostics``: names to return besides the
+    scalars (only those are computed). ``namespace`` and ``request_id`` are accepted for the
+    clients' signature; in-process there is no stats store to read or write.
+
+    Returns :class:`PaddedResult`: ``advantages`` float32 (B, T) with exact zeros off the mask,
+    ``scalars`` float32 (B,), ``diagnostics`` {name: float32 (B, T)}: torch tensors on the
+    mask's device when given torch tensors, numpy arrays otherwise. Raises
+    :class:`RequestError` (the service's 422) for what it will not compute.
+    """
+    del namespace, request_id  # the service's business: history and idempotency
+    spec = resolve_estimator(estimator)
+    wanted = tuple(d for d in dict.fromkeys(diagnostics) if d != "scalar")
+    per_token = {
+        "logprobs": logprobs,
+        "entropy": entropy,
+        "sum_pi_squared": sum_pi_squared,
+        "is_weights": is_weights,
+    }
+    supported = _batch_inputs()
+    for name, values in per_token.items():
+        if values is not None and name not in supported:
+            raise RequestError(
+                "unsupported_input",
+                f"{name} is not accepted by this service version yet: its per-token inputs "
+                f"are {sorted(supported)}; leave {name} out",
+                field=name,
+            )
+    try:
+        padded = _Padded(mask, rewards, group_ids)
+        if not _token_level(spec):
+            advantages, scalars = _outcome_only(padded, spec, wanted)
+            return PaddedResult(padded.out(advantages), padded.out(scalars), {})
+        if tokens is None:
+            raise RequestError(
+                "missing_input",
+                f"estimator {spec.label!r} has token-level terms and needs the token ids",
+                field="tokens",
+            )
+        flat_tokens = padded.gather(tokens, "tokens")
+        inputs = {
+            name: padded.gather(values, name)
+            for name, values in per_token.items()
+            if values is not None
+        }
+        teachers = {
+            str(name): padded.gather(values, f"teacher_logprobs.{name}")
+            for name, values in (teacher_logprobs or {}).items()
+        }
+    except AdvantageError as exc:
+        raise _request_error(exc) from exc
+    logprobs_flat = inputs.pop("logprobs", None)
+    # (the per-token inputs past logprobs, by the batch's own field names, once it has them)
+    from_flat: Any = RolloutBatch.from_flat
+    batch = from_flat(
+        tokens=flat_tokens,
+        offsets=padded.offsets,
+        group_ids=padded.group_ids,
+        group_index=padded.group_index,
+        rewards=padded.rewards,
+        logprobs=logprobs_flat,
+        teacher_logprobs=teachers,
+        **inputs,
+    )
+    result = compute_batch(
+        batch,
+        spec,
+        padded.device,
+        diagnostics=("scalar", *wanted),
+        ignore_token_ids=(
+            None if ignore_token_ids is None else as_numpy(ignore_token_ids).reshape(-1).tolist()
+        ),
+    )
+    return PaddedResult(
+        advantages=padded.out(padded.scatter(result.advantages)),
+        scalars=padded.out(result.scalars),
+        diagnostics={name: padded.out(padded.scatter(result.diagnostics[name])) for name in wanted},
+    )
