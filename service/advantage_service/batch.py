@@ -22,6 +22,17 @@ from .errors import RequestError
 LOGPROB_TOLERANCE = 1e-4
 # Token ids travel as int32 (as tokenizers and varlen kernels store them).
 INT32_LIMIT = 2**31
+# The optional per-token inputs beside the teachers' log-probabilities, each float32 (N,) or
+# None (ESTIMATORS.md, "New per-token inputs"). They travel wherever logprobs travels.
+TOKEN_INPUTS = ("logprobs", "entropy", "sum_pi_squared", "is_weights")
+# An entropy may fall below 0, and a sum of squared probabilities above 1, by float rounding
+# in the client; more is a bug there.
+RANGE_TOLERANCE = 1e-4
+# The value that leaves the math unchanged where one merged request lacks an optional input and
+# another has it (a weight of 1: x * 1 is x exactly). Inputs without one are dropped from a
+# merged batch when some request lacks them (no term needs them then: every request of the
+# merge passed the estimator's input check alone).
+NEUTRAL_VALUES = {"is_weights": 1.0}
 
 
 def _to_tensor(value: Any, dtype: torch.dtype, name: str) -> torch.Tensor:
@@ -107,8 +118,9 @@ class RolloutBatch:
     """Groups of rollouts as flat tensors.
 
     tokens: int32 (N,); offsets: int64 (B+1,); group_index: int64 (B,) in [0, G);
-    group_ids: G distinct strings; rewards: float32 (B,); logprobs: float32 (N,) or None;
-    teacher_logprobs: condition name -> float32 (N,).
+    group_ids: G distinct strings; rewards: float32 (B,); logprobs, entropy, sum_pi_squared,
+    is_weights: float32 (N,) or None (:data:`TOKEN_INPUTS`); teacher_logprobs: condition name ->
+    float32 (N,).
     """
 
     tokens: torch.Tensor
@@ -118,6 +130,12 @@ class RolloutBatch:
     rewards: torch.Tensor
     logprobs: torch.Tensor | None = None
     teacher_logprobs: dict[str, torch.Tensor] = field(default_factory=dict)
+    # H_it: the entropy of the policy's next-token distribution where y_it was sampled (nats).
+    entropy: torch.Tensor | None = None
+    # S_it = sum_v pi(v | x, y_<t)^2, in (0, 1].
+    sum_pi_squared: torch.Tensor | None = None
+    # rho_it >= 0: the trainer's truncated importance weights.
+    is_weights: torch.Tensor | None = None
     # Prompt ids for state kept per prompt (history); defaults to the group ids.
     prompt_ids: list[str] | None = None
     # A batch that merges several requests (``concat``): int64 (S+1,) on the CPU, request s owns
@@ -136,23 +154,34 @@ class RolloutBatch:
         logprobs: Any = None,
         teacher_logprobs: Mapping[str, Any] | None = None,
         *,
+        entropy: Any = None,
+        sum_pi_squared: Any = None,
+        is_weights: Any = None,
         vocab_size: int | None = None,
     ) -> RolloutBatch:
         """Build and validate a batch from flat arrays (numpy, torch or lists).
 
+        ``logprobs``, ``entropy``, ``sum_pi_squared``, ``is_weights``: (N,) each, or None.
         Raises :class:`RequestError` naming the group, rollout and field of the first problem.
         """
+
+        def optional(values: Any, name: str) -> torch.Tensor | None:
+            return None if values is None else _to_tensor(values, torch.float32, name)
+
         batch = cls(
             tokens=_to_tensor(tokens, torch.int64, "tokens"),
             offsets=_to_tensor(offsets, torch.int64, "offsets"),
             group_index=_to_tensor(group_index, torch.int64, "group_index"),
             group_ids=[str(g) for g in group_ids],
             rewards=_to_tensor(rewards, torch.float32, "reward"),
-            logprobs=None if logprobs is None else _to_tensor(logprobs, torch.float32, "logprobs"),
+            logprobs=optional(logprobs, "logprobs"),
             teacher_logprobs={
                 str(k): _to_tensor(v, torch.float32, f"teacher_logprobs.{k}")
                 for k, v in (teacher_logprobs or {}).items()
             },
+            entropy=optional(entropy, "entropy"),
+            sum_pi_squared=optional(sum_pi_squared, "sum_pi_squared"),
+            is_weights=optional(is_weights, "is_weights"),
         )
         batch.validate(vocab_size=vocab_size)
         batch.tokens = batch.tokens.to(torch.int32)
@@ -175,6 +204,27 @@ class RolloutBatch:
     @property
     def device(self) -> torch.device:
         return self.tokens.device
+
+    # ---- per-token inputs ----------------------------------------------------------------------
+
+    def token_inputs(self) -> dict[str, torch.Tensor]:
+        """The optional per-token inputs the batch carries (name -> (N,)), in
+        :data:`TOKEN_INPUTS` order."""
+        out = {}
+        for name in TOKEN_INPUTS:
+            values = getattr(self, name)
+            if values is not None:
+                out[name] = values
+        return out
+
+    def has_input(self, need: str) -> bool:
+        """Whether the batch carries ``need``: a name of :data:`TOKEN_INPUTS`, or
+        ``teacher:<condition>`` (what estimators declare in ``requires``)."""
+        if need.startswith("teacher:"):
+            return need.removeprefix("teacher:") in self.teacher_logprobs
+        if need in TOKEN_INPUTS:
+            return getattr(self, need) is not None
+        raise ValueError(f"unknown batch input {need!r}")
 
     # ---- derived index tensors (computed once per batch, on its device) ------------------------
 
@@ -231,12 +281,12 @@ class RolloutBatch:
             group_index=self.group_index.to(device, non_blocking=True),
             group_ids=self.group_ids,
             rewards=self.rewards.to(device, non_blocking=True),
-            logprobs=None if self.logprobs is None else self.logprobs.to(device, non_blocking=True),
             teacher_logprobs={
                 k: v.to(device, non_blocking=True) for k, v in self.teacher_logprobs.items()
             },
             prompt_ids=self.prompt_ids,
             segments=self.segments,
+            **{k: v.to(device, non_blocking=True) for k, v in self.token_inputs().items()},
         )
 
     # ---- requests merged into one batch ---------------------------------------------------------
@@ -244,8 +294,9 @@ class RolloutBatch:
     @classmethod
     def concat(cls, batches: Sequence[RolloutBatch]) -> RolloutBatch:
         """One batch holding ``batches`` one after another, each its own request (segment) and
-        its groups its own, even where group ids collide. They must carry the same per-token
-        inputs (the same teacher conditions, and log-probs in all or none)."""
+        its groups its own, even where group ids collide. They must carry the same teacher
+        conditions. An optional per-token input that some lack is filled with its neutral
+        value where it has one (:data:`NEUTRAL_VALUES`), else dropped."""
         if not batches:
             raise ValueError("concat needs at least one batch")
         first = batches[0]
@@ -264,11 +315,7 @@ class RolloutBatch:
             group_index=group_index,
             group_ids=[gid for b in batches for gid in b.group_ids],
             rewards=torch.cat([b.rewards for b in batches]),
-            logprobs=(
-                None
-                if first.logprobs is None
-                else torch.cat([b.logprobs for b in batches if b.logprobs is not None])
-            ),
+            **_concat_token_inputs(batches),
             teacher_logprobs={
                 name: torch.cat([b.teacher_logprobs[name] for b in batches])
                 for name in first.teacher_logprobs
@@ -396,19 +443,67 @@ class RolloutBatch:
         arrays = {"logprobs": self.logprobs} if self.logprobs is not None else {}
         arrays.update({f"teacher_logprobs.{k}": v for k, v in self.teacher_logprobs.items()})
         for name, values in arrays.items():
-            if values.numel() != n:
-                raise RequestError(
-                    "length_mismatch",
-                    f"{name} has {values.numel()} values for {n} tokens",
-                    field=name,
-                )
-            bad = torch.nonzero(~torch.isfinite(values) | (values > LOGPROB_TOLERANCE))
-            if bad.numel():
-                p = int(bad[0])
-                value = float(values[p])
-                why = "must be finite" if not np.isfinite(value) else "is a log-probability above 0"
-                raise RequestError(
-                    "invalid_value",
-                    f"{name} value {value} at token {self.token_position(p)[1]} {why}",
-                    **self.locate_token(p, name),
-                )
+            self._check_length(name, values)
+            bad = ~torch.isfinite(values) | (values > LOGPROB_TOLERANCE)
+            self._refuse_first(name, values, bad, "is a log-probability above 0")
+        for name, values in self.token_inputs().items():
+            if name == "logprobs":
+                continue
+            self._check_length(name, values)
+            bad, why = _out_of_range(name, values)
+            self._refuse_first(name, values, ~torch.isfinite(values) | bad, why)
+
+    def _check_length(self, name: str, values: torch.Tensor) -> None:
+        n = self.num_tokens
+        if values.numel() != n:
+            raise RequestError(
+                "length_mismatch",
+                f"{name} has {values.numel()} values for {n} tokens",
+                field=name,
+            )
+
+    def _refuse_first(self, name: str, values: torch.Tensor, bad: torch.Tensor, why: str) -> None:
+        """Raise for the first token where ``bad`` (non-finite, else out of range: ``why``)."""
+        found = torch.nonzero(bad)
+        if found.numel():
+            p = int(found[0])
+            value = float(values[p])
+            reason = "must be finite" if not np.isfinite(value) else why
+            raise RequestError(
+                "invalid_value",
+                f"{name} value {value} at token {self.token_position(p)[1]} {reason}",
+                **self.locate_token(p, name),
+            )
+
+
+def _out_of_range(name: str, values: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """(bool (N,) where a per-token input is outside its range, why) for ``name``. The bounds
+    that rounding can cross take :data:`RANGE_TOLERANCE`; sum_pi_squared is not compared with
+    pi_t^2 (a trainer's rounding may put it a little below)."""
+    if name == "entropy":
+        return values < -RANGE_TOLERANCE, "is a negative entropy"
+    if name == "sum_pi_squared":
+        return (values <= 0) | (values > 1 + RANGE_TOLERANCE), "must lie in (0, 1]"
+    if name == "is_weights":
+        return values < 0, "is a negative importance weight"
+    raise ValueError(f"no range for {name!r}")
+
+
+def _concat_token_inputs(batches: Sequence[RolloutBatch]) -> dict[str, torch.Tensor]:
+    """The merged batch's optional per-token inputs (see :meth:`RolloutBatch.concat`)."""
+    out = {}
+    for name in TOKEN_INPUTS:
+        parts = [getattr(b, name) for b in batches]
+        if all(p is not None for p in parts):
+            out[name] = torch.cat(parts)
+        elif name in NEUTRAL_VALUES and any(p is not None for p in parts):
+            fill = NEUTRAL_VALUES[name]
+            out[name] = torch.cat(
+                [
+                    p
+                    if p is not None
+                    else torch.full((b.num_tokens,), fill, dtype=torch.float32, device=b.device)
+                    for p, b in zip(parts, batches, strict=True)
+                ]
+            )
+    return out

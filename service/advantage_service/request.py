@@ -149,7 +149,7 @@ def batch_from_groups(groups: Any, vocab_size: int | None) -> RolloutBatch:
         group_ids=flat.group_ids,
         group_index=flat.group_index,
         rewards=flat.rewards,
-        logprobs=flat.logprobs,
         teacher_logprobs=flat.teacher_logprobs,
         vocab_size=vocab_size,
+        **flat.token_values(),
     )

@@ -32,7 +32,10 @@ TOP_LEVEL_FIELDS = (
     "return",
     "groups",
 )
-ROLLOUT_FIELDS = ("tokens", "reward", "logprobs", "teacher_logprobs")
+# Optional per-token values of a rollout, one per token, beside the teachers' log-probabilities
+# (the service's batch carries each as a float32 (N,) array).
+TOKEN_FIELDS = ("logprobs", "entropy", "sum_pi_squared", "is_weights")
+ROLLOUT_FIELDS = ("tokens", "reward", *TOKEN_FIELDS, "teacher_logprobs")
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 
@@ -52,6 +55,19 @@ class FlatGroups:
     rewards: np.ndarray  # float64 (B,)
     logprobs: np.ndarray | None = None  # numbers (N,)
     teacher_logprobs: dict[str, np.ndarray] = field(default_factory=dict)  # numbers (N,)
+    entropy: np.ndarray | None = None  # numbers (N,)
+    sum_pi_squared: np.ndarray | None = None  # numbers (N,)
+    is_weights: np.ndarray | None = None  # numbers (N,)
+
+    def token_values(self) -> dict[str, np.ndarray]:
+        """The per-token values of :data:`TOKEN_FIELDS` the rollouts gave (name -> (N,)), in
+        that order."""
+        out = {}
+        for name in TOKEN_FIELDS:
+            values = getattr(self, name)
+            if values is not None:
+                out[name] = values
+        return out
 
     @property
     def group_index(self) -> np.ndarray:
@@ -61,12 +77,14 @@ class FlatGroups:
     def for_wire(self) -> FlatGroups:
         """The same groups in the dtypes the wires carry: tokens int32 (int64 when an id does
         not fit), per-token values float32."""
+        narrowed: dict[str, Any] = {
+            name: values.astype(np.float32, copy=False)
+            for name, values in self.token_values().items()
+        }
         return replace(
             self,
             tokens=narrow_tokens(self.tokens),
-            logprobs=None
-            if self.logprobs is None
-            else self.logprobs.astype(np.float32, copy=False),
+            **narrowed,
             teacher_logprobs={
                 name: values.astype(np.float32, copy=False)
                 for name, values in self.teacher_logprobs.items()
@@ -184,7 +202,8 @@ def _flat_values(
 
 def flatten_groups(groups: Any) -> FlatGroups:
     """The request's ``groups`` (``[{"id", "rollouts": [{"tokens", "reward", "logprobs"?,
-    "teacher_logprobs"?}]}]``, lists or numpy arrays inside) as validated flat arrays.
+    "entropy"?, "sum_pi_squared"?, "is_weights"?, "teacher_logprobs"?}]}]``, lists or numpy
+    arrays inside) as validated flat arrays.
 
     Checks what the layout needs (types, list lengths, values given for every rollout or none)
     and raises :class:`AdvantageError` naming the group id, rollout index and field of the first
@@ -238,7 +257,7 @@ def flatten_groups(groups: Any) -> FlatGroups:
     token_lists: list[list[Any] | np.ndarray] = []
     rewards = []
     teacher_names: set[str] = set()
-    has_logprobs = False
+    given: set[str] = set()  # the TOKEN_FIELDS some rollout gives
     for r, rollout in enumerate(rollouts):
         extra = set(rollout) - set(ROLLOUT_FIELDS)
         if extra:
@@ -279,7 +298,9 @@ def flatten_groups(groups: Any) -> FlatGroups:
             )
         token_lists.append(tokens)
         rewards.append(reward)
-        has_logprobs = has_logprobs or rollout.get("logprobs") is not None
+        for name in TOKEN_FIELDS:
+            if name not in given and rollout.get(name) is not None:
+                given.add(name)
         teacher = rollout.get("teacher_logprobs")
         if teacher is not None:
             if not isinstance(teacher, Mapping):
@@ -329,7 +350,9 @@ def flatten_groups(groups: Any) -> FlatGroups:
             pieces.append(values)
         return _flat_values(pieces, False, name, where)
 
-    logprobs = per_token(lambda r: r.get("logprobs"), "logprobs") if has_logprobs else None
+    token_values: dict[str, Any] = {
+        name: per_token(lambda r, n=name: r.get(n), name) for name in TOKEN_FIELDS if name in given
+    }
     teacher_logprobs = {
         name: per_token(
             lambda r, n=name: (r.get("teacher_logprobs") or {}).get(n), f"teacher_logprobs.{name}"
@@ -340,7 +363,7 @@ def flatten_groups(groups: Any) -> FlatGroups:
     # Nested lists convert to more than one dimension.
     for name, values in (
         ("tokens", flat_tokens),
-        ("logprobs", logprobs),
+        *token_values.items(),
         *((f"teacher_logprobs.{k}", v) for k, v in teacher_logprobs.items()),
     ):
         if values is not None and values.ndim != 1:
@@ -355,8 +378,8 @@ def flatten_groups(groups: Any) -> FlatGroups:
         offsets=np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64),
         tokens=flat_tokens,
         rewards=np.asarray(rewards, dtype=np.float64),
-        logprobs=logprobs,
         teacher_logprobs=teacher_logprobs,
+        **token_values,
     )
 
 

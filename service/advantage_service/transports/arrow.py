@@ -1,9 +1,10 @@
 """Arrow IPC stream codec for ``POST /v1/advantages`` (ARCHITECTURE.md, "Public HTTP API").
 
 Request: one row per rollout, ``group_id`` utf8, ``reward`` float, ``tokens`` list<int32>,
-optional ``logprobs`` list<float32> and ``teacher.<name>`` list<float32>; the rest of the JSON
-request in the schema metadata key ``advantage.request``. The list columns' offsets and values
-buffers become the flat batch directly: no Python loop over rollouts.
+optional ``logprobs``, ``entropy``, ``sum_pi_squared``, ``is_weights`` and ``teacher.<name>``
+list<float32>; the rest of the JSON request in the schema metadata key ``advantage.request``.
+The list columns' offsets and values buffers become the flat batch directly: no Python loop over
+rollouts.
 
 Response: one row per rollout, in request order, with ``group_id``, ``rollout_index`` (the
 rollout's position within its group), ``advantages`` list<float32>, ``scalar`` float32 and each
@@ -24,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import jsonio
-from ..batch import RolloutBatch
+from ..batch import TOKEN_INPUTS, RolloutBatch
 from ..errors import RequestError
 from ..estimators import AdvantageResult
 from ..request import ComputeRequest, parse_options
@@ -196,12 +197,12 @@ def batch_from_table(table: pa.Table, vocab_size: int | None = None) -> RolloutB
         duplicate = next(n for n in names if names.count(n) > 1)
         raise _invalid(f"column {duplicate!r} appears twice", field=duplicate)
     for name in names:
-        if name in REQUIRED_COLUMNS or name == "logprobs":
+        if name in REQUIRED_COLUMNS or name in TOKEN_INPUTS:
             continue
         if not name.startswith(TEACHER_PREFIX) or name == TEACHER_PREFIX:
             raise RequestError(
                 "unknown_field",
-                f"unknown column {name!r}; known: {[*REQUIRED_COLUMNS, 'logprobs']} and "
+                f"unknown column {name!r}; known: {[*REQUIRED_COLUMNS, *TOKEN_INPUTS]} and "
                 "teacher.<condition>",
                 field=name,
             )
@@ -248,7 +249,7 @@ def batch_from_table(table: pa.Table, vocab_size: int | None = None) -> RolloutB
             )
         return values
 
-    logprobs = per_token("logprobs", "logprobs") if "logprobs" in names else None
+    token_inputs = {name: per_token(name, name) for name in TOKEN_INPUTS if name in names}
     teacher: dict[str, np.ndarray] = {}
     for name in names:
         if name.startswith(TEACHER_PREFIX):
@@ -262,9 +263,9 @@ def batch_from_table(table: pa.Table, vocab_size: int | None = None) -> RolloutB
         group_ids=group_ids,
         group_index=group_index,
         rewards=rewards,
-        logprobs=logprobs,
         teacher_logprobs=teacher,
         vocab_size=vocab_size,
+        **token_inputs,
     )
 
 
@@ -324,8 +325,8 @@ def request_table(batch: RolloutBatch, options: Mapping[str, Any] | None = None)
             offsets, pa.array(batch.tokens.cpu().numpy().astype(np.int32), type=pa.int32())
         ),
     }
-    if batch.logprobs is not None:
-        columns["logprobs"] = _lists(offsets, batch.logprobs.cpu().numpy())
+    for name, values in batch.token_inputs().items():
+        columns[name] = _lists(offsets, values.cpu().numpy())
     for name, values in batch.teacher_logprobs.items():
         columns[TEACHER_PREFIX + name] = _lists(offsets, values.cpu().numpy())
     table = pa.table(columns)

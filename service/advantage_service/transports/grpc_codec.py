@@ -14,7 +14,7 @@ from advantage_client.grpc_gen import advantage_pb2 as pb
 from google.protobuf.message import DecodeError
 
 from .. import jsonio
-from ..batch import RolloutBatch
+from ..batch import TOKEN_INPUTS, RolloutBatch
 from ..errors import Overloaded, RequestError
 from ..estimators import AdvantageResult
 from ..request import ComputeRequest, parse_options
@@ -133,16 +133,16 @@ def decode_compute_request(request: pb.ComputeRequest) -> ComputeRequest:
         group_ids=list(request.group_ids),
         group_index=read_tensor(_required(request, "group_index"), "group_index", integer=True),
         rewards=read_tensor(_required(request, "rewards"), "rewards", integer=False),
-        logprobs=(
-            read_tensor(request.logprobs, "logprobs", integer=False)
-            if request.HasField("logprobs")
-            else None
-        ),
         teacher_logprobs={
             name: read_tensor(values, f"teacher_logprobs.{name}", integer=False)
             for name, values in sorted(request.teacher_logprobs.items())
         },
         vocab_size=options.vocab_size,
+        **{
+            name: read_tensor(getattr(request, name), name, integer=False)
+            for name in TOKEN_INPUTS
+            if request.HasField(name)
+        },
     )
     return options.with_batch(batch)
 

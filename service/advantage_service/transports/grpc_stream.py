@@ -22,7 +22,7 @@ from advantage_client.grpc_gen import advantage_pb2 as pb
 
 from .. import jsonio
 from ..auth import Principal
-from ..batch import RolloutBatch
+from ..batch import TOKEN_INPUTS, RolloutBatch
 from ..config import Settings
 from ..errors import LimitExceeded, RequestError
 from ..estimators import AdvantageResult
@@ -78,7 +78,8 @@ class _Rollout:
     rollout_id: str
     tokens: np.ndarray
     reward: float
-    logprobs: np.ndarray | None
+    # The optional per-token inputs given (logprobs, entropy, ...: batch.TOKEN_INPUTS).
+    token_inputs: dict[str, np.ndarray]
     teacher_logprobs: dict[str, np.ndarray]
 
 
@@ -101,7 +102,7 @@ class _Group:
             {
                 "tokens": r.tokens,
                 "reward": r.reward,
-                "logprobs": r.logprobs,
+                **r.token_inputs,
                 "teacher_logprobs": r.teacher_logprobs,
             }
             for r in self.rollouts
@@ -133,9 +134,11 @@ def decode_rollout(rollout: pb.Rollout, rollout_index: int) -> _Rollout:
         rollout_id=rollout.rollout_id,
         tokens=tokens,
         reward=rollout.reward,
-        logprobs=(
-            per_token(rollout.logprobs, "logprobs") if rollout.HasField("logprobs") else None
-        ),
+        token_inputs={
+            name: per_token(getattr(rollout, name), name)
+            for name in TOKEN_INPUTS
+            if rollout.HasField(name)
+        },
         teacher_logprobs={
             name: per_token(values, f"teacher_logprobs.{name}")
             for name, values in rollout.teacher_logprobs.items()
