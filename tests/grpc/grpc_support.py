@@ -14,7 +14,7 @@ import grpc
 import httpx
 import numpy as np
 from advantage_service import presets, resolve_estimator
-from advantage_service.estimators import TERMS
+from advantage_service.estimators.pipeline import estimator_diagnostics
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from process_support import ServiceProcess, launch_service
 
@@ -54,26 +54,53 @@ def start_service(directory: Path, **settings: Any) -> Service:
 
 
 def diagnostics_for(estimator: str | dict[str, Any]) -> list[str]:
-    """``scalar`` plus every per-token diagnostic the estimator's terms produce."""
-    spec = resolve_estimator(estimator)
-    return ["scalar", *(d for name in spec.terms for d in TERMS[name].diagnostics)]
+    """``scalar`` plus every per-token diagnostic the estimator's terms and outcome produce."""
+    return list(estimator_diagnostics(resolve_estimator(estimator)))
 
 
-def random_rollout(rng: np.random.Generator, reward: float, max_len: int = 40) -> dict[str, Any]:
-    """A rollout with logprobs and pos/neg teacher log-probs (so every preset applies)."""
-    n = int(rng.integers(0, max_len))
+def token_inputs(rng: np.random.Generator, logprobs: np.ndarray) -> dict[str, list[float]]:
+    """Entropies, sums of squared probabilities and importance weights for tokens sampled with
+    ``logprobs``: S = pi^2 + u (1 - pi)^2 (the rest of the mass spread out or on one token)."""
+    n = logprobs.size
+    pi = np.exp(logprobs)
     return {
-        "tokens": rng.integers(0, 300, size=n).tolist(),
+        "entropy": rng.exponential(1.0, size=n).tolist(),
+        "sum_pi_squared": (pi**2 + rng.uniform(0.05, 1.0, size=n) * (1 - pi) ** 2).tolist(),
+        "is_weights": rng.uniform(0.5, 1.5, size=n).tolist(),
+    }
+
+
+def uses_token_inputs(estimator: str | dict[str, Any]) -> bool:
+    """Whether the estimator reads entropy or sum_pi_squared (forking, otb)."""
+    spec = resolve_estimator(estimator)
+    return spec.outcome == "otb" or "forking" in spec.terms
+
+
+def random_rollout(
+    rng: np.random.Generator, reward: float, max_len: int = 40, with_token_inputs: bool = False
+) -> dict[str, Any]:
+    """A rollout with logprobs and pos/neg teacher log-probs (so every preset applies), and
+    with entropy, sum_pi_squared and is_weights when ``with_token_inputs`` (forking, otb)."""
+    n = int(rng.integers(0, max_len))
+    tokens = rng.integers(0, 300, size=n).tolist()
+    logprobs = -rng.exponential(1.0, size=n)
+    rollout = {
+        "tokens": tokens,
         "reward": float(reward),
-        "logprobs": (-rng.exponential(1.0, size=n)).tolist(),
+        "logprobs": logprobs.tolist(),
         "teacher_logprobs": {
             "pos": (-rng.exponential(1.0, size=n)).tolist(),
             "neg": (-rng.exponential(1.0, size=n)).tolist(),
         },
     }
+    if with_token_inputs:
+        rollout.update(token_inputs(rng, logprobs))
+    return rollout
 
 
-def random_groups(seed: int, groups: int = 4, prefix: str = "prompt") -> list[dict[str, Any]]:
+def random_groups(
+    seed: int, groups: int = 4, prefix: str = "prompt", with_token_inputs: bool = False
+) -> list[dict[str, Any]]:
     """Groups of 2-5 rollouts, mixed and zero-signal rewards, some empty rollouts."""
     rng = np.random.default_rng(seed)
     out = []
@@ -83,7 +110,9 @@ def random_groups(seed: int, groups: int = 4, prefix: str = "prompt") -> list[di
         out.append(
             {
                 "id": f"{prefix}-{seed}-{g}",
-                "rollouts": [random_rollout(rng, r) for r in rewards],
+                "rollouts": [
+                    random_rollout(rng, r, with_token_inputs=with_token_inputs) for r in rewards
+                ],
             }
         )
     return out
@@ -95,7 +124,7 @@ def random_request(seed: int, estimator: str | dict[str, Any] = "grpo") -> dict[
         "estimator": estimator,
         "ignore_token_ids": [0],
         "return": diagnostics_for(estimator),
-        "groups": random_groups(seed),
+        "groups": random_groups(seed, with_token_inputs=uses_token_inputs(estimator)),
     }
 
 

@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 import pyarrow as pa
 from advantage_service import presets, resolve_estimator
-from advantage_service.estimators import TERMS
+from advantage_service.estimators.pipeline import estimator_diagnostics
 from process_support import ServiceProcess, launch_service
 
 ARROW = "application/vnd.apache.arrow.stream"
@@ -51,17 +51,31 @@ def start_server(directory: Path, **settings: Any) -> Server:
 
 
 def diagnostics_for(estimator: str | dict[str, Any]) -> list[str]:
-    """``scalar`` plus every per-token diagnostic the estimator's terms produce."""
-    spec = resolve_estimator(estimator)
-    return ["scalar", *(d for name in spec.terms for d in TERMS[name].diagnostics)]
+    """``scalar`` plus every per-token diagnostic the estimator's terms and outcome produce."""
+    return list(estimator_diagnostics(resolve_estimator(estimator)))
+
+
+def token_inputs(rng: np.random.Generator, logprobs: np.ndarray) -> dict[str, list[float]]:
+    """Entropies, sums of squared probabilities and importance weights for tokens sampled with
+    ``logprobs``: S = pi^2 + u (1 - pi)^2 (the rest of the mass spread out or on one token)."""
+    n = logprobs.size
+    pi = np.exp(logprobs)
+    return {
+        "entropy": rng.exponential(1.0, size=n).tolist(),
+        "sum_pi_squared": (pi**2 + rng.uniform(0.05, 1.0, size=n) * (1 - pi) ** 2).tolist(),
+        "is_weights": rng.uniform(0.5, 1.5, size=n).tolist(),
+    }
 
 
 def random_request(
     seed: int, estimator: str | dict[str, Any] = "grpo", groups: int = 4
 ) -> dict[str, Any]:
     """A JSON request with logprobs and pos/neg teacher log-probs on every rollout (so every
-    preset applies), mixed and zero-signal groups, and every diagnostic asked for."""
+    preset applies; entropy, sum_pi_squared and is_weights too for an estimator that reads
+    them), mixed and zero-signal groups, and every diagnostic asked for."""
     rng = np.random.default_rng(seed)
+    spec = resolve_estimator(estimator)
+    with_token_inputs = spec.outcome == "otb" or "forking" in spec.terms
     out = []
     for g in range(groups):
         size = int(rng.integers(2, 6))
@@ -69,17 +83,20 @@ def random_request(
         rollouts = []
         for reward in rewards:
             n = int(rng.integers(0, 40))
-            rollouts.append(
-                {
-                    "tokens": rng.integers(0, 500, size=n).tolist(),
-                    "reward": float(reward),
-                    "logprobs": (-rng.exponential(1.0, size=n)).tolist(),
-                    "teacher_logprobs": {
-                        "pos": (-rng.exponential(1.0, size=n)).tolist(),
-                        "neg": (-rng.exponential(1.0, size=n)).tolist(),
-                    },
-                }
-            )
+            tokens = rng.integers(0, 500, size=n).tolist()
+            logprobs = -rng.exponential(1.0, size=n)
+            rollout = {
+                "tokens": tokens,
+                "reward": float(reward),
+                "logprobs": logprobs.tolist(),
+                "teacher_logprobs": {
+                    "pos": (-rng.exponential(1.0, size=n)).tolist(),
+                    "neg": (-rng.exponential(1.0, size=n)).tolist(),
+                },
+            }
+            if with_token_inputs:
+                rollout.update(token_inputs(rng, logprobs))
+            rollouts.append(rollout)
         out.append({"id": f"prompt-{seed}-{g}", "rollouts": rollouts})
     return {
         "request_id": f"req-{seed}",
@@ -103,8 +120,9 @@ def arrow_request(request: dict[str, Any], order: list[int] | None = None) -> by
         "reward": pa.array([r["reward"] for _, r in rows], pa.float64()),
         "tokens": pa.array([r["tokens"] for _, r in rows], pa.list_(pa.int32())),
     }
-    if rows and "logprobs" in rows[0][1]:
-        columns["logprobs"] = pa.array([r["logprobs"] for _, r in rows], pa.list_(pa.float32()))
+    for name in ("logprobs", "entropy", "sum_pi_squared", "is_weights"):
+        if rows and name in rows[0][1]:
+            columns[name] = pa.array([r[name] for _, r in rows], pa.list_(pa.float32()))
     for name in sorted(rows[0][1].get("teacher_logprobs", {}) if rows else ()):
         columns[f"teacher.{name}"] = pa.array(
             [r["teacher_logprobs"][name] for _, r in rows], pa.list_(pa.float32())

@@ -4,8 +4,10 @@ Importing this package registers every outcome baseline and term (the modules re
 themselves); nothing else dispatches on names.
 """
 
-# Registration order is the order terms appear in resolved estimators: ktae, cscr, opsd.
-from . import baselines, ktae, cscr, opsd  # noqa: F401, I001  (registration side effects)
+# Registration order is the order outcomes are listed and terms appear in resolved estimators:
+# ktae, cscr, opsd, forking.
+# (imported for their registration side effects)
+from . import baselines, otb, ktae, cscr, opsd, forking  # noqa: F401, I001
 from .pipeline import AdvantageResult, compute_batch, resolve_device, whiten
 from .registry import OUTCOMES, TERMS, Param, TermContext
 from .spec import EstimatorSpec, presets, resolve_estimator

@@ -5,7 +5,8 @@ Only the highest-entropy tokens, the "forking tokens" where the policy's reasoni
 carry the policy gradient. m_it = 1 if H_it >= tau, with tau the (1 - rho) quantile of the
 entropies of the request's tokens (scope ``request``, what TRL's ``get_high_entropy_mask`` does
 over its batch) or of the group's (scope ``group``). In a batch that merges requests
-(``RolloutBatch.concat``), each request is its own pool for scope ``request``.
+(``RolloutBatch.concat``), each request is its own pool for scope ``request``. As an estimator
+term the mask applies last, after the one formula, whitening and clipping: A_it <- m_it A_it.
 
 The quantile is ``torch.quantile``'s, linear interpolation between two order statistics, to the
 bit: the rank q (n - 1) is computed in float32 from float32(q) and the interpolation is
@@ -19,9 +20,13 @@ longer hold the rank to a fraction, the rank and the interpolation are float64 (
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
 from ..batch import RolloutBatch
+from .registry import Param, TermContext, TermOutput, register_term
 
 SCOPES = ("request", "group")
 
@@ -169,3 +174,42 @@ def forking_mask(
     if h.numel() <= FLOAT32_RANK_LIMIT:
         return h >= tau.float()
     return h.double() >= tau
+
+
+# ---- the term -----------------------------------------------------------------------------------
+
+PARAMS = (
+    Param(
+        "rho",
+        float,
+        0.2,
+        "the fraction of tokens kept: those at or above the (1 - rho) entropy quantile",
+        minimum=0.0,
+        exclusive_minimum=True,
+        maximum=1.0,
+    ),
+    Param(
+        "scope",
+        str,
+        "request",
+        "the tokens the quantile is taken over: the request's (as TRL does over its batch) or "
+        "each group's",
+        choices=SCOPES,
+    ),
+)
+
+
+@register_term(
+    "forking",
+    formula="A_it <- m_it A_it (last), m_it = [H_it >= tau], tau = the (1 - rho) quantile of H",
+    paper="Wang et al. 2025, Beyond the 80/20 Rule: High-Entropy Minority Tokens Drive "
+    "Effective Reinforcement Learning for LLM Reasoning",
+    params=PARAMS,
+    diagnostics=("forking_mask",),
+    requires=lambda params: {"entropy": "entropy"},
+)
+def forking(batch: RolloutBatch, params: Mapping[str, Any], ctx: TermContext) -> TermOutput:
+    """Keeps the advantage of the highest-entropy (forking) tokens only."""
+    assert batch.entropy is not None  # guaranteed by `requires`
+    m = forking_mask(batch, batch.entropy, params["rho"], params["scope"])
+    return TermOutput(mask=m, diagnostics={"forking_mask": m})

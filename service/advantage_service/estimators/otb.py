@@ -15,11 +15,13 @@ loop over groups, rollouts or tokens. The cumulative W restarts at each rollout 
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import torch
 
 from ..batch import RolloutBatch, repeat_runs
+from .registry import OutcomeOutput, Param, register_outcome
 
 # Per-rollout cumulative sums are taken in blocks of this many tokens (see segment_cumsum).
 CUMSUM_BLOCK = 64
@@ -157,3 +159,41 @@ def optimal_token_baseline(
         per_key.masked_fill_(torch.cumsum(zero, 0)[:-1] > 0, 0.0)
     baseline = per_key.index_select(0, key)
     return TokenBaseline(baseline=baseline, advantage=reward - baseline)
+
+
+# ---- the outcome baseline ------------------------------------------------------------------------
+
+PARAMS = (
+    Param("epsilon", float, 1e-8, "added to the baseline's denominator sum_i W_it", minimum=0.0),
+    Param(
+        "handle_zero_tail",
+        bool,
+        True,
+        "no baseline past the second longest rollout for a group's unique longest rollout",
+    ),
+)
+
+
+@register_outcome(
+    "otb",
+    formula="a_it = r_i - B_gt, B_gt = sum_i r_i W_it / (sum_i W_it + eps), "
+    "W_it = sum_{j<=t} (1 - 2 pi_ij + S_ij) rho_ij^2",
+    paper="Li et al. 2026, arXiv 2602.07078 (optimal token baseline; verl optimal_token_baseline)",
+    params=PARAMS,
+    per_token=True,
+    diagnostics=("otb_baseline",),
+    requires=lambda params: {"logprobs": "logprobs", "sum_pi_squared": "sum_pi_squared"},
+    optional=("is_weights",),
+)
+def otb(batch: RolloutBatch, params: Mapping[str, Any]) -> OutcomeOutput:
+    """Optimal token baseline: reward minus a per-(group, position) variance-weighted baseline."""
+    assert batch.logprobs is not None and batch.sum_pi_squared is not None  # by `requires`
+    result = optimal_token_baseline(
+        batch,
+        batch.logprobs,
+        batch.sum_pi_squared,
+        batch.is_weights,
+        epsilon=params["epsilon"],
+        handle_zero_tail=params["handle_zero_tail"],
+    )
+    return OutcomeOutput(result.advantage, {"otb_baseline": result.baseline})

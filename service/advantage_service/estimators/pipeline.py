@@ -1,4 +1,9 @@
-"""The one formula: A_it = a_i w_it + sum_k c_k b^(k)_it, then optional whitening and clipping."""
+"""The one formula: A_it = a_it w_it + sum_k c_k b^(k)_it, then optional whitening and clipping,
+then the terms' masks, A_it <- m_it A_it.
+
+a_it is the outcome baseline's a_i on every token of rollout i, or, for an outcome that is per
+token (OTB), its own a_it.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ import torch
 
 from ..batch import RolloutBatch
 from ..errors import RequestError
-from .registry import OUTCOMES, TERMS, TermContext
+from .registry import OUTCOMES, TERMS, OutcomeOutput, TermContext
 from .spec import EstimatorSpec, resolve_estimator
 
 WHITEN_EPS = 1e-8
@@ -19,7 +24,20 @@ PER_ROLLOUT_DIAGNOSTICS = ("scalar",)
 
 def all_diagnostics() -> tuple[str, ...]:
     """Every diagnostic a request may ask for in ``return``."""
-    return PER_ROLLOUT_DIAGNOSTICS + tuple(d for t in TERMS.values() for d in t.diagnostics)
+    return (
+        PER_ROLLOUT_DIAGNOSTICS
+        + tuple(d for t in TERMS.values() for d in t.diagnostics)
+        + tuple(d for o in OUTCOMES.values() for d in o.diagnostics)
+    )
+
+
+def estimator_diagnostics(spec: EstimatorSpec) -> tuple[str, ...]:
+    """The diagnostics ``spec`` produces: ``scalar``, its terms' and its outcome's."""
+    return (
+        PER_ROLLOUT_DIAGNOSTICS
+        + tuple(d for t in spec.terms for d in TERMS[t].diagnostics)
+        + OUTCOMES[spec.outcome].diagnostics
+    )
 
 
 @dataclass
@@ -56,6 +74,26 @@ def whiten(values: torch.Tensor) -> torch.Tensor:
     return ((wide - wide.mean()) / torch.sqrt(var + WHITEN_EPS)).to(values.dtype)
 
 
+def require_inputs(batch: RolloutBatch, what: str, requires: Mapping[str, str]) -> None:
+    """Raise ``missing_input`` for the first input of ``requires`` (batch input -> request
+    field, as estimators declare them) that the batch lacks; ``what`` names the estimator."""
+    for need, field_name in requires.items():
+        if not batch.has_input(need):
+            raise RequestError(
+                "missing_input",
+                f"{what} needs {field_name} on every rollout",
+                field=field_name,
+            )
+
+
+def rollout_means(batch: RolloutBatch, values: torch.Tensor) -> torch.Tensor:
+    """Per rollout, the mean of its tokens' ``values`` (N,): float64 (B,), 0 for an empty
+    rollout."""
+    total = torch.zeros(batch.num_rollouts, dtype=torch.float64, device=values.device)
+    total.index_add_(0, batch.rollout_of_token, values.double())
+    return total / batch.lengths.clamp(min=1)
+
+
 def check_inputs(batch: RolloutBatch, spec: EstimatorSpec, diagnostics: Iterable[str]) -> None:
     """Raise RequestError when the batch lacks what the estimator or diagnostics need."""
     outcome = OUTCOMES[spec.outcome]
@@ -70,26 +108,17 @@ def check_inputs(batch: RolloutBatch, spec: EstimatorSpec, diagnostics: Iterable
                 group_id=gid,
                 field="rollouts",
             )
+    require_inputs(
+        batch, f"outcome baseline {spec.outcome!r}", outcome.requires(spec.outcome_params)
+    )
     for name, params in spec.terms.items():
-        for need, field_name in TERMS[name].requires(params).items():
-            if need == "logprobs":
-                present = batch.logprobs is not None
-            else:
-                present = need.removeprefix("teacher:") in batch.teacher_logprobs
-            if not present:
-                raise RequestError(
-                    "missing_input",
-                    f"estimator term {name!r} needs {field_name} on every rollout",
-                    field=field_name,
-                )
-    available = set(PER_ROLLOUT_DIAGNOSTICS)
-    for name in spec.terms:
-        available.update(TERMS[name].diagnostics)
+        require_inputs(batch, f"estimator term {name!r}", TERMS[name].requires(params))
+    available = set(estimator_diagnostics(spec))
     for d in diagnostics:
         if d not in available:
             known = all_diagnostics()
             why = (
-                "its term is not enabled in the estimator"
+                "the term or outcome that produces it is not in the estimator"
                 if d in known
                 else f"known diagnostics: {list(known)}"
             )
@@ -108,15 +137,12 @@ def compute_batch(
 ) -> AdvantageResult:
     """Per-token advantages for a validated flat batch.
 
-    ``diagnostics``: names to return (None: every diagnostic the enabled terms produce).
+    ``diagnostics``: names to return (None: every diagnostic the estimator's terms and outcome
+    produce).
     Returns tensors on ``device`` (``auto``: CUDA when available).
     """
     spec = resolve_estimator(estimator)
-    wanted = (
-        tuple(diagnostics)
-        if diagnostics is not None
-        else PER_ROLLOUT_DIAGNOSTICS + tuple(d for t in spec.terms for d in TERMS[t].diagnostics)
-    )
+    wanted = tuple(diagnostics) if diagnostics is not None else estimator_diagnostics(spec)
     check_inputs(batch, spec, wanted)
     dev = resolve_device(device)
     batch = batch.to(dev)
@@ -125,7 +151,7 @@ def compute_batch(
         ctx.ignore_token_ids = torch.as_tensor(ignore_token_ids, dtype=torch.int64, device=dev)
     ctx.vocab_size = vocab_size
 
-    scalars = OUTCOMES[spec.outcome].fn(batch, spec.outcome_params)  # float64 (B,)
+    outcome = OUTCOMES[spec.outcome].fn(batch, spec.outcome_params)
     # A term that waits for a read still in flight runs last, so that the others overlap the
     # wait; outputs are combined in the estimator's order either way.
     run_order = sorted(spec.terms, key=ctx.waits)
@@ -133,16 +159,24 @@ def compute_batch(
         name: TERMS[name].fn(batch, spec.terms[name], ctx.for_term(name)) for name in run_order
     }
     outputs = {name: computed[name] for name in spec.terms}
-    # a_i w_it + sum_k c_k b_it in float32 (the output precision), built in place in one fresh
+    # a_it w_it + sum_k c_k b_it in float32 (the output precision), built in place in one fresh
     # tensor: weights scale only the outcome term, never a bonus, so they go first.
-    advantages = batch.per_token(scalars.float())
+    produced: dict[str, torch.Tensor] = {}
+    if isinstance(outcome, OutcomeOutput):
+        # Per token: the rollout's scalar is its mean a_it.
+        scalars = rollout_means(batch, outcome.advantage)
+        advantages = outcome.advantage.to(torch.float32, copy=True)
+        produced.update(outcome.diagnostics)
+    else:
+        scalars = outcome  # float64 (B,)
+        advantages = batch.per_token(scalars.float())
     for out in outputs.values():
         if out.weight is not None:
             advantages.mul_(out.weight)
     for out in outputs.values():
         if out.bonus is not None:
             advantages.add_(out.bonus)
-    produced = {k: v for out in outputs.values() for k, v in out.diagnostics.items()}
+    produced.update({k: v for out in outputs.values() for k, v in out.diagnostics.items()})
     state = {name: out.state for name, out in outputs.items() if out.state is not None}
     if spec.whiten:
         # Over each request's tokens (a merged batch holds several).
@@ -155,6 +189,10 @@ def compute_batch(
         # A bound past float32's range clips nothing (and torch refuses to convert it).
         bound = min(spec.clip, torch.finfo(advantages.dtype).max)
         advantages = advantages.clamp(-bound, bound)
+    # Masks last: a masked token carries nothing, whatever the formula, whitening or clip gave.
+    for out in outputs.values():
+        if out.mask is not None:
+            advantages.masked_fill_(~out.mask, 0.0)
     return AdvantageResult(
         advantages=advantages,
         scalars=scalars.float(),

@@ -123,12 +123,32 @@ def resolve_params(
 
 # ---- outcome baselines ---------------------------------------------------------------------------
 
-OutcomeFn = Callable[[RolloutBatch, Mapping[str, Any]], torch.Tensor]
+Requires = Callable[[Mapping[str, Any]], dict[str, str]]
+
+
+def requires_nothing(params: Mapping[str, Any]) -> dict[str, str]:
+    return {}
+
+
+@dataclass
+class OutcomeOutput:
+    """A per-token outcome's result: a_it, float64 (N,), in place of a_i broadcast over the
+    rollout's tokens, and its diagnostics ((N,) each)."""
+
+    advantage: torch.Tensor
+    diagnostics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+OutcomeFn = Callable[[RolloutBatch, Mapping[str, Any]], torch.Tensor | OutcomeOutput]
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """A scalar-per-rollout baseline a_i. ``fn(batch, params) -> float64 (B,)``."""
+    """An outcome baseline. ``fn(batch, params)`` returns a_i, float64 (B,), or, for an outcome
+    that is per token (``per_token``), an :class:`OutcomeOutput` with a_it (N,).
+
+    ``requires(params)`` maps each batch input it needs to a field name for errors (see
+    :class:`Term`); ``optional``: the inputs it reads when the request gives them."""
 
     name: str
     fn: OutcomeFn
@@ -138,6 +158,10 @@ class Outcome:
     paper: str
     whiten_default: bool = False
     min_group_size: int = 1
+    per_token: bool = False
+    diagnostics: tuple[str, ...] = ()
+    requires: Requires = requires_nothing
+    optional: tuple[str, ...] = ()
 
 
 OUTCOMES: dict[str, Outcome] = {}
@@ -151,6 +175,10 @@ def register_outcome(
     params: tuple[Param, ...] = (),
     whiten_default: bool = False,
     min_group_size: int = 1,
+    per_token: bool = False,
+    diagnostics: tuple[str, ...] = (),
+    requires: Requires = requires_nothing,
+    optional: tuple[str, ...] = (),
 ) -> Callable[[OutcomeFn], OutcomeFn]:
     def decorate(fn: OutcomeFn) -> OutcomeFn:
         OUTCOMES[name] = Outcome(
@@ -162,6 +190,10 @@ def register_outcome(
             paper,
             whiten_default,
             min_group_size,
+            per_token,
+            diagnostics,
+            requires,
+            optional,
         )
         return fn
 
@@ -196,13 +228,16 @@ class TermContext:
 
 @dataclass
 class TermOutput:
-    """What a term contributes: a multiplicative credit weight and/or an additive bonus, (N,).
+    """What a term contributes: a multiplicative credit weight and/or an additive bonus, (N,);
+    and/or a ``mask``, bool (N,), applied last (after whitening and clipping): A_it <- m_it
+    A_it, so that a masked token carries no gradient whatever the other terms gave it.
 
     ``state``: what the term's :class:`~.state.TermState` writes need from this computation
     (opaque to every other layer; None for a term that keeps no state)."""
 
     weight: torch.Tensor | None = None
     bonus: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
     diagnostics: dict[str, torch.Tensor] = field(default_factory=dict)
     state: Any = None
 
@@ -214,7 +249,8 @@ TermCheck = Callable[[Mapping[str, Any], str], None]
 @dataclass(frozen=True)
 class Term:
     """A per-token credit term: ``fn(batch, params, ctx) -> TermOutput``; ``state`` declares
-    what it keeps across requests (None: nothing)."""
+    what it keeps across requests (None: nothing); ``optional``: the inputs it reads when the
+    request gives them."""
 
     name: str
     fn: TermFn
@@ -223,9 +259,10 @@ class Term:
     formula: str
     paper: str
     diagnostics: tuple[str, ...]
-    requires: Callable[[Mapping[str, Any]], dict[str, str]]
+    requires: Requires
     check: TermCheck | None = None
     state: TermState[Any] | None = None
+    optional: tuple[str, ...] = ()
 
 
 TERMS: dict[str, Term] = {}
@@ -238,12 +275,16 @@ def register_term(
     paper: str,
     params: tuple[Param, ...],
     diagnostics: tuple[str, ...],
-    requires: Callable[[Mapping[str, Any]], dict[str, str]],
+    requires: Requires,
     check: TermCheck | None = None,
     state: TermState[Any] | None = None,
+    optional: tuple[str, ...] = (),
 ) -> Callable[[TermFn], TermFn]:
-    """``requires(params)`` maps each batch input the term needs to a field name for errors;
-    ``state``: what the term keeps across requests (:mod:`.state`)."""
+    """``requires(params)`` maps each batch input the term needs (a per-token input's name, as
+    ``RolloutBatch.has_input`` takes it: ``logprobs``, ``entropy``, ..., or
+    ``teacher:<condition>``) to the request field naming it in errors (``logprobs``,
+    ``teacher_logprobs.<condition>``); ``optional``: the fields it reads when given; ``state``:
+    what the term keeps across requests (:mod:`.state`)."""
 
     def decorate(fn: TermFn) -> TermFn:
         TERMS[name] = Term(
@@ -257,6 +298,7 @@ def register_term(
             requires,
             check,
             state,
+            optional,
         )
         return fn
 

@@ -56,6 +56,9 @@ class ErrorResponse(BaseModel):
 
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 LogProb = Annotated[float, Field(le=0.0)]
+Entropy = Annotated[float, Field(ge=0.0)]
+SumPiSquared = Annotated[float, Field(gt=0.0, le=1.0)]
+Weight = Annotated[float, Field(ge=0.0)]
 
 
 class RolloutIn(BaseModel):
@@ -66,6 +69,21 @@ class RolloutIn(BaseModel):
     )
     logprobs: list[LogProb] | None = Field(
         None, description="the policy's log-probability of each token (one per token)"
+    )
+    entropy: list[Entropy] | None = Field(
+        None,
+        description="the entropy (nats) of the policy's next-token distribution where each "
+        "token was sampled (one per token; forking needs it)",
+    )
+    sum_pi_squared: list[SumPiSquared] | None = Field(
+        None,
+        description="sum over the vocabulary of pi(v | x, y_<t)^2 at each token (one per "
+        "token; otb needs it)",
+    )
+    is_weights: list[Weight] | None = Field(
+        None,
+        description="the trainer's truncated importance weights (one per token; otb uses them "
+        "when given)",
     )
     teacher_logprobs: dict[str, list[LogProb]] | None = Field(
         None, description="condition name (e.g. pos, neg) -> log-probabilities, one per token"
@@ -145,6 +163,14 @@ class ParamInfo(BaseModel):
     choices: list[str] | None = None
 
 
+INPUTS_DOC = (
+    "rollout fields it needs on every rollout, with its default parameters (logprobs, entropy, "
+    "sum_pi_squared, teacher_logprobs.<condition>); a request without one is refused with "
+    "missing_input"
+)
+OPTIONAL_INPUTS_DOC = "rollout fields it reads when the request gives them"
+
+
 class OutcomeInfo(BaseModel):
     name: str
     description: str
@@ -153,6 +179,12 @@ class OutcomeInfo(BaseModel):
     parameters: list[ParamInfo]
     whiten_default: bool
     min_group_size: int
+    per_token: bool = Field(
+        description="a_it differs from token to token (true) or is the rollout's a_i (false)"
+    )
+    diagnostics: list[str]
+    inputs: list[str] = Field(description=INPUTS_DOC)
+    optional_inputs: list[str] = Field(description=OPTIONAL_INPUTS_DOC)
 
 
 class TermInfo(BaseModel):
@@ -162,6 +194,8 @@ class TermInfo(BaseModel):
     paper: str
     parameters: list[ParamInfo]
     diagnostics: list[str]
+    inputs: list[str] = Field(description=INPUTS_DOC)
+    optional_inputs: list[str] = Field(description=OPTIONAL_INPUTS_DOC)
 
 
 class EstimatorListing(BaseModel):
@@ -291,8 +325,13 @@ def request_json_schema() -> tuple[dict[str, Any], dict[str, Any]]:
     return schema, defs
 
 
+def default_params(params: tuple[Param, ...]) -> dict[str, Any]:
+    return {p.name: p.default for p in params}
+
+
 def estimator_listing() -> dict[str, Any]:
-    """Every outcome, term, preset and parameter, from the registry."""
+    """Every outcome, term, preset and parameter, from the registry (with the inputs each
+    needs: its ``requires`` at its default parameters)."""
     return {
         "default": DEFAULT_PRESET,
         "presets": {name: resolve_estimator(name).to_dict() for name in presets()},
@@ -305,6 +344,10 @@ def estimator_listing() -> dict[str, Any]:
                 "parameters": [p.describe() for p in o.params],
                 "whiten_default": o.whiten_default,
                 "min_group_size": o.min_group_size,
+                "per_token": o.per_token,
+                "diagnostics": list(o.diagnostics),
+                "inputs": list(o.requires(default_params(o.params)).values()),
+                "optional_inputs": list(o.optional),
             }
             for o in OUTCOMES.values()
         ],
@@ -316,6 +359,8 @@ def estimator_listing() -> dict[str, Any]:
                 "paper": t.paper,
                 "parameters": [p.describe() for p in t.params],
                 "diagnostics": list(t.diagnostics),
+                "inputs": list(t.requires(default_params(t.params)).values()),
+                "optional_inputs": list(t.optional),
             }
             for t in TERMS.values()
         ],
@@ -386,7 +431,8 @@ def document_request_body(app: FastAPI) -> None:
                     "schema": {"type": "string", "format": "binary"},
                     "description": (
                         "one row per rollout: group_id utf8, reward float, tokens "
-                        "list<int32>, optional logprobs and teacher.<name> list<float32>; "
+                        "list<int32>, optional logprobs, entropy, sum_pi_squared, is_weights "
+                        "and teacher.<name> list<float32>; "
                         "the other request fields as JSON in schema metadata advantage.request"
                     ),
                 },
