@@ -40,11 +40,18 @@ OUTCOME_NAMES = (
 )
 TERM_PRESETS = ("ktae", "cscr", "opsd")
 PRESETS = OUTCOME_NAMES + TERM_PRESETS
+# The methods over token-level inputs (entropy, sum_pi_squared): kept apart from PRESETS, whose
+# requests need only tokens, rewards, logprobs and teacher log-probs.
+TOKEN_OUTCOME_NAMES = ("otb",)
+TOKEN_TERM_PRESETS = ("forking",)
+TOKEN_PRESETS = TOKEN_OUTCOME_NAMES + TOKEN_TERM_PRESETS
+ALL_PRESETS = PRESETS + TOKEN_PRESETS
 
 # Outcome parameters with their defaults; outcomes not listed here take no parameters.
 OUTCOME_PARAM_DEFAULTS: dict[str, dict[str, Any]] = {
     "grpo": {"norm_by_std": True, "epsilon": 1e-6},
     "grpo_passk": {"norm_by_std": True, "epsilon": 1e-6},
+    "otb": {"epsilon": 1e-8, "handle_zero_tail": True},
 }
 
 KTAE_DEFAULTS: dict[str, Any] = {
@@ -67,9 +74,15 @@ CSCR_DEFAULTS: dict[str, Any] = {
     "strength": 0.2,
 }
 OPSD_DEFAULTS: dict[str, Any] = {"teacher": "pos", "coef": 1.0, "clip": None}
-TERM_DEFAULTS = {"ktae": KTAE_DEFAULTS, "cscr": CSCR_DEFAULTS, "opsd": OPSD_DEFAULTS}
+FORKING_DEFAULTS: dict[str, Any] = {"rho": 0.2, "scope": "request"}
+TERM_DEFAULTS = {
+    "ktae": KTAE_DEFAULTS,
+    "cscr": CSCR_DEFAULTS,
+    "opsd": OPSD_DEFAULTS,
+    "forking": FORKING_DEFAULTS,
+}
 
-TOP_LEVEL_KEYS = ("outcome", "ktae", "cscr", "opsd", "whiten", "clip")
+TOP_LEVEL_KEYS = ("outcome", "ktae", "cscr", "opsd", "forking", "whiten", "clip")
 
 # Parameters whose resolved value is a float (so 10 and 10.0 resolve the same).
 FLOAT_PARAMS = {
@@ -85,6 +98,7 @@ FLOAT_PARAMS = {
     "decay",
     "strength",
     "coef",
+    "rho",
 }
 
 WHITEN_EPS = 1e-8
@@ -112,7 +126,7 @@ def _resolve_outcome(outcome: Any) -> dict[str, Any]:
     if not isinstance(outcome, dict) or "name" not in outcome:
         raise ValueError(f"outcome must be a name or an object with a name, got {outcome!r}")
     name = outcome["name"]
-    if name not in OUTCOME_NAMES:
+    if name not in OUTCOME_NAMES + TOKEN_OUTCOME_NAMES:
         raise ValueError(f"unknown outcome {name!r}")
     params = {k: v for k, v in outcome.items() if k != "name"}
     filled = _fill_params(params, OUTCOME_PARAM_DEFAULTS.get(name, {}), f"outcome {name}")
@@ -139,9 +153,9 @@ def resolve_estimator(spec: str | dict[str, Any] | None = None) -> dict[str, Any
     if spec is None:
         spec = "grpo"
     if isinstance(spec, str):
-        if spec not in PRESETS:
+        if spec not in ALL_PRESETS:
             raise ValueError(f"unknown estimator preset {spec!r}")
-        if spec in TERM_PRESETS:
+        if spec in TERM_PRESETS + TOKEN_TERM_PRESETS:
             spec = {"outcome": {"name": "grpo"}, spec: {}}
         else:
             spec = {"outcome": {"name": spec}}
@@ -160,6 +174,7 @@ def resolve_estimator(spec: str | dict[str, Any] | None = None) -> dict[str, Any
         "ktae": _resolve_term("ktae", spec.get("ktae")),
         "cscr": _resolve_term("cscr", spec.get("cscr")),
         "opsd": _resolve_term("opsd", spec.get("opsd")),
+        "forking": _resolve_term("forking", spec.get("forking")),
         "whiten": whiten_default if whiten is None else bool(whiten),
         "clip": None if clip is None else float(clip),
     }
@@ -484,10 +499,16 @@ def reference_compute(request: dict[str, Any]) -> dict[str, Any]:
 
     Every rollout gets ``advantages`` and ``scalar``, plus every diagnostic of an enabled term
     (``ktae_score``; ``cscr_weight`` and ``sensitivity``; ``opsd_reward``, which is the clipped
-    d without ``coef``), whether or not ``return`` asks for it.
+    d without ``coef``; ``forking_mask``, 1.0 or 0.0) or outcome (``otb_baseline``), whether or
+    not ``return`` asks for it.
+
+    OTB's a_it takes the place of a_i in the formula, and its scalar is the rollout's mean a_it
+    (0 for an empty rollout). The forking mask multiplies last, after whitening and clipping.
     """
     estimator = resolve_estimator(request.get("estimator"))
-    outcome, ktae, cscr, opsd = (estimator[k] for k in ("outcome", "ktae", "cscr", "opsd"))
+    outcome, ktae, cscr, opsd, forking = (
+        estimator[k] for k in ("outcome", "ktae", "cscr", "opsd", "forking")
+    )
     ignore_token_ids = {int(t) for t in request.get("ignore_token_ids") or []}
     groups = request["groups"]
 
@@ -501,7 +522,13 @@ def reference_compute(request: dict[str, Any]) -> dict[str, Any]:
         rewards = [float(r["reward"]) for r in rollouts]
         lengths = [len(t) for t in token_lists]
 
-        scalars = outcome_scalars(outcome, rewards, lengths, alpha)
+        if outcome["name"] == "otb":
+            per_token = otb_group(rollouts, outcome["epsilon"], outcome["handle_zero_tail"])
+            token_outcome = [a for _, a in per_token]
+            scalars = [float(np.mean(a)) if a.size else 0.0 for a in token_outcome]
+        else:
+            scalars = outcome_scalars(outcome, rewards, lengths, alpha)
+            token_outcome = [np.full(t, float(s)) for s, t in zip(scalars, lengths, strict=True)]
         if ktae is not None:
             bonus = ktae_group_scores(token_lists, rewards, ktae, ignore_token_ids)
 
@@ -523,7 +550,9 @@ def reference_compute(request: dict[str, Any]) -> dict[str, Any]:
                 entry["sensitivity"] = sensitivity
                 entry["cscr_weight"] = weight
 
-            advantage = advantage + scalars[i] * weight
+            advantage = advantage + token_outcome[i] * weight
+            if outcome["name"] == "otb":
+                entry["otb_baseline"] = per_token[i][0]
 
             if ktae is not None:
                 entry["ktae_score"] = bonus[i]
@@ -555,6 +584,14 @@ def reference_compute(request: dict[str, Any]) -> dict[str, Any]:
         entry["advantages"] = everything[start : start + size].copy()
         start += size
 
+    # Forking tokens last: only the high-entropy tokens keep their advantage.
+    if forking is not None:
+        masks = forking_masks([g["rollouts"] for g in groups], forking["rho"], forking["scope"])
+        for out_group, group_masks in zip(out_groups, masks, strict=True):
+            for entry, mask in zip(out_group["rollouts"], group_masks, strict=True):
+                entry["forking_mask"] = mask.astype(np.float64)
+                entry["advantages"] = entry["advantages"] * mask
+
     return {"estimator": estimator, "groups": out_groups}
 
 
@@ -582,6 +619,34 @@ def _random_logprobs(rng: np.random.Generator, length: int) -> list[float]:
     return [float(v) for v in values]
 
 
+def _random_token_inputs(
+    rng: np.random.Generator,
+    logprobs: list[float] | None,
+    length: int,
+    *,
+    entropy: bool,
+    sum_pi_squared: bool,
+    is_weights: bool,
+    entropy_ties: bool,
+) -> dict[str, list[float]]:
+    """A rollout's entropy, sum_pi_squared and is_weights, as asked, exact in float32."""
+    out: dict[str, list[float]] = {}
+    if entropy:
+        h = rng.exponential(1.0, size=length)
+        h = np.round(h * 8) / 8 if entropy_ties else h
+        out["entropy"] = [float(v) for v in h.astype(np.float32)]
+    if sum_pi_squared:
+        if logprobs is None:
+            raise ValueError("sum_pi_squared is drawn to match the logprobs: ask for logprobs")
+        pi = np.exp(np.asarray(logprobs, dtype=np.float64))
+        s = pi**2 + rng.uniform(0.0, 1.0, size=length) * (1.0 - pi) ** 2
+        out["sum_pi_squared"] = [float(v) for v in np.clip(s, 1e-6, 1.0).astype(np.float32)]
+    if is_weights:
+        rho = np.clip(rng.lognormal(0.0, 0.5, size=length), 0.0, 2.0)
+        out["is_weights"] = [float(v) for v in rho.astype(np.float32)]
+    return out
+
+
 def random_request(
     rng: np.random.Generator,
     *,
@@ -598,6 +663,10 @@ def random_request(
     ignore_token_ids: Sequence[int] | None = None,
     return_fields: Sequence[str] | None = None,
     sensitive_prob: float = 0.5,
+    entropy: bool | None = None,
+    sum_pi_squared: bool | None = None,
+    is_weights: bool = False,
+    entropy_ties: bool = True,
 ) -> dict[str, Any]:
     """A valid random request.
 
@@ -608,10 +677,21 @@ def random_request(
     estimator needs (``teachers`` is a list of condition names). ``sensitive_prob`` is the chance
     that a teacher pair differs by more than the CSCR onset at a token. ``return_fields``
     defaults to ``scalar`` plus every diagnostic of an enabled term.
+
+    ``entropy`` and ``sum_pi_squared`` default to whether the estimator needs them (forking;
+    otb), ``is_weights`` adds importance weights; they are drawn after a rollout's other values,
+    so requests without them are those of earlier versions of this function. Entropies sit on a
+    1/8 grid with ``entropy_ties`` (many exact ties); sum_pi_squared is consistent with the
+    logprobs (pi^2 + u (1 - pi)^2), all values exact in float32.
     """
     resolved = resolve_estimator(estimator)
+    otb = resolved["outcome"]["name"] == "otb"
     if logprobs is None:
-        logprobs = resolved["opsd"] is not None
+        logprobs = resolved["opsd"] is not None or otb
+    if entropy is None:
+        entropy = resolved["forking"] is not None
+    if sum_pi_squared is None:
+        sum_pi_squared = otb
     if teachers is None:
         names: list[str] = []
         if resolved["cscr"] is not None:
@@ -627,6 +707,10 @@ def random_request(
             return_fields += ["cscr_weight", "sensitivity"]
         if resolved["opsd"] is not None:
             return_fields.append("opsd_reward")
+        if resolved["forking"] is not None:
+            return_fields.append("forking_mask")
+        if otb:
+            return_fields.append("otb_baseline")
     min_group = (
         max(group_size[0], 2) if resolved["outcome"]["name"] == "grpo_passk" else group_size[0]
     )
@@ -662,6 +746,17 @@ def random_request(
                         shifted.append(float(v))
                     conditions[name] = shifted
                 rollout["teacher_logprobs"] = conditions
+            rollout.update(
+                _random_token_inputs(
+                    rng,
+                    rollout.get("logprobs"),
+                    t,
+                    entropy=entropy,
+                    sum_pi_squared=sum_pi_squared,
+                    is_weights=is_weights,
+                    entropy_ties=entropy_ties,
+                )
+            )
             rollouts.append(rollout)
         groups.append({"id": f"g{g}", "rollouts": rollouts})
 

@@ -1,7 +1,7 @@
 """Dynamic batching's guarantee, as a property: a request's answer is identical whether it was
 computed alone or merged with any others (on the CPU bit for bit, see ``merging``), over random
 mixes of presets and compositions with request-scoped math (whitening, GPG's B,
-``reinforce_pp_baseline``) and colliding group ids."""
+``reinforce_pp_baseline``, the forking quantile of scope ``request``) and colliding group ids."""
 
 from __future__ import annotations
 
@@ -17,14 +17,18 @@ from advantage_service.estimators import TERMS
 from advantage_service.merging import merge, merge_key, split
 from advantage_service.request import parse_request
 from advantage_service.term_state import StateSession
-from oracle import PRESETS, random_request
+from oracle import ALL_PRESETS, random_request
 
 COMPOSITIONS: list[Any] = [
-    *PRESETS,
+    *ALL_PRESETS,
     {"outcome": "gpg", "ktae": {}, "whiten": True},
     {"outcome": "rloo", "cscr": {}, "ktae": {}},
     {"outcome": {"name": "grpo", "norm_by_std": False}, "ktae": {"tf": False}, "clip": 0.5},
     {"outcome": "reinforce_pp_baseline", "cscr": {}},
+    {"outcome": "otb", "ktae": {}},
+    {"outcome": "rloo", "cscr": {}, "forking": {}},
+    {"outcome": "otb", "forking": {"scope": "group", "rho": 0.5}, "whiten": True, "clip": 1.0},
+    {"outcome": "gpg", "opsd": {}, "forking": {"rho": 1.0}},
 ]
 
 
@@ -47,7 +51,7 @@ def assert_same_result(merged: Any, alone: Any) -> None:
         assert torch.equal(merged.diagnostics[name], alone.diagnostics[name]), name
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(len(COMPOSITIONS)))
 def test_a_merged_request_gets_the_answer_it_gets_alone(seed: int) -> None:
     rng = np.random.default_rng(seed)
     estimator = COMPOSITIONS[seed % len(COMPOSITIONS)]
@@ -100,6 +104,23 @@ def test_whitening_and_gpg_stay_per_request() -> None:
         whole = compute_request(replace(reqs[0], batch=batch), "cpu")
         for req, part in zip(reqs, split(whole, batch), strict=True):
             assert_same_result(part, compute_request(req, "cpu"))
+
+
+def test_requests_with_and_without_an_optional_input_merge_into_their_own_answers() -> None:
+    """OTB's importance weights are optional: a request without them merges with one that has
+    them (its tokens take weight 1, which leaves its numbers as they are); an input the
+    estimator does not read, given by some requests only, is left out of the merged batch."""
+    rng = np.random.default_rng(8)
+    with_weights = random_request(rng, estimator="otb", is_weights=True)
+    without = random_request(rng, estimator="otb")
+    extra = random_request(rng, estimator="otb", entropy=True)
+    reqs = [parse_request(b) for b in (with_weights, without, extra)]
+    assert len({merge_key(r) for r in reqs}) == 1
+    batch = merge(reqs)
+    assert batch.is_weights is not None and batch.entropy is None
+    whole = compute_request(replace(reqs[0], batch=batch), "cpu")
+    for req, part in zip(reqs, split(whole, batch), strict=True):
+        assert_same_result(part, compute_request(req, "cpu"))
 
 
 def test_the_term_state_of_a_merged_request_writes_what_it_writes_alone() -> None:

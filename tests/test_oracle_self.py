@@ -440,6 +440,7 @@ FULL_DOC_EXAMPLE = {
         "strength": 0.2,
     },
     "opsd": {"teacher": "pos", "coef": 1.0, "clip": None},
+    "forking": None,
     "whiten": False,
     "clip": None,
 }
@@ -453,7 +454,8 @@ def test_resolve_estimator_fills_every_default():
 @pytest.mark.parametrize("preset", oracle.PRESETS)
 def test_resolve_estimator_presets(preset):
     resolved = oracle.resolve_estimator(preset)
-    assert set(resolved) == {"outcome", "ktae", "cscr", "opsd", "whiten", "clip"}
+    assert set(resolved) == {"outcome", "ktae", "cscr", "opsd", "forking", "whiten", "clip"}
+    assert resolved["forking"] is None
     assert resolved["clip"] is None
     if preset in oracle.TERM_PRESETS:
         assert resolved["outcome"] == FULL_DOC_EXAMPLE["outcome"]
@@ -468,6 +470,36 @@ def test_resolve_estimator_presets(preset):
         assert resolved["outcome"] == {"name": preset, "norm_by_std": True, "epsilon": 1e-6}
     elif preset not in oracle.TERM_PRESETS:
         assert resolved["outcome"] == {"name": preset}
+
+
+def test_resolve_estimator_token_presets():
+    forking = oracle.resolve_estimator("forking")
+    assert forking["outcome"] == FULL_DOC_EXAMPLE["outcome"]
+    assert forking["forking"] == {"rho": 0.2, "scope": "request"}
+    assert forking["ktae"] is forking["cscr"] is forking["opsd"] is None
+    otb = oracle.resolve_estimator("otb")
+    assert otb["outcome"] == {"name": "otb", "epsilon": 1e-8, "handle_zero_tail": True}
+    assert otb["forking"] is None
+    composed = oracle.resolve_estimator({"outcome": "otb", "forking": {"rho": 1}})
+    assert composed["forking"] == {"rho": 1.0, "scope": "request"}
+
+
+def test_reference_compute_otb_and_forking_follow_their_group_oracles():
+    """reference_compute's OTB is otb_group's a_it in place of a_i (scalar: the mean a_it,
+    0 when empty), and its forking mask, applied last, is forking_masks'."""
+    rng = np.random.default_rng(4)
+    request = oracle.random_request(
+        rng, estimator={"outcome": "otb", "forking": {"rho": 0.5}}, is_weights=True
+    )
+    out = oracle.reference_compute(request)
+    groups = [g["rollouts"] for g in request["groups"]]
+    masks = oracle.forking_masks(groups, 0.5, "request")
+    for rollouts, got, group_masks in zip(groups, out["groups"], masks, strict=True):
+        per_rollout = zip(oracle.otb_group(rollouts), got["rollouts"], group_masks, strict=True)
+        for (baseline, a), r, mask in per_rollout:
+            np.testing.assert_array_equal(r["otb_baseline"], baseline)
+            np.testing.assert_array_equal(r["advantages"], a * mask)
+            assert r["scalar"] == (float(np.mean(a)) if a.size else 0.0)
 
 
 def test_resolve_estimator_partial_objects():
@@ -495,6 +527,8 @@ def test_resolve_estimator_partial_objects():
         {"outcome": {"name": "rloo", "epsilon": 1e-6}},
         {"outcome": {"name": "grpo"}, "ktae": {"alpha": 1}},
         {"outcome": {"name": "grpo"}, "extra": 1},
+        {"outcome": {"name": "otb", "norm_by_std": True}},
+        {"forking": {"quantile": 0.2}},
     ],
 )
 def test_resolve_estimator_rejects_unknown_names_and_parameters(spec):

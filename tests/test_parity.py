@@ -26,11 +26,18 @@ except ImportError as exc:  # the fast path is missing: fail collection loudly, 
 RTOL = 2e-5
 ATOL = 2e-5
 SEEDS_PER_CONFIG = 20
-PER_TOKEN_FIELDS = ("ktae_score", "cscr_weight", "sensitivity", "opsd_reward")
+PER_TOKEN_FIELDS = (
+    "ktae_score",
+    "cscr_weight",
+    "sensitivity",
+    "opsd_reward",
+    "forking_mask",
+    "otb_baseline",
+)
 
 # name -> (estimator spec, extra knobs for oracle.random_request)
 CONFIGS: dict[str, tuple[str | dict[str, Any], dict[str, Any]]] = {
-    **{preset: (preset, {}) for preset in oracle.PRESETS},
+    **{preset: (preset, {}) for preset in oracle.ALL_PRESETS},
     "rloo+cscr+ktae": ({"outcome": {"name": "rloo"}, "cscr": {}, "ktae": {}}, {}),
     "dr_grpo+opsd+whiten+clip": (
         {
@@ -85,6 +92,30 @@ CONFIGS: dict[str, tuple[str | dict[str, Any], dict[str, Any]]] = {
         {},
     ),
     "ktae(large groups)": ("ktae", {"group_size": (6, 16), "length": (0, 6), "vocab": 8}),
+    # Token-level methods: OTB in place of a_i, the forking mask after everything else.
+    "otb(is_weights)": ("otb", {"is_weights": True}),
+    "otb+ktae": ({"outcome": "otb", "ktae": {}}, {}),
+    "rloo+cscr+forking": ({"outcome": "rloo", "cscr": {}, "forking": {}}, {}),
+    "grpo+forking(rho=1)": ({"forking": {"rho": 1}}, {}),
+    "grpo+ktae+forking(rho=0.05, continuous entropy)": (
+        {"ktae": {}, "forking": {"rho": 0.05}},
+        {"entropy_ties": False},
+    ),
+    "otb(no zero tail, eps)+cscr+opsd+forking(group)+whiten+clip": (
+        {
+            "outcome": {"name": "otb", "handle_zero_tail": False, "epsilon": 1e-3},
+            "cscr": {},
+            "opsd": {"coef": 0.5},
+            "forking": {"scope": "group", "rho": 0.5},
+            "whiten": True,
+            "clip": 1.5,
+        },
+        {"is_weights": True},
+    ),
+    "otb+forking(large groups, ties)": (
+        {"outcome": "otb", "forking": {"scope": "group"}},
+        {"group_size": (6, 16), "length": (0, 6)},
+    ),
 }
 
 
@@ -236,6 +267,12 @@ def _group(gid: str, rollouts: list[tuple[list[int], float]], teachers: bool = T
         r: dict[str, Any] = {"tokens": tokens, "reward": reward}
         if teachers:
             r["logprobs"] = [-0.5 - 0.125 * k for k in range(len(tokens))]
+            # Tied entropies; sum_pi_squared = pi^2 + (1 - pi)^2 / 2 (exact in float32).
+            r["entropy"] = [0.25 * (k % 3) for k in range(len(tokens))]
+            r["sum_pi_squared"] = [
+                float(np.float32(p**2 + (1 - p) ** 2 / 2))
+                for p in np.exp(np.asarray(r["logprobs"], dtype=np.float64))
+            ]
             r["teacher_logprobs"] = {
                 "pos": [-0.25 * (k % 3) for k in range(len(tokens))],
                 "neg": [-0.5 * (k % 4) for k in range(len(tokens))],
@@ -266,6 +303,13 @@ EDGE_ESTIMATORS = {
         "whiten": True,
         "clip": 0.5,
     },
+    "otb+forking": {"outcome": {"name": "otb"}, "forking": {}},
+    "otb+ktae+whiten": {"outcome": {"name": "otb"}, "ktae": {}, "whiten": True},
+    "rloo+cscr+forking(group, rho=1)": {
+        "outcome": {"name": "rloo"},
+        "cscr": {},
+        "forking": {"scope": "group", "rho": 1.0},
+    },
 }
 EDGE_CASES = [(g, e) for g in EDGE_GROUPS for e in EDGE_ESTIMATORS]
 
@@ -283,6 +327,10 @@ def test_fast_path_matches_oracle_on_edge_cases(groups: str, estimator: str):
         fields += ["cscr_weight", "sensitivity"]
     if resolved["opsd"] is not None:
         fields.append("opsd_reward")
+    if resolved["forking"] is not None:
+        fields.append("forking_mask")
+    if resolved["outcome"]["name"] == "otb":
+        fields.append("otb_baseline")
     request = {
         "estimator": spec,
         "return": fields,
