@@ -30,15 +30,16 @@ class TrainerService(ServiceProcess):
         return bool(answer.status == health_pb2.HealthCheckResponse.SERVING)
 
     def requests(self, transport: str | None = None, estimator: str | None = None) -> float:
-        """advantage_requests_total answered 200/OK, summed over the labels not given."""
+        """advantage_requests_total answered 200, summed over the labels not given."""
         total = 0.0
         for (name, labels), value in self.metrics().items():
             if name != "advantage_requests_total":
                 continue
             found = dict(labels)
-            if found.get("code") not in ("200", "OK", "ok"):
+            if found.get("code") != "200":
                 continue
-            if transport is not None and found.get("transport") != transport:
+            # (HTTP's label says the body format: http_arrow, http_json)
+            if transport is not None and not found.get("transport", "").startswith(transport):
                 continue
             if estimator is not None and found.get("estimator") != estimator:
                 continue

@@ -1,0 +1,95 @@
+"""Trainer integrations: thin adapters from a trainer library onto ``compute_padded``.
+
+- :mod:`.verl`: the service's estimators as verl advantage estimators (``adv_<preset>``), and a
+  patched ``compute_advantage`` that passes them the token ids and per-token inputs.
+- :mod:`.trl`: a ``GRPOTrainer`` that trains on the service's per-token advantages.
+
+Each imports its trainer library only when used, so this package imports without them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+# Which estimator components read each optional input (an outcome or a term name); an
+# estimator that has none of them is not sent that input.
+INPUT_READERS: dict[str, tuple[str, ...]] = {
+    "logprobs": ("opsd", "otb"),
+    "entropy": ("forking",),
+    "sum_pi_squared": ("otb",),
+    "is_weights": ("otb",),
+    "teacher_logprobs": ("cscr", "opsd"),
+}
+KNOWN_COMPONENTS = frozenset(
+    (
+        "grpo",
+        "dr_grpo",
+        "rloo",
+        "reinforce",
+        "reinforce_pp_baseline",
+        "opo",
+        "gpg",
+        "grpo_passk",
+        "otb",
+        "ktae",
+        "cscr",
+        "opsd",
+        "forking",
+    )
+)
+TOP_LEVEL = frozenset(("outcome", "whiten", "clip"))
+
+
+def components(resolved: Mapping[str, Any]) -> set[str]:
+    """The outcome's name and the enabled terms of an estimator object."""
+    outcome = resolved.get("outcome", "grpo")
+    name = outcome if isinstance(outcome, str) else (outcome or {}).get("name", "grpo")
+    terms = {k for k, v in resolved.items() if k not in TOP_LEVEL and v not in (None, False)}
+    return {str(name), *terms}
+
+
+def inputs_read(resolved: Mapping[str, Any]) -> set[str]:
+    """The optional inputs an estimator object reads; all of them for a component this
+    client does not know (sending an input too many is only slower)."""
+    parts = components(resolved)
+    if parts - KNOWN_COMPONENTS:
+        return set(INPUT_READERS)
+    return {name for name, readers in INPUT_READERS.items() if parts & set(readers)}
+
+
+def backend(
+    transport: str, url: str | None, client_options: Mapping[str, Any]
+) -> tuple[Callable[..., Any], Callable[[], dict[str, Any]], Any]:
+    """(compute_padded, presets() -> {name: resolved estimator object}, the client or None)
+    of a transport: ``inprocess`` (the service library in this process, torch in and out),
+    ``http`` or ``grpc`` (a client of a running service at ``url``)."""
+    if transport == "inprocess":
+        import advantage_service
+
+        def local_presets() -> dict[str, Any]:
+            return {
+                name: advantage_service.resolve_estimator(name).to_dict()
+                for name in advantage_service.presets()
+            }
+
+        return advantage_service.compute_padded, local_presets, None
+    if transport not in ("http", "grpc"):
+        raise ValueError(f"transport must be 'inprocess', 'http' or 'grpc', got {transport!r}")
+    if url is None:
+        raise ValueError(f"transport {transport!r} needs url (the service's address)")
+    client: Any
+    if transport == "http":
+        from ..http_client import HttpClient
+
+        client = HttpClient(url, **client_options)
+    else:
+        from ..grpc_client import GrpcClient
+
+        client = GrpcClient(url, **client_options)
+
+    def remote_presets() -> dict[str, Any]:
+        listing = client.list_estimators()["presets"]
+        return dict(listing) if isinstance(listing, Mapping) else {p: {} for p in listing}
+
+    return client.compute_padded, remote_presets, client
