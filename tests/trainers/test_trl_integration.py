@@ -22,7 +22,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from trl import GRPOConfig
 
-WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "the", "dog", "ran", "to", "it", "so", "we", "all", "saw", "one", "red", "ball"]
+TEXT = "the cat sat on a mat and the dog ran to it so we all saw one red ball"
+WORDS = TEXT.split()
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:

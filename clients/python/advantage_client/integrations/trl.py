@@ -34,7 +34,7 @@ from trl import GRPOTrainer
 from . import backend
 
 
-class AdvantageGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
+class AdvantageGRPOTrainer(GRPOTrainer):
     """``GRPOTrainer`` with the advantages from advantage-service.
 
     ``advantage_estimator``: a preset name or estimator object; ``advantage_transport``:
@@ -81,8 +81,8 @@ class AdvantageGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
         rewards_per_func = self._rewards_per_func
         assert rewards_per_func is not None
         device = self.accelerator.device
-        mode = "train" if self.model.training else "eval"
-        generations = self.num_generations if mode == "train" else self.num_generations_eval
+        training = bool(getattr(self.model, "training", True))
+        generations = (self.num_generations if training else self.num_generations_eval) or 1
         weights = self.reward_weights.to(rewards_per_func.device).unsqueeze(0)
         rewards = (rewards_per_func * weights).nansum(dim=1)
         unscorable = torch.isnan(rewards_per_func).all(dim=1)
