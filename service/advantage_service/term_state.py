@@ -128,15 +128,23 @@ class StateSession:
             self._task.cancel()
 
     async def settle(self) -> str:
-        """Wait for the read: the summary's ``history`` (``none``: nothing to read;
-        ``unavailable``: the store could not be read; ``applied``: it was read)."""
+        """Wait for the read: the summary's ``history``. ``none``: nothing to read;
+        ``unavailable``: the store could not be read; ``applied``: earlier requests contributed
+        to at least one group; ``empty``: the read succeeded and no group had anything stored
+        (a prompt's first visit, or after its history expired)."""
         if self._task is None:
             return "none"
         try:
             answered = await self._task
         except Exception:
             answered = False
-        return "applied" if answered else "unavailable"
+        if not answered or len(self._priors) < len(self._keys):
+            return "unavailable"
+        for name, prior in self._priors.items():
+            state = TERMS[name].state
+            if state is None or state.contributed is None or state.contributed(prior):
+                return "applied"
+        return "empty"
 
     def update(self, result: AdvantageResult) -> StatsUpdate:
         """What the request writes (call after :meth:`settle`): the records of the terms whose

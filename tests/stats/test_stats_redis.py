@@ -110,7 +110,7 @@ async def test_killing_redis_degrades_to_unavailable_and_a_restart_on_the_same_p
     store = fast_store(redis_server, on_error=errors.append, on_up=ups.append)
     try:
         assert store.status == "down" and await store.ping() and store.status == "up"
-        assert (await serve(store, body(6, ["k"]))).history == "applied"
+        assert (await serve(store, body(6, ["k"]))).history == "empty"  # (a first visit)
 
         redis_server.kill()
         query = prompt_ids(parse_request(body(7, ["k"])).batch)
@@ -131,7 +131,8 @@ async def test_killing_redis_degrades_to_unavailable_and_a_restart_on_the_same_p
             time.sleep(0.05)
         assert store.status == "up" and ups == [True, False, True]
         again = await serve(store, body(7, ["k"], request_id="during-outage"))
-        assert again.history == "applied" and again.counted, "the failed write claimed nothing"
+        # (the restarted Redis is empty: read, nothing stored)
+        assert again.history == "empty" and again.counted, "the failed write claimed nothing"
     finally:
         await store.close()
 
@@ -155,7 +156,8 @@ async def test_requests_keep_being_answered_while_redis_dies_mid_run(
             time.sleep(0.03)
     finally:
         await store.close()
-    assert histories[:10] == ["applied"] * 10
+    # (three prompts: their first visits find nothing stored)
+    assert histories[:10] == ["empty"] * 3 + ["applied"] * 7
     assert histories[10:22] == ["unavailable"] * 12
     assert histories[-5:] == ["applied"] * 5
 
@@ -235,7 +237,8 @@ async def test_a_restart_between_requests_costs_no_request(redis_server: RedisSe
         assert (await serve(store, body(9, ["r"]))).counted
         redis_server.restart()
         served = await serve(store, body(10, ["r"], request_id="after-restart"))
-        assert served.history == "applied" and served.counted and store.status == "up"
+        # (the restarted Redis keeps nothing: read, and nothing stored)
+        assert served.history == "empty" and served.counted and store.status == "up"
     finally:
         await store.close()
 
@@ -399,9 +402,10 @@ async def test_keys_of_the_earlier_layout_are_left_alone(redis_server: RedisServ
     sync.hset(f"{ns}:tok:occ", "5", 3)
     store = RedisStatsStore(redis_server.url)
     try:
-        for _ in range(2):
+        for visit in range(2):
             served = await serve(store, body(61, ["old"], request_id="old-id"))
-            assert served.history == "applied" and store.status == "up"
+            # (the old layout's keys are not read: the first visit finds nothing)
+            assert served.history == ("applied" if visit else "empty") and store.status == "up"
         assert served.prior is not None and float(served.prior.n_c[0] + served.prior.n_w[0]) > 0
     finally:
         await store.close()
@@ -441,7 +445,7 @@ async def test_a_full_redis_evicts_old_histories_and_they_start_over(
         counted = 0
         for prompt in prompts:
             served = await serve(store, wide(prompt))
-            assert served.history == "applied", prompt
+            assert served.history == "empty", prompt  # (each prompt's first visit)
             counted += served.counted
         assert int(admin.info("stats")["evicted_keys"]) > 0
         assert counted > len(prompts) // 2 and store.status == "up"
@@ -455,7 +459,7 @@ async def test_a_full_redis_evicts_old_histories_and_they_start_over(
         again = wide(evicted[0])
         served = await serve(store, again)
         first_visit = await serve(store, {**again, "namespace": "fresh"})
-        assert served.history == "applied" and served.prior is not None
+        assert served.history == "empty" and served.prior is not None
         assert float(served.prior.n_c[0] + served.prior.n_w[0]) == 0.0
         assert np.array_equal(
             served.result.advantages.numpy(), first_visit.result.advantages.numpy()

@@ -524,6 +524,7 @@ STATE: TermState[HistoryPrior] = TermState(
     keys=_history_keys,
     decode=HistoryPrior.decode,
     select=_select,
+    contributed=lambda prior: any(stored is not None for stored in prior.stored),
 )
 
 

@@ -75,6 +75,9 @@ class TermState(Generic[P]):
       the term read nothing or the read failed: then no records may be written). ``batch`` is
       the request's batch as decoded (on the CPU). Runs on a worker thread after the answer.
     - ``columns``: the statistics columns ``writes`` may fill.
+    - ``contributed(prior)``: whether what was read held anything from earlier requests (the
+      summary's ``history`` is ``applied`` when it did for some term, ``empty`` when the read
+      succeeded and found nothing); without it a successful read counts as applied.
     - ``select(state, span)``: the state of one request of a merged batch (``RolloutBatch.
       concat``; ``span`` its rollouts, groups and tokens there), as if it had been computed
       alone. A term without it is never computed merged with other requests.
@@ -86,6 +89,7 @@ class TermState(Generic[P]):
     keys: Callable[[RolloutBatch, Mapping[str, Any]], Sequence[str]] | None = None
     decode: Callable[[Sequence[bytes | None], torch.device], P] | None = None
     select: Callable[[Any, Span], Any] | None = None
+    contributed: Callable[[P], bool] | None = None
 
     def __post_init__(self) -> None:
         if (self.space is None) != (self.keys is None) or (self.keys is None) != (

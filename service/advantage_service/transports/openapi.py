@@ -118,7 +118,11 @@ class Summary(BaseModel):
     zero_signal_groups: int = Field(description="groups whose rollouts all had the same reward")
     device: str
     compute_ms: float
-    history: Literal["none", "applied", "unavailable"]
+    history: Literal["none", "applied", "empty", "unavailable"] = Field(
+        description="applied: earlier visits contributed to at least one group; empty: the "
+        "read succeeded and no group had history; unavailable: the stats store could not be "
+        "read (computed without history); none: no history asked for"
+    )
     batch_requests: int = Field(
         description="requests computed together in this computation (dynamic batching; 1: "
         "alone); compute_ms is the shared computation's time"
