@@ -74,3 +74,14 @@ def test_matches_a_row_by_row_reference() -> None:
         np.testing.assert_array_equal(values[row, : a.size], a)
         assert not values[row, a.size :].any()
         assert mask[row].sum() == a.size and mask[row, : a.size].all()
+
+
+def test_a_mask_with_holes_and_left_padding_places_each_value_at_its_token() -> None:
+    mask = np.array([[0, 1, 0, 1, 1], [1, 1, 0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 1, 1]], bool)
+    values, out_mask = to_padded(response([[1, 2, 3], [4, 5]], [[], [6, 7]]), mask=mask)
+    np.testing.assert_array_equal(
+        values, [[0, 1, 0, 2, 3], [4, 5, 0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 6, 7]]
+    )
+    assert out_mask is not None and out_mask.tolist() == mask.tolist()
+    with pytest.raises(ValueError, match="rollout 0 has 3 values; its mask row has 2"):
+        to_padded(response([[1, 2, 3], [4, 5]]), mask=mask[:2] & np.array([1, 0, 1, 1, 1], bool))

@@ -39,9 +39,14 @@ def to_padded(
     pad_value: float = 0.0,
     order: Sequence[str] | None = None,
     dtype: Any = np.float32,
+    mask: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(values, mask)``: per-token ``key`` of every rollout as a (batch, max_len) array, right
     padded with ``pad_value``, and the bool mask of real tokens.
+
+    ``mask`` (the trainer's (batch, T) mask, left padding or holes allowed): each rollout's
+    values go to its row's true positions, in order (row i must have as many as rollout i has
+    values), and the mask returned is that one; ``max_len`` does not apply.
 
     Rows follow :func:`result_rollouts` (request order for a response dict) or ``order``, a
     list of ``rollout_id`` values (stream results arrive in completion order; ``order`` puts
@@ -62,7 +67,35 @@ def to_padded(
             raise KeyError(f"no result for rollout ids {missing[:5]}")
         rollouts = [by_id[rid] for rid in order]
     arrays = [np.asarray(r[key]) for r in rollouts]
+    if mask is not None:
+        return scatter_to_mask(arrays, mask, pad_value=pad_value, dtype=dtype)
     return pad_arrays(arrays, max_len=max_len, pad_value=pad_value, dtype=dtype)
+
+
+def scatter_to_mask(
+    arrays: Iterable[np.ndarray], mask: Any, *, pad_value: float = 0.0, dtype: Any = np.float32
+) -> tuple[np.ndarray, np.ndarray]:
+    """Ragged 1-D arrays placed at the true positions of ``mask`` (B, T), row i's in order:
+    ``(values, mask)``, one scatter (no per-row copy loop)."""
+    from .padded import as_numpy
+
+    m = as_numpy(mask, "mask")
+    m = m if m.dtype == np.bool_ else m != 0
+    arrays = list(arrays)
+    if m.ndim != 2 or m.shape[0] != len(arrays):
+        raise ValueError(f"mask must be ({len(arrays)}, T), got shape {m.shape}")
+    lengths = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
+    counts = np.count_nonzero(m, axis=1)
+    wrong = np.flatnonzero(counts != lengths)
+    if wrong.size:
+        row = int(wrong[0])
+        raise ValueError(
+            f"rollout {row} has {int(lengths[row])} values; its mask row has {int(counts[row])}"
+        )
+    values = np.full(m.shape, pad_value, dtype=dtype)
+    if lengths.sum():
+        values[m] = np.concatenate(arrays)
+    return values, m
 
 
 def pad_arrays(
