@@ -1,5 +1,6 @@
 """A trainer fleet against one replica on its defaults: N client processes, each sending small
-requests over HTTP (JSON) as fast as it can, with no retries.
+requests over HTTP (JSON) as fast as it can, with no retries (``fleet_client.py``: a process
+each, importing nothing but httpx, all connected before the measured window opens).
 
     python bench/bench_fleet.py [--duration 20] [--clients 1,4,8,16,32,64]
         [--estimators ktae,grpo] [--merging on,off]
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,30 +36,7 @@ from bench_load import start_service
 from loadgen import Shape, make_request
 
 SHAPE = Shape(groups=4, rollouts=8, tokens=512)
-
-
-def client(url: str, body: bytes, start_at: float, stop_at: float, out: Any) -> None:
-    """Send ``body`` back to back from ``start_at`` until ``stop_at``; put (answered latencies,
-    refused count, failed count) on ``out``."""
-    latencies: list[float] = []
-    refused = failed = 0
-    headers = {"content-type": "application/json"}
-    with httpx.Client(base_url=url, timeout=120.0) as http:
-        time.sleep(max(0.0, start_at - time.time()))
-        while time.time() < stop_at:
-            started = time.perf_counter()
-            try:
-                status = http.post("/v1/advantages", content=body, headers=headers).status_code
-            except httpx.HTTPError:
-                failed += 1
-                continue
-            if status == 200:
-                latencies.append(time.perf_counter() - started)
-            elif status in (429, 503):
-                refused += 1
-            else:
-                failed += 1
-    out.put((latencies, refused, failed))
+CLIENT = Path(__file__).resolve().parent / "fleet_client.py"
 
 
 def batch_histogram(url: str) -> tuple[float, float]:
@@ -86,33 +64,45 @@ def run(estimator: str, merging: str, clients: int, duration: float) -> dict[str
             # One warm-up request, then every client starts at the same instant.
             httpx.post(url + "/v1/advantages", content=body, timeout=60)
             before = batch_histogram(url)
-            ctx = mp.get_context("spawn")
-            out = ctx.Queue()
-            start_at = time.time() + 2.0 + 0.05 * clients
+            body_file = Path(tmp) / "body.json"
+            body_file.write_bytes(body)
+            # Every client process starts (imports, connects) before the window opens.
+            start_at = time.time() + 3.0 + 0.2 * clients
             stop_at = start_at + duration
+            outs = [Path(tmp) / f"client-{i}.json" for i in range(clients)]
             procs = [
-                ctx.Process(target=client, args=(url, body, start_at, stop_at, out))
-                for _ in range(clients)
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(CLIENT),
+                        url,
+                        str(body_file),
+                        str(start_at),
+                        str(stop_at),
+                        str(out),
+                    ]
+                )
+                for out in outs
             ]
             for p in procs:
-                p.start()
-            results = [out.get(timeout=duration + 300) for _ in procs]
-            for p in procs:
-                p.join(30)
+                p.wait(duration + 300)
             after = batch_histogram(url)
+            results = [json.loads(out.read_text()) for out in outs]
+            late = sum(r["ready_at"] > start_at for r in results)
         finally:
             proc.terminate()
             proc.wait(60)
-    answered = [len(r[0]) for r in results]
-    latencies = np.array([x for r in results for x in r[0]])
+    answered = [len(r["latencies"]) for r in results]
+    latencies = np.array([x for r in results for x in r["latencies"]])
     computations = after[1] - before[1]
     return {
         "estimator": estimator,
         "merging": merging,
         "clients": clients,
         "answered": int(sum(answered)),
-        "refused": int(sum(r[1] for r in results)),
-        "failed": int(sum(r[2] for r in results)),
+        "refused": int(sum(r["refused"] for r in results)),
+        "failed": int(sum(r["failed"] for r in results)),
+        "late_clients": late,
         "requests_per_s": sum(answered) / duration,
         "tokens_per_s": sum(answered) * tokens / duration,
         "p50_ms": float(np.percentile(latencies, 50) * 1000) if latencies.size else None,
