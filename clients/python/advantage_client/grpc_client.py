@@ -13,6 +13,7 @@ import numpy as np
 
 from .errors import AdvantageError
 from .flat import (
+    TOKEN_FIELDS,
     check_top_level,
     flatten_groups,
     is_number,
@@ -47,7 +48,7 @@ STREAM_ROLLOUT_FIELDS = (
     "rollout_id",
     "tokens",
     "reward",
-    "logprobs",
+    *TOKEN_FIELDS,
     "teacher_logprobs",
 )
 # Unlimited on the client: the server's ADV_MAX_BODY_BYTES is the limit that matters.
@@ -116,8 +117,8 @@ def compute_request_message(request: Mapping[str, Any]) -> pb.ComputeRequest:
         tokens=to_tensor(flat.tokens),
         rewards=to_tensor(flat.rewards),
     )
-    if flat.logprobs is not None:
-        message.logprobs.CopyFrom(to_tensor(flat.logprobs))
+    for name, values in flat.token_values().items():
+        getattr(message, name).CopyFrom(to_tensor(values))
     for name, values in flat.teacher_logprobs.items():
         message.teacher_logprobs[name].CopyFrom(to_tensor(values))
     return message
@@ -196,7 +197,8 @@ def compute_response_dict(response: pb.ComputeResponse) -> dict[str, Any]:
 
 def rollout_message(rollout: Mapping[str, Any]) -> pb.Rollout:
     """A stream rollout dict (``group_id``, ``group_size``, optional ``rollout_id``,
-    ``tokens``, ``reward``, optional ``logprobs`` and ``teacher_logprobs``) as a ``Rollout``."""
+    ``tokens``, ``reward``, optional ``logprobs``, ``entropy``, ``sum_pi_squared``,
+    ``is_weights`` and ``teacher_logprobs``) as a ``Rollout``."""
     if not isinstance(rollout, Mapping):
         raise AdvantageError("invalid_type", "a rollout must be a dict", field="rollouts")
     gid = rollout.get("group_id")
@@ -236,8 +238,10 @@ def rollout_message(rollout: Mapping[str, Any]) -> pb.Rollout:
         tokens=to_tensor(narrow_tokens(token_array(rollout["tokens"], field="tokens", **where))),
         reward=float(reward),
     )
-    if rollout.get("logprobs") is not None:
-        message.logprobs.CopyFrom(to_tensor(np.asarray(rollout["logprobs"], dtype=np.float32)))
+    for name in TOKEN_FIELDS:
+        if rollout.get(name) is not None:
+            values = np.asarray(rollout[name], dtype=np.float32)
+            getattr(message, name).CopyFrom(to_tensor(values))
     teacher = rollout.get("teacher_logprobs") or {}
     if not isinstance(teacher, Mapping):
         raise AdvantageError(
@@ -563,11 +567,11 @@ class GrpcClient:
         vocab_size: int | None = None,
     ) -> Iterator[dict[str, Any]]:
         """Send rollouts as ``rollouts`` yields them (each with ``group_id``, ``group_size``,
-        optional ``rollout_id``, ``tokens``, ``reward``, optional ``logprobs`` and
-        ``teacher_logprobs``); yield each group's result as soon as the service has computed
-        it, in completion order: ``{"id", "rollouts": [{"rollout_id", "rollout_index",
-        "advantages", ...}], "summary"}``, or ``{"id", "error": {...}, "rollout_ids"}`` for a
-        group the service refused (the stream goes on).
+        optional ``rollout_id``, ``tokens``, ``reward``, optional ``logprobs``, ``entropy``,
+        ``sum_pi_squared``, ``is_weights`` and ``teacher_logprobs``); yield each group's result
+        as soon as the service has computed it, in completion order: ``{"id", "rollouts":
+        [{"rollout_id", "rollout_index", "advantages", ...}], "summary"}``, or ``{"id",
+        "error": {...}, "rollout_ids"}`` for a group the service refused (the stream goes on).
 
         ``rollouts`` is read on a gRPC thread while results come back; closing the returned
         generator cancels the call. Raises :class:`AdvantageError` for a stream-level error,

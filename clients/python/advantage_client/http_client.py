@@ -57,8 +57,8 @@ def arrow_request_body(request: Mapping[str, Any]) -> bytes:
         "reward": pa.array(flat.rewards, type=pa.float64()),
         "tokens": lists(flat.tokens, tokens_type),
     }
-    if flat.logprobs is not None:
-        columns["logprobs"] = lists(flat.logprobs, pa.float32())
+    for name, values in flat.token_values().items():
+        columns[name] = lists(values, pa.float32())
     for name, values in flat.teacher_logprobs.items():
         columns[f"teacher.{name}"] = lists(values, pa.float32())
     options = {k: v for k, v in request.items() if k != "groups"}
