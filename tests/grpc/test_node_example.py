@@ -70,6 +70,19 @@ def test_node_example_prints_the_advantages_the_service_computes(
     assert_prints_the_service_advantages(run_example(node, service.target, "--json"))
 
 
+@pytest.mark.parametrize("estimator", ["otb", "forking"])
+def test_node_example_sends_the_per_token_inputs_the_token_methods_need(
+    service: Service, node: str, estimator: str
+) -> None:
+    run = run_example(node, service.target, "--json", f"--estimator={estimator}")
+    assert_prints_the_service_advantages(run)
+    printed = json.loads(run.stdout)
+    assert printed["request"]["estimator"] == estimator
+    # Both methods change the numbers: masked tokens, or a per-token baseline.
+    ktae = json.loads(run_example(node, service.target, "--json").stdout)
+    assert printed["response"] != ktae["response"]
+
+
 def test_node_example_human_output_and_unreachable_target(service: Service, node: str) -> None:
     run = run_example(node, service.target)
     assert run.returncode == 0, run.stderr
