@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from advantage_service import compute, compute_batch
-from oracle import PRESETS, random_request
+from oracle import ALL_PRESETS, random_request
 
 pytestmark = [
     pytest.mark.cuda,
@@ -17,8 +17,9 @@ pytestmark = [
 ]
 
 ESTIMATORS = [
-    *PRESETS,
+    *ALL_PRESETS,
     {"outcome": "rloo", "ktae": {}, "cscr": {}, "opsd": {"clip": 0.5}, "whiten": True},
+    {"outcome": "otb", "ktae": {}, "forking": {"scope": "group"}, "whiten": True},
 ]
 
 
@@ -32,6 +33,7 @@ def test_cuda_matches_cpu(estimator, seed):
         group_size=(1, 16),
         length=(0, 64),
         vocab=40,
+        is_weights=seed % 2 == 1,
     )
     cpu = compute(req, device="cpu")
     gpu = compute(req, device="cuda")
