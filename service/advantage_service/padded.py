@@ -61,20 +61,21 @@ def _request_error(exc: AdvantageError) -> RequestError:
 
 
 class _Padded:
-    """The (B, T) side of one call: the mask on the device, and on the CPU its numpy view for
-    numpy's (faster) boolean indexing."""
+    """The (B, T) side of one call: the mask on the device, and, for a gather on the CPU, its
+    numpy view for numpy's (faster) boolean indexing. ``gather``: whether tokens will be
+    gathered (a token-level estimator); without, a torch mask is only counted and multiplied."""
 
-    def __init__(self, mask: Any, rewards: Any, group_ids: Any) -> None:
+    def __init__(self, mask: Any, rewards: Any, group_ids: Any, gather: bool = True) -> None:
         self.torch = isinstance(mask, torch.Tensor)
         self.device = mask.device if isinstance(mask, torch.Tensor) else torch.device("cpu")
         self.cuda = self.device.type != "cpu"
-        if self.cuda:
-            assert isinstance(mask, torch.Tensor)
+        if isinstance(mask, torch.Tensor) and (self.cuda or not gather):
             if mask.dim() != 2:
                 raise RequestError(
                     "invalid_shape", f"mask must be (B, T), got {tuple(mask.shape)}", field="mask"
                 )
-            self.mask_t = mask if mask.dtype == torch.bool else mask != 0
+            self.mask_raw = mask
+            self.mask_t = mask if mask.dtype == torch.bool else mask != 0 if gather else mask
             names, index = group_index_of(group_ids)
             b = self.mask_t.shape[0]
             if index.shape != (b,):
@@ -92,12 +93,13 @@ class _Padded:
                     f"rewards must have shape ({b},), got {tuple(self.rewards.shape)}",
                     field="rewards",
                 )
-            self.lengths = self.mask_t.sum(1)
+            self.lengths = torch.count_nonzero(mask, dim=1)
             self.layout: PaddedLayout | None = None
         else:
             layout = PaddedLayout.from_padded(mask, rewards, group_ids)
             self.layout = layout
             self.mask_t = torch.from_numpy(layout.mask)
+            self.mask_raw = self.mask_t
             self.group_ids = layout.group_ids
             self.group_index = torch.from_numpy(layout.group_index)
             self.rewards = torch.from_numpy(np.ascontiguousarray(layout.rewards))
@@ -131,7 +133,10 @@ class _Padded:
         """(B,) float32 over each row's mask, exactly 0 off it: (B, T)."""
         if self.layout is not None:
             return torch.from_numpy(self.layout.broadcast(per_row.numpy()))
-        return torch.where(self.mask_t, per_row.unsqueeze(1), per_row.new_zeros(()))
+        if self.mask_raw.dtype == torch.bool:
+            return torch.where(self.mask_raw, per_row.unsqueeze(1), per_row.new_zeros(()))
+        # A 0/1 mask: the product verl's outcome estimators take (the same cost as theirs).
+        return (per_row.unsqueeze(1) * self.mask_raw).to(torch.float32)
 
     def out(self, tensor: torch.Tensor) -> Any:
         """A result as the caller's kind: the tensor, or numpy for numpy inputs."""
@@ -231,8 +236,9 @@ def compute_padded(
                 field=name,
             )
     try:
-        padded = _Padded(mask, rewards, group_ids)
-        if not _token_level(spec):
+        token_level = _token_level(spec)
+        padded = _Padded(mask, rewards, group_ids, gather=token_level)
+        if not token_level:
             advantages, scalars = _outcome_only(padded, spec, wanted)
             return PaddedResult(padded.out(advantages), padded.out(scalars), {})
         if tokens is None:
