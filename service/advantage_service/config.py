@@ -77,6 +77,12 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(
         default=256 * MIB, ge=1, description="request body size; above it the answer is 413"
     )
+    max_request_rollouts: int = Field(
+        default=131_072,
+        ge=1,
+        description="rollouts in one request (counted before the body's numbers are parsed); "
+        "above it the answer is 413",
+    )
     max_group_size: int = Field(
         default=1024, ge=1, description="rollouts in one group; above it the answer is 413"
     )

@@ -33,6 +33,7 @@ from .errors import LimitExceeded, RequestError, deadline_exceeded
 from .estimators import TERMS, AdvantageResult, TermContext, resolve_device
 from .estimators.pipeline import check_inputs
 from .estimators.state import WriteOptions
+from .jsonio import BodyLimits
 from .metrics import TOKEN_SAMPLE, Metrics
 from .request import ComputeRequest, parse_request
 from .scheduler import Computation, Scheduler, Ticket
@@ -212,6 +213,14 @@ class Engine:
             call.started = started
         return call
 
+    @property
+    def body_limits(self) -> BodyLimits:
+        """What a request body may hold, for decoders that count before parsing."""
+        return BodyLimits(
+            max_tokens=self.settings.max_request_tokens,
+            max_rollouts=self.settings.max_request_rollouts,
+        )
+
     def admit(self, nbytes: int = 0) -> Ticket:
         """A place in the queue for a request whose body has (at least) ``nbytes`` bytes, taken
         before the body is read; raises :class:`~.errors.Overloaded` (503) when it is full."""
@@ -228,6 +237,12 @@ class Engine:
                 f"the request has {batch.num_tokens} tokens; the limit is {limit} "
                 "(ADV_MAX_REQUEST_TOKENS): split the batch",
                 field="tokens",
+            )
+        if batch.num_rollouts > self.settings.max_request_rollouts:
+            raise LimitExceeded(
+                f"the request has {batch.num_rollouts} rollouts; the limit is "
+                f"{self.settings.max_request_rollouts} (ADV_MAX_REQUEST_ROLLOUTS): split the batch",
+                field="rollouts",
             )
         if batch.num_groups:
             sizes = batch.group_sizes

@@ -107,10 +107,11 @@ def wants_arrow(accept: str | None) -> bool:
 # ---- codecs (run on the engine's workers) -------------------------------------------------------
 
 
-def decode_json(body: bytes) -> ComputeRequest:
-    """A JSON body as a validated request: jsonio + request.parse_request, as in-process."""
+def decode_json(body: bytes, limits: jsonio.BodyLimits | None = None) -> ComputeRequest:
+    """A JSON body as a validated request (request.parse_request, as in-process), its counts
+    checked against ``limits`` before its numbers are parsed (jsonio.loads_request)."""
     try:
-        obj = jsonio.loads(body)
+        obj = jsonio.loads_request(body, limits)
     except RequestError:
         raise
     except (ValueError, RecursionError) as exc:  # too-deep nesting, integers of 4300+ digits
@@ -318,8 +319,10 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
                 except ClientDisconnect:
                     call.finish(499, "client_disconnected")
                     return Response(status_code=400)
-                decode: Callable[[], ComputeRequest] = partial(
-                    arrow.decode_request if fmt == "arrow" else decode_json, body
+                decode: Callable[[], ComputeRequest] = (
+                    partial(arrow.decode_request, body)
+                    if fmt == "arrow"
+                    else partial(decode_json, body, engine.body_limits)
                 )
                 encode = arrow.encode_response if arrow_out else encode_json
                 computed = await engine.compute(
