@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from .estimators.state import Compression
 
@@ -137,6 +137,11 @@ class Settings(BaseSettings):
     tls_client_ca: str | None = Field(
         default=None, description="PEM CA bundle: clients must present a certificate it signed"
     )
+    ignore_token_ids: Annotated[tuple[int, ...], NoDecode] = Field(
+        default=(),
+        description="token ids KTAE ignores in every request that gives no ignore_token_ids of "
+        "its own (e.g. 151643, Qwen's end of text); comma-separated",
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     log_format: Literal["json", "text"] = Field(
         default="json", description="json: one JSON object per line; text: for a terminal"
@@ -150,6 +155,15 @@ class Settings(BaseSettings):
                 f"{value!r} is not a Redis URL: use redis://host:port/db, rediss:// (TLS) or "
                 "unix:///path/to/socket"
             )
+        return value
+
+    @field_validator("ignore_token_ids", mode="before")
+    @classmethod
+    def _token_list(cls, value: object) -> object:
+        # "151643,151645" or "[151643]" from the environment or a flag; a list from code
+        if isinstance(value, str):
+            text = value.strip().strip("[]")
+            return tuple(int(part) for part in text.split(",") if part.strip())
         return value
 
     @field_validator("device")

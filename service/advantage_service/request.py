@@ -9,8 +9,8 @@ tables, gRPC tensors), and :meth:`RequestOptions.with_batch` joins the two.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from advantage_client.errors import AdvantageError
@@ -65,6 +65,17 @@ class RequestOptions:
             returns=self.returns,
             client_request_id=self.client_request_id,
         )
+
+
+def with_server_defaults(
+    req: ComputeRequest, ignore_token_ids: Sequence[int] = ()
+) -> ComputeRequest:
+    """``req`` with the server's defaults for what it did not give: ``ignore_token_ids``
+    (``ADV_IGNORE_TOKEN_IDS``) when its own list is empty. (A request that wants none where the
+    server sets some gives an id no token has, e.g. ``[-1]``.)"""
+    if req.ignore_token_ids or not ignore_token_ids:
+        return req
+    return replace(req, ignore_token_ids=[int(t) for t in ignore_token_ids])
 
 
 def parse_request(obj: Any) -> ComputeRequest:
