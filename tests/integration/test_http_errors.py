@@ -343,3 +343,47 @@ def test_random_requests_are_valid(server: Server) -> None:
     # The builders above are honest: an unchanged request is accepted.
     assert server.client.post("/v1/advantages", json=small_request()).status_code == 200
     assert post_text(server, arrow_request(random_request(5)), ARROW).status_code == 200
+
+
+def _post_raw(server: Server, body: bytes, declared: int | None = None) -> tuple[int, bytes]:
+    """POST ``body`` over a raw socket, all of it sent before the answer is read (as most
+    clients do); (status, answer body). A reset while sending fails the test."""
+    import socket
+
+    length = len(body) if declared is None else declared
+    head = (
+        "POST /v1/advantages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {length}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        sock.sendall(head + body)
+        data = b""
+        while chunk := sock.recv(1 << 16):
+            data += chunk
+            if b"\r\n\r\n" in data:
+                header, _, rest = data.partition(b"\r\n\r\n")
+                size = int(
+                    next(
+                        line.split(b":")[1]
+                        for line in header.split(b"\r\n")
+                        if line.lower().startswith(b"content-length")
+                    )
+                )
+                if len(rest) >= size:
+                    return int(header.split()[1]), rest[:size]
+    raise AssertionError(f"no complete answer: {data[:200]!r}")
+
+
+def test_a_client_still_sending_an_oversized_body_reads_the_413_not_a_reset(
+    server: Server,
+) -> None:
+    """The limit is refused from Content-Length before the body is read; the service reads and
+    drops the rest (bounded) so that the client, which sends it all before reading, gets the
+    answer. 20x the body limit of the shared server."""
+    limit = SHARED_SETTINGS["max_body_bytes"]
+    status, answer = _post_raw(server, b" " * (20 * limit))
+    assert status == 413
+    error = json.loads(answer)["error"]
+    assert error["code"] == "limit_exceeded" and error["field"] == "body"
+    # The service is still there for the next client.
+    assert server.client.get("/healthz").status_code == 200

@@ -9,6 +9,7 @@ than computing their advantages.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -51,6 +52,9 @@ log = logging.getLogger("advantage_service.http")
 
 JSON = "application/json"
 ARROW = arrow.MEDIA_TYPE
+# How much of a refused request's body is read and dropped before the connection closes.
+DISCARD_MAX_BYTES = 8 * 2**30
+DISCARD_MAX_SECONDS = 30.0
 # Where the packaged Swagger UI assets are served.
 DOCS_ASSETS = "/docs/assets"
 # The transport label of GET /v1/stats/tokens in access lines and rejection counts.
@@ -166,6 +170,23 @@ async def read_body(
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
+async def discard_body(request: Request, max_bytes: int, max_seconds: float) -> int:
+    """Read and drop what is left of the request's body, at most ``max_bytes`` within
+    ``max_seconds`` (as nginx's lingering close does): a client that sends its whole body before
+    reading the answer then reads it instead of a connection reset. The bytes dropped."""
+    dropped = 0
+    with contextlib.suppress(TimeoutError, ClientDisconnect):
+        async with asyncio.timeout(max_seconds):
+            while dropped < max_bytes:
+                message = await request.receive()
+                if message["type"] != "http.request":
+                    break
+                dropped += len(message.get("body", b""))
+                if not message.get("more_body", False):
+                    break
+    return dropped
+
+
 # ---- the application ----------------------------------------------------------------------------
 
 
@@ -271,9 +292,11 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, exc: RequestError) -> Response:
-        headers = {"WWW-Authenticate": CHALLENGE} if exc.status == 401 else None
+        headers = {"WWW-Authenticate": CHALLENGE} if exc.status == 401 else {}
         if isinstance(exc, Overloaded):
             headers = {"Retry-After": str(exc.retry_after_seconds)}
+        if getattr(request.state, "close_connection", False):
+            headers["Connection"] = "close"
         return _error_response(exc.status, exc.to_dict(), headers)
 
     @app.exception_handler(RequestValidationError)
@@ -302,6 +325,17 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         tags=["advantages"],
     )
     async def advantages(request: Request) -> Response:
+        try:
+            return await compute_advantages(request)
+        except RequestError:
+            if not getattr(request.state, "body_read", False):
+                # Refused before its body was read (401, 413 by Content-Length, 503): a client
+                # still sending must get this answer, not a reset; discard the rest, bounded.
+                await discard_body(request, DISCARD_MAX_BYTES, DISCARD_MAX_SECONDS)
+                request.state.close_connection = True
+            raise
+
+    async def compute_advantages(request: Request) -> Response:
         with engine.call("http") as call:
             # Before admission: a client without a valid token takes no place and sends no body.
             principal = authenticate(request, call)
@@ -319,6 +353,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
                 except ClientDisconnect:
                     call.finish(499, "client_disconnected")
                     return Response(status_code=400)
+                request.state.body_read = True
                 decode: Callable[[], ComputeRequest] = (
                     partial(arrow.decode_request, body)
                     if fmt == "arrow"
