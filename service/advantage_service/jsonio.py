@@ -45,6 +45,12 @@ def loads(text: str | bytes) -> Any:
         raise RequestError(
             "invalid_json", f"request body is not valid JSON: {exc}", field=""
         ) from exc
+    except RecursionError as exc:  # (in gRPC's estimator_json, Arrow's metadata, ...)
+        raise RequestError(
+            "invalid_json", "the JSON is nested too deeply to be a request", field=""
+        ) from exc
+    except ValueError as exc:  # integers of more than 4300 digits
+        raise RequestError("invalid_json", f"the JSON is not usable: {exc}", field="") from exc
 
 
 # ---- request bodies: bounded before the numbers are parsed ---------------------------------------
@@ -89,12 +95,7 @@ def loads_request(body: bytes, limits: BodyLimits | None = None) -> Any:
         spans.append(match.span(2))
         return b'"%s%d"' % (nonce, len(spans) - 1)
 
-    try:
-        skeleton = loads(_STRING_OR_NUMBERS.sub(mark, body))
-    except RecursionError as exc:
-        raise RequestError(
-            "invalid_json", "request body is nested too deeply to be a request", field=""
-        ) from exc
+    skeleton = loads(_STRING_OR_NUMBERS.sub(mark, body))
     marker = "\x01" + nonce[6:].decode()
     if limits is not None:
         _check_counts(skeleton, body, spans, marker, limits)

@@ -230,3 +230,20 @@ def test_grpc_requests_are_counted_with_transport_grpc(service: Service) -> None
         name == "advantage_request_duration_seconds_count" and dict(labels)["transport"] == "grpc"
         for name, labels in samples
     )
+
+
+def test_deeply_nested_estimator_json_is_invalid_argument_not_internal(service: Service) -> None:
+    """A RecursionError in the JSON of the options (Compute and StreamCompute) is the client's
+    mistake: INVALID_ARGUMENT invalid_json, never INTERNAL."""
+    deep = '{"a":' * 100_000 + "1" + "}" * 100_000
+    message = compute_request_message(random_request(seed=4))
+    message.options.estimator_json = deep
+    error = call_error(service.target, message)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert metadata_of(error)["advantage-error-code"] == "invalid_json"
+    with grpc.insecure_channel(service.target) as channel:
+        stub = pb_grpc.AdvantageServiceStub(channel)
+        options = pb.StreamRequest(options=pb.ComputeOptions(estimator_json=deep))
+        with pytest.raises(grpc.RpcError) as raw:
+            list(stub.StreamCompute(iter([options]), timeout=30))
+    assert raw.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]

@@ -387,3 +387,19 @@ def test_a_client_still_sending_an_oversized_body_reads_the_413_not_a_reset(
     assert error["code"] == "limit_exceeded" and error["field"] == "body"
     # The service is still there for the next client.
     assert server.client.get("/healthz").status_code == 200
+
+
+def test_deeply_nested_json_in_the_arrow_metadata_is_422_not_a_crash(server: Server) -> None:
+    deep = '{"a":' * 100_000 + "1" + "}" * 100_000
+    table = pa.table({"group_id": ["g"], "reward": [1.0], "tokens": [[1, 2]]})
+    table = table.replace_schema_metadata({"advantage.request": deep})
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    answer = server.client.post(
+        "/v1/advantages",
+        content=sink.getvalue().to_pybytes(),
+        headers={"content-type": "application/vnd.apache.arrow.stream"},
+    )
+    assert answer.status_code == 422, answer.text
+    assert answer.json()["error"]["code"] == "invalid_json"
