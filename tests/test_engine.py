@@ -358,3 +358,29 @@ def test_arrow_requests_are_computed_without_writing_to_their_buffers(estimator:
     assert {"logprobs", "pos", "neg"} <= set(views), f"zero-copy columns: {views}"
     compute_request(decoded, "cpu")
     assert hashlib.sha256(payload).hexdigest() == before
+
+
+def test_the_servers_ignore_token_ids_apply_to_requests_that_give_none() -> None:
+    """ADV_IGNORE_TOKEN_IDS reaches the computation: a KTAE key token the server ignores scores
+    0 in a request without its own list, and keeps its score in one that gives another list."""
+    request = {
+        "estimator": "ktae",
+        "return": ["ktae_score"],
+        "groups": [
+            {
+                "id": "g",
+                "rollouts": [
+                    {"tokens": [7, 1], "reward": 1.0},
+                    {"tokens": [2, 1], "reward": 0.0},
+                ],
+            }
+        ],
+    }
+    engine = engine_with(ignore_token_ids=(7,))
+    plain = asyncio.run(engine.compute(parse_request(request), "t"))
+    own = asyncio.run(engine.compute(parse_request({**request, "ignore_token_ids": [2]}), "t"))
+    scores = plain.result.diagnostics["ktae_score"].tolist()
+    assert scores[0] == 0.0 and scores[2] != 0.0  # 7 ignored by the server, 2 scored
+    own_scores = own.result.diagnostics["ktae_score"].tolist()
+    assert own_scores[0] != 0.0 and own_scores[2] == 0.0  # the request's own list instead
+    engine.close()

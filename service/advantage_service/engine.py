@@ -35,7 +35,7 @@ from .estimators.pipeline import check_inputs
 from .estimators.state import WriteOptions
 from .jsonio import BodyLimits
 from .metrics import TOKEN_SAMPLE, Metrics
-from .request import ComputeRequest, parse_request
+from .request import ComputeRequest, parse_request, with_server_defaults
 from .scheduler import Computation, Scheduler, Ticket
 from .stats import StatsStore
 from .stats_writer import StatsWriter
@@ -311,6 +311,7 @@ class Engine:
                     if isinstance(request, ComputeRequest)
                     else await self._on_codec(ticket, request)
                 )
+                req = with_server_defaults(req, self.settings.ignore_token_ids)
                 call.request, call.estimator = req, req.estimator.label
                 if principal is not None:
                     principal.authorize(req.namespace)
