@@ -58,6 +58,9 @@ bench: install
 	$(BIN)/python bench/bench_http.py
 	$(BIN)/python bench/bench_stats.py
 	$(BIN)/python bench/bench_load.py
+	$(BIN)/python bench/bench_trainers.py
+	$(BIN)/python bench/bench_fleet.py
+	$(BIN)/python bench/bench_merge.py
 
 lint: install
 	$(BIN)/ruff check service tests bench clients/python

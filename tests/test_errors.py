@@ -367,3 +367,61 @@ def test_clip_beyond_float32_range_clips_nothing():
     for g1, g2 in zip(plain["groups"], clipped["groups"], strict=True):
         for r1, r2 in zip(g1["rollouts"], g2["rollouts"], strict=True):
             np.testing.assert_array_equal(r1["advantages"], r2["advantages"])
+
+
+@pytest.mark.parametrize(
+    ("request_obj", "code", "status", "field", "where"),
+    [
+        # a boolean is not a token id (numpy would read true as 1)
+        ({"tokens": [1, True]}, "invalid_type", 422, "tokens", ("g", 0)),
+        # a finite reward past float32's range is named as such, not as "inf"
+        ({"tokens": [1], "reward": 1e300}, "invalid_value", 422, "reward", ("g", 0)),
+        # an id past int64 keeps its value in the message and names its rollout
+        ({"tokens": [5, 2**63]}, "token_out_of_range", 422, "tokens", ("g", 0)),
+    ],
+)
+def test_reproducers_of_odd_values_are_located_request_errors(
+    request_obj: dict, code: str, status: int, field: str, where: tuple
+) -> None:
+    from advantage_service import RequestError, compute
+
+    rollout = {"reward": 1.0, **request_obj}
+    with pytest.raises(RequestError) as info:
+        compute({"groups": [{"id": "g", "rollouts": [rollout]}]})
+    error = info.value
+    assert (error.code, error.status, error.field) == (code, status, field)
+    assert (error.group_id, error.rollout_index) == where
+    if code == "invalid_value":
+        assert "1e+300" in error.message and "inf" not in error.message
+    if code == "token_out_of_range":
+        assert str(2**63) in error.message
+
+
+def test_identifiers_are_bounded_and_not_echoed() -> None:
+    from advantage_service import RequestError, compute
+
+    small = {"id": "g", "rollouts": [{"tokens": [1], "reward": 1.0}]}
+    for request_obj, field in (
+        ({"request_id": "r" * 257, "groups": [small]}, "request_id"),
+        ({"groups": [{**small, "id": "g" * 257}]}, "id"),
+        (
+            {
+                "groups": [
+                    {
+                        "id": "g",
+                        "rollouts": [
+                            {"tokens": [1], "reward": 1.0, "teacher_logprobs": {"c" * 65: [-1.0]}}
+                        ],
+                    }
+                ]
+            },
+            "teacher_logprobs",
+        ),
+    ):
+        with pytest.raises(RequestError) as info:
+            compute(request_obj)
+        error = info.value
+        assert (error.code, error.status, error.field) == ("limit_exceeded", 413, field)
+        assert len(error.message) < 200 and (error.group_id or "") != "g" * 257
+    # At the limits they pass.
+    compute({"request_id": "r" * 256, "groups": [{**small, "id": "g" * 256}]})

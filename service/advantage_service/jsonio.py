@@ -42,15 +42,11 @@ def loads(text: str | bytes) -> Any:
     try:
         return json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RequestError(
-            "invalid_json", f"request body is not valid JSON: {exc}", field=""
-        ) from exc
+        raise RequestError("invalid_json", f"request body is not valid JSON: {exc}") from exc
     except RecursionError as exc:  # (in gRPC's estimator_json, Arrow's metadata, ...)
-        raise RequestError(
-            "invalid_json", "the JSON is nested too deeply to be a request", field=""
-        ) from exc
+        raise RequestError("invalid_json", "the JSON is nested too deeply to be a request") from exc
     except ValueError as exc:  # integers of more than 4300 digits
-        raise RequestError("invalid_json", f"the JSON is not usable: {exc}", field="") from exc
+        raise RequestError("invalid_json", f"the JSON is not usable: {exc}") from exc
 
 
 # ---- request bodies: bounded before the numbers are parsed ---------------------------------------

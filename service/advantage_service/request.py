@@ -17,11 +17,12 @@ from advantage_client.errors import AdvantageError
 from advantage_client.flat import TOP_LEVEL_FIELDS, flatten_groups
 
 from .batch import RolloutBatch
-from .errors import RequestError
+from .errors import LimitExceeded, RequestError
 from .estimators import EstimatorSpec, resolve_estimator
 from .estimators.pipeline import all_diagnostics
 
 DEFAULT_NAMESPACE = "default"
+MAX_REQUEST_ID_LENGTH = 256
 # JSON integers are unbounded; numbers the batch arrays cannot hold are request errors.
 INT64_LIMIT = 2**63
 
@@ -88,7 +89,7 @@ def parse_options(obj: Any) -> RequestOptions:
     """Decode and validate every top-level field of a request but ``groups`` (left to the
     caller: :func:`batch_from_groups`, or a transport that carries the rollouts elsewhere)."""
     if not isinstance(obj, Mapping):
-        raise RequestError("invalid_type", "the request must be a JSON object", field="")
+        raise RequestError("invalid_type", "the request must be a JSON object")
     for key in obj:
         if key not in TOP_LEVEL_FIELDS:
             raise RequestError(
@@ -99,6 +100,12 @@ def parse_options(obj: Any) -> RequestOptions:
     request_id = obj.get("request_id")
     if request_id is not None and not isinstance(request_id, str):
         raise RequestError("invalid_type", "request_id must be a string", field="request_id")
+    if request_id is not None and len(request_id) > MAX_REQUEST_ID_LENGTH:
+        # (it is logged and kept as a Redis key for the TTL: a request id, not a payload)
+        raise LimitExceeded(
+            f"request_id has {len(request_id)} characters; the limit is {MAX_REQUEST_ID_LENGTH}",
+            field="request_id",
+        )
     namespace = obj.get("namespace", DEFAULT_NAMESPACE)
     if not isinstance(namespace, str) or not namespace or len(namespace) > 128:
         raise RequestError(
@@ -153,6 +160,7 @@ def batch_from_groups(groups: Any, vocab_size: int | None) -> RolloutBatch:
             group_id=exc.group_id,
             rollout_index=exc.rollout_index,
             field=exc.field,
+            status=413 if exc.code == "limit_exceeded" else 422,
         ) from exc
     return RolloutBatch.from_flat(
         tokens=flat.tokens,

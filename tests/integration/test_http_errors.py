@@ -83,15 +83,15 @@ def post_text(server: Server, body: bytes | str, content_type: str = "applicatio
 
 
 def test_malformed_json_is_422_invalid_json(server: Server) -> None:
-    expect_error(post_text(server, b'{"groups": [}'), 422, "invalid_json", "")
+    expect_error(post_text(server, b'{"groups": [}'), 422, "invalid_json", None)
 
 
 def test_deeply_nested_json_is_422_not_a_crash(server: Server) -> None:
-    expect_error(post_text(server, "[" * 100_000 + "]" * 100_000), 422, "invalid_json", "")
+    expect_error(post_text(server, "[" * 100_000 + "]" * 100_000), 422, "invalid_json", None)
 
 
 def test_a_json_array_is_422_invalid_type(server: Server) -> None:
-    expect_error(post_text(server, b"[]"), 422, "invalid_type", "")
+    expect_error(post_text(server, b"[]"), 422, "invalid_type", None)
 
 
 def test_missing_groups_is_422(server: Server) -> None:
@@ -215,7 +215,7 @@ def test_huge_integer_parameter_is_422(server: Server) -> None:
 
 
 def test_garbage_arrow_is_422_invalid_arrow(server: Server) -> None:
-    expect_error(post_text(server, b"\x00not arrow at all", ARROW), 422, "invalid_arrow", "")
+    expect_error(post_text(server, b"\x00not arrow at all", ARROW), 422, "invalid_arrow", None)
 
 
 def test_arrow_without_tokens_column_is_422_invalid_arrow(server: Server) -> None:

@@ -12,6 +12,7 @@ numpy only.
 
 from __future__ import annotations
 
+import math
 import numbers
 import sys
 from collections.abc import Mapping, Sequence
@@ -92,6 +93,24 @@ class FlatGroups:
         )
 
 
+# The longest identifiers a request may carry (they are logged, stored as Redis keys and echoed
+# back): group ids and teacher condition names.
+MAX_GROUP_ID_LENGTH = 256
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+# Token ids at or above this cannot be a vocabulary's (the batch holds them as int32).
+TOKEN_ID_LIMIT = 2**31
+MAX_CONDITION_NAME_LENGTH = 64
+
+
+def _too_long(what: str, length: int, limit: int, field: str, **where: Any) -> AdvantageError:
+    return _error(
+        "limit_exceeded",
+        f"{what} has {length} characters; the limit is {limit}",
+        field=field,
+        **where,
+    )
+
+
 def _error(code: str, message: str, **where: Any) -> AdvantageError:
     return AdvantageError(code, message, **where)
 
@@ -156,6 +175,25 @@ def _as_array(values: list[Any]) -> np.ndarray | None:
         return None
 
 
+def _check_token_range(pieces: list[list[Any] | np.ndarray], name: str, where: Any) -> None:
+    """Integers past int64 (numpy made them uint64): the first one's error, its true value."""
+    for r, piece in enumerate(pieces):
+        for t, x in enumerate(piece):
+            if _is_integer(x) and not -(2**63) <= int(x) < TOKEN_ID_LIMIT:
+                raise _error(
+                    "token_out_of_range",
+                    f"token id {int(x)} at token {t} is not in [0, {TOKEN_ID_LIMIT})",
+                    field=name,
+                    **where(r),
+                )
+
+
+def _has_booleans(values: list[Any]) -> bool:
+    """True when a list of numbers holds a boolean (one pass over the element types)."""
+    types = set(map(type, values))
+    return bool in types or np.bool_ in types
+
+
 def _flat_values(
     pieces: list[list[Any] | np.ndarray], integer: bool, name: str, where: Any
 ) -> np.ndarray:
@@ -168,14 +206,24 @@ def _flat_values(
     kinds = "iu" if integer else "iuf"
     default = np.dtype(np.int64 if integer else np.float64)
     if all(isinstance(p, list) for p in pieces):
-        values = _as_array(list(chain.from_iterable(pieces)))
-        if values is not None and (values.size == 0 or values.dtype.kind in kinds):
+        flat = list(chain.from_iterable(pieces))
+        values = _as_array(flat)
+        if integer and values is not None and values.dtype.kind == "u":
+            _check_token_range(pieces, name, where)
+        # (numpy reads true as 1: a boolean among the numbers is the client's mistake)
+        if (
+            values is not None
+            and (values.size == 0 or values.dtype.kind in kinds)
+            and not _has_booleans(flat)
+        ):
             return values.astype(default, copy=False)
     else:
         arrays = []
         for p in pieces:
             a = p if isinstance(p, np.ndarray) else _as_array(p)
             if a is None or (a.size and (a.dtype.kind not in kinds or a.ndim != 1)):
+                break
+            if not isinstance(p, np.ndarray) and _has_booleans(p):
                 break
             if a.size:
                 arrays.append(a)
@@ -197,6 +245,8 @@ def _flat_values(
                 raise _error(
                     "invalid_type", f"{name}[{t}] must be {kind}, got {x!r}", field=name, **where(r)
                 )
+    if integer:  # every element an integer: one beyond int64
+        _check_token_range(pieces, name, where)
     raise _error("invalid_type", f"{name} must hold numbers", field=name)
 
 
@@ -221,8 +271,10 @@ def flatten_groups(groups: Any) -> FlatGroups:
         gid = group.get("id")
         if not isinstance(gid, str):
             raise _error(
-                "invalid_type", f"groups[{g}].id must be a string, got {gid!r}", field="id"
+                "invalid_type", f"groups[{g}].id must be a string, got {gid!r:.80}", field="id"
             )
+        if len(gid) > MAX_GROUP_ID_LENGTH:  # (not echoed: it is too long to be an id)
+            raise _too_long(f"groups[{g}].id", len(gid), MAX_GROUP_ID_LENGTH, "id")
         extra = set(group) - {"id", "rollouts"}
         if extra:
             raise _error(
@@ -289,6 +341,14 @@ def flatten_groups(groups: Any) -> FlatGroups:
                 field="reward",
                 **where(r),
             )
+        if abs(float(reward)) > FLOAT32_MAX and math.isfinite(float(reward)):
+            # (rewards are float32 on the wire and in the batch: it would become inf)
+            raise _error(
+                "invalid_value",
+                f"reward {float(reward):g} is out of float32's range (|reward| <= 3.4e38)",
+                field="reward",
+                **where(r),
+            )
         if isinstance(tokens, np.ndarray) and tokens.ndim != 1:
             raise _error(
                 "invalid_shape",
@@ -310,6 +370,15 @@ def flatten_groups(groups: Any) -> FlatGroups:
                     field="teacher_logprobs",
                     **where(r),
                 )
+            for name in teacher:
+                if isinstance(name, str) and len(name) > MAX_CONDITION_NAME_LENGTH:
+                    raise _too_long(
+                        "a teacher_logprobs condition name",
+                        len(name),
+                        MAX_CONDITION_NAME_LENGTH,
+                        "teacher_logprobs",
+                        **where(r),
+                    )
             teacher_names.update(teacher)
 
     # (1-D arrays: len is their size)
@@ -385,7 +454,7 @@ def flatten_groups(groups: Any) -> FlatGroups:
 
 def check_top_level(request: Any) -> None:
     if not isinstance(request, Mapping):
-        raise _error("invalid_type", "the request must be a JSON object (a dict)", field="")
+        raise _error("invalid_type", "the request must be a JSON object (a dict)")
     for key in request:
         if key not in TOP_LEVEL_FIELDS:
             raise _error(

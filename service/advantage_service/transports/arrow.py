@@ -57,7 +57,7 @@ def read_table(body: bytes | bytearray | memoryview) -> pa.Table:
         with pa.ipc.open_stream(pa.py_buffer(body)) as reader:
             return reader.read_all()
     except (pa.ArrowException, OSError, ValueError, TypeError, IndexError) as exc:
-        raise _invalid(f"the body is not an Arrow IPC stream: {exc}", field="") from exc
+        raise _invalid(f"the body is not an Arrow IPC stream: {exc}") from exc
 
 
 def request_options(schema: pa.Schema) -> dict[str, Any]:

@@ -119,9 +119,7 @@ def decode_json(body: bytes, limits: jsonio.BodyLimits | None = None) -> Compute
     except RequestError:
         raise
     except (ValueError, RecursionError) as exc:  # too-deep nesting, integers of 4300+ digits
-        raise RequestError(
-            "invalid_json", f"request body is not usable JSON: {exc}", field=""
-        ) from exc
+        raise RequestError("invalid_json", f"request body is not usable JSON: {exc}") from exc
     return parse_request(obj)
 
 
