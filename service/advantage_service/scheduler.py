@@ -173,6 +173,7 @@ class Scheduler:
         self._delay_handle: asyncio.TimerHandle | None = None
         self._refused = 0
         self._refusal_logged = 0.0
+        self._refusing: str | None = None  # set by refuse_waiting: no request waits any more
 
     # ---- admission -----------------------------------------------------------------------------
 
@@ -254,6 +255,8 @@ class Scheduler:
         """Queue ``req`` and wait for its computation. Raises :class:`Overloaded` when it is
         still waiting ``queue_timeout`` seconds after its admission; a cancelled caller's
         request is dropped if it has not started."""
+        if self._refusing is not None and self._free == 0:
+            raise self.overloaded(self._refusing)
         loop = asyncio.get_running_loop()
         key = self._merge_key(req) if self.max_batch_tokens > 0 and context is None else None
         job = _Job(req, context, key, ticket, loop.create_future())
@@ -279,9 +282,11 @@ class Scheduler:
             raise
 
     def refuse_waiting(self, why: str) -> int:
-        """Answer every request still waiting with :class:`Overloaded` (a draining replica
-        whose shutdown deadline is near: the client retries elsewhere instead of losing its
-        request with the connection). The number refused."""
+        """Answer every request still waiting with :class:`Overloaded`, and from now on every
+        request that would have to wait (a draining replica whose shutdown deadline is near:
+        the client retries elsewhere instead of losing its request with the connection). The
+        number refused."""
+        self._refusing = why
         refused = 0
         for queue in self._queues.values():
             for job in queue:
