@@ -457,6 +457,83 @@ def ktae_token_score(
     return ktae_squash(z, params["scale"])
 
 
+def ktae_token_statistics(
+    token: int,
+    token_lists: list[list[int]],
+    is_correct: list[bool],
+    params: dict[str, Any],
+) -> dict[str, float]:
+    """The statistics behind kt_g(v), named as the ``ktae_*`` diagnostics (C and W both
+    non-empty): a, b, |C|, |W|, p, F, IG, h, the tf contrast (0 with tf off) and the score."""
+    n_correct = sum(is_correct)
+    n_wrong = len(is_correct) - n_correct
+    pairs = list(zip(token_lists, is_correct, strict=True))
+    a = sum(1 for toks, ok in pairs if ok and token in toks)
+    b = sum(1 for toks, ok in pairs if not ok and token in toks)
+    c, d = n_correct - a, n_wrong - b
+    p = fisher_two_sided_p(a, b, c, d)
+    h = cohens_h(a / n_correct, b / n_wrong)
+    tf = 0.0
+    if params["tf"]:
+        length_c = sum(len(t) for t, ok in pairs if ok)
+        length_w = sum(len(t) for t, ok in pairs if not ok)
+        occ_c = sum(t.count(token) for t, ok in pairs if ok)
+        occ_w = sum(t.count(token) for t, ok in pairs if not ok)
+        average = (length_c + length_w) / 2.0
+        s_c = tf_saturation(occ_c, length_c, average, params["tf_k1"], params["tf_b"])
+        s_w = tf_saturation(occ_w, length_w, average, params["tf_k1"], params["tf_b"])
+        tf = tf_direction(0.0, s_c, s_w)
+    return {
+        "ktae_a": float(a),
+        "ktae_b": float(b),
+        "ktae_n_correct": float(n_correct),
+        "ktae_n_wrong": float(n_wrong),
+        "ktae_p": p,
+        "ktae_fisher": fisher_significance(p),
+        "ktae_ig": information_gain_bits(a, b, c, d),
+        "ktae_h": h,
+        "ktae_tf": tf,
+        "ktae_score": ktae_token_score(token, token_lists, is_correct, params),
+    }
+
+
+def ktae_group_statistics(
+    token_lists: list[list[int]],
+    rewards: list[float],
+    params: dict[str, Any],
+    ignore_token_ids: set[int],
+) -> list[dict[str, np.ndarray]]:
+    """Per rollout, name -> per-token values of :func:`ktae_token_statistics`. A token without
+    a table (an ignored id, a group without both correct and wrong rollouts) has a = b = 0,
+    p = 1 and 0 for the rest but its group's |C| and |W|."""
+    is_correct = [r > params["correct_threshold"] for r in rewards]
+    n_correct = float(sum(is_correct))
+    untabulated = {
+        "ktae_a": 0.0,
+        "ktae_b": 0.0,
+        "ktae_n_correct": n_correct,
+        "ktae_n_wrong": float(len(rewards)) - n_correct,
+        "ktae_p": 1.0,
+        "ktae_fisher": 0.0,
+        "ktae_ig": 0.0,
+        "ktae_h": 0.0,
+        "ktae_tf": 0.0,
+        "ktae_score": 0.0,
+    }
+    contrast = any(is_correct) and not all(is_correct)
+    stats: dict[int, dict[str, float]] = {}
+    for token in sorted({tok for toks in token_lists for tok in toks}):
+        stats[token] = (
+            ktae_token_statistics(token, token_lists, is_correct, params)
+            if contrast and token not in ignore_token_ids
+            else untabulated
+        )
+    return [
+        {name: np.array([stats[t][name] for t in toks], dtype=np.float64) for name in untabulated}
+        for toks in token_lists
+    ]
+
+
 def ktae_group_scores(
     token_lists: list[list[int]],
     rewards: list[float],

@@ -276,9 +276,10 @@ def _score_with_prior(
     len_c: torch.Tensor,
     len_w: torch.Tensor,
     params: Mapping[str, Any],
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores of tables whose counts include decayed history (fractional counts; n_c, n_w,
-    len_c, len_w: the merged per-group totals).
+    len_c, len_w: the merged per-group totals), and the merged counts float64 (M, 4) a, b,
+    occ_c, occ_w.
 
     Every table is scored elementwise (with history nearly every group has contrast; those
     without score 0 through :func:`association`); the per-group terms are computed per group.
@@ -296,7 +297,7 @@ def _score_with_prior(
         n_c.round().long(), n_w.round().long(), g, a.round().long(), b.round().long()
     )
     strength, h = association(a, b, n_c, n_w, p, params, group=g)
-    return _score(strength, h, occ_c, occ_w, g, len_c, len_w, params)
+    return _score(strength, h, occ_c, occ_w, g, len_c, len_w, params), merged
 
 
 # ---- the batched contingency tables -----------------------------------------------------------
@@ -456,6 +457,94 @@ def tabulate(
     )
 
 
+# ---- the per-token statistics diagnostics (why a token got its score: the viewer's table) --------
+
+# Per token, the statistics of its (group, token id) table; a request asks for any of them in
+# `return`. Computed only when asked for (they cost a few more passes over the tables).
+STATISTICS = (
+    "ktae_a",  # correct rollouts containing the token
+    "ktae_b",  # wrong rollouts containing it
+    "ktae_n_correct",  # |C| of its group
+    "ktae_n_wrong",  # |W| of its group
+    "ktae_p",  # two-sided Fisher exact p-value of [[a, b], [|C| - a, |W| - b]]
+    "ktae_fisher",  # F = exp(-2p), 0 where p is 1
+    "ktae_ig",  # information gain in bits
+    "ktae_h",  # Cohen's h
+    "ktae_tf",  # the term-frequency contrast (0 with tf off)
+)
+
+
+def statistics(
+    tables: KeyTokenTables,
+    n_c: torch.Tensor,
+    n_w: torch.Tensor,
+    len_c: torch.Tensor,
+    len_w: torch.Tensor,
+    params: Mapping[str, Any],
+    merged: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """Per-table (M,) float64 statistics of :data:`STATISTICS` (the counts with history when
+    ``merged``, float64 (M, 4) a, b, occ_c, occ_w, gives the merged counts); n_c, n_w, len_c,
+    len_w: per group (G,). Tables of groups without contrast get 0 but for p = 1."""
+    g = tables.group
+    a, b, occ_c, occ_w = (
+        (tables.a, tables.b, tables.occ_c, tables.occ_w)
+        if merged is None
+        else tuple(column.contiguous() for column in merged.unbind(1))
+    )
+    contrast = ((n_c > 0) & (n_w > 0)).index_select(0, g)
+    p = fisher_two_sided_grouped(
+        n_c.round().long(), n_w.round().long(), g, a.round().long(), b.round().long()
+    )
+    p = p.masked_fill(~contrast, 1.0)
+    tf = (
+        tf_contrast(occ_c, occ_w, g, len_c, len_w, params["tf_k1"], params["tf_b"])
+        if params["tf"]
+        else torch.zeros_like(a)
+    )
+    none = ~contrast
+    return {
+        "ktae_a": a,
+        "ktae_b": b,
+        "ktae_n_correct": n_c.index_select(0, g),
+        "ktae_n_wrong": n_w.index_select(0, g),
+        "ktae_p": p,
+        "ktae_fisher": fisher_factor(p).masked_fill_(none, 0.0),
+        "ktae_ig": information_gain(a, b, n_c, n_w, g).masked_fill_(none, 0.0),
+        "ktae_h": cohens_h(a, b, n_c, n_w, g).masked_fill_(none, 0.0),
+        "ktae_tf": tf.masked_fill(none, 0.0),
+    }
+
+
+def statistics_diagnostics(
+    batch: RolloutBatch,
+    tables: KeyTokenTables,
+    totals: torch.Tensor,
+    params: Mapping[str, Any],
+    wanted: frozenset[str],
+    merged: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """The per-token (N,) float32 statistics of :data:`STATISTICS` in ``wanted``.
+
+    totals: float64 (G, 4) n_c, n_w, len_c, len_w (with history, the merged ones). A token
+    outside the tables (an ignored id, a group without both correct and wrong rollouts) has
+    a = b = 0, p = 1 and 0 statistics; |C| and |W| are its group's in every case."""
+    names = [name for name in STATISTICS if name in wanted]
+    if not names:
+        return {}
+    n_c, n_w, len_c, len_w = totals.unbind(1)
+    per_table = statistics(tables, n_c, n_w, len_c, len_w, params, merged)
+    out = {name: tables.spread(per_table[name].float()) for name in names}
+    group_of_token = batch.per_token(batch.group_index)
+    for name, column in (("ktae_n_correct", n_c), ("ktae_n_wrong", n_w)):
+        if name in out:
+            out[name] = column.float().index_select(0, group_of_token)
+    if "ktae_p" in out:
+        tabulated = tables.spread(torch.ones(tables.group.numel(), device=n_c.device)) > 0
+        out["ktae_p"] = out["ktae_p"].masked_fill_(~tabulated, 1.0)
+    return out
+
+
 # ---- state across requests: history per prompt, key scores in the vocabulary statistics --------
 
 
@@ -533,7 +622,7 @@ STATE: TermState[HistoryPrior] = TermState(
     formula="b_it = scale tanh(z/2), z = (w_F exp(-2p) + w_IG IG) (h + tf) / (w_F + w_IG)",
     paper="Sun et al. 2025, KTAE: A Model-Free Algorithm to Key-Tokens Advantage Estimation",
     params=PARAMS,
-    diagnostics=("ktae_score",),
+    diagnostics=("ktae_score", *STATISTICS),
     requires=lambda params: {},
     check=_check,
     state=STATE,
@@ -561,12 +650,16 @@ def ktae(batch: RolloutBatch, params: Mapping[str, Any], ctx: TermContext) -> Te
         score = torch.zeros(0, dtype=torch.float64, device=device)
         return TermOutput(
             bonus=bonus,
-            diagnostics={"ktae_score": bonus},
+            diagnostics={
+                "ktae_score": bonus,
+                **statistics_diagnostics(batch, empty, totals, params, ctx.diagnostics),
+            },
             state=KtaeState(empty, score, contrast, totals),
         )
     tables = tabulate(batch, correct, drop, ctx.ignore_token_ids)
     # A history read still in flight has had the tabulation's time to arrive.
     prior: HistoryPrior | None = None if ctx.read is None else ctx.read.result()
+    merged_counts: torch.Tensor | None = None
     if prior is None:
         g = tables.group
         strength, h = association_lookup(n_c, n_w, g, tables.a, tables.b, params)
@@ -579,11 +672,17 @@ def ktae(batch: RolloutBatch, params: Mapping[str, Any], ctx: TermContext) -> Te
             len_w + prior.len_w,
         )
         contrast = (n_c > 0) & (n_w > 0)
-        score = _score_with_prior(tables, prior, n_c, n_w, len_c, len_w, params)
+        score, merged_counts = _score_with_prior(tables, prior, n_c, n_w, len_c, len_w, params)
     bonus = tables.spread(score.float())
+    merged_totals = torch.stack([n_c, n_w, len_c, len_w], dim=1)
     return TermOutput(
         bonus=bonus,
-        diagnostics={"ktae_score": bonus},
+        diagnostics={
+            "ktae_score": bonus,
+            **statistics_diagnostics(
+                batch, tables, merged_totals, params, ctx.diagnostics, merged_counts
+            ),
+        },
         state=KtaeState(tables, score, contrast, totals),
     )
 
@@ -591,6 +690,7 @@ def ktae(batch: RolloutBatch, params: Mapping[str, Any], ctx: TermContext) -> Te
 __all__ = [
     "PARAMS",
     "STATE",
+    "STATISTICS",
     "KeyTokenTables",
     "KtaeState",
     "association",

@@ -150,6 +150,7 @@ def compute_batch(
     if ignore_token_ids is not None:
         ctx.ignore_token_ids = torch.as_tensor(ignore_token_ids, dtype=torch.int64, device=dev)
     ctx.vocab_size = vocab_size
+    ctx.diagnostics = frozenset(wanted)
 
     outcome = OUTCOMES[spec.outcome].fn(batch, spec.outcome_params)
     # A term that waits for a read still in flight runs last, so that the others overlap the

@@ -209,6 +209,8 @@ class TermContext:
 
     ignore_token_ids: torch.Tensor | None = None  # int64 (K,) on the batch's device
     vocab_size: int | None = None
+    # The diagnostics the request returns: a term may skip computing the others.
+    diagnostics: frozenset[str] = frozenset()
     # What the engine read for each term that keeps state (term name -> its prior, possibly
     # still in flight). A term sees its own as ``read``.
     reads: Mapping[str, PendingRead[Any]] = field(default_factory=dict)
