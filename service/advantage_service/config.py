@@ -142,6 +142,23 @@ class Settings(BaseSettings):
         description="token ids KTAE ignores in every request that gives no ignore_token_ids of "
         "its own (e.g. 151643, Qwen's end of text); comma-separated",
     )
+    viewer_keep: int = Field(
+        default=0,
+        ge=0,
+        le=10_000,
+        description="the viewer's recent requests: the last N computed over HTTP kept per "
+        "namespace, in memory (0: none kept; tokens are user data, so keeping is opt-in)",
+    )
+    viewer_keep_bytes: int = Field(
+        default=256 * MIB,
+        ge=1,
+        description="the most bytes all kept requests may hold together (the oldest go first)",
+    )
+    tokenizer: str | None = Field(
+        default=None,
+        description="a local tokenizer.json: the viewer shows tokens as text (needs the "
+        "tokenizers package; nothing is downloaded); unset: as ids",
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     log_format: Literal["json", "text"] = Field(
         default="json", description="json: one JSON object per line; text: for a terminal"

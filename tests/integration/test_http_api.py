@@ -196,7 +196,7 @@ def test_openapi_documents_real_request_and_response_schemas(server: Server) -> 
 
 def test_docs_need_nothing_from_outside_the_service(server: Server) -> None:
     """/docs works on an air-gapped cluster: every script, stylesheet and image the page loads
-    is served by the service itself, and / leads a person to it."""
+    is served by the service itself; / leads a person to the viewer, which links them."""
     page = server.client.get("/docs").text
     assets = re.findall(r'(?:src|href)="([^"]+)"', page)
     assert assets and all(a.startswith("/") for a in assets), assets
@@ -207,4 +207,5 @@ def test_docs_need_nothing_from_outside_the_service(server: Server) -> None:
     assert b"SwaggerUIBundle" in server.client.get(bundle).content
     assert "/openapi.json" in page
     start = server.client.get("/", follow_redirects=False)
-    assert start.status_code in (302, 307) and start.headers["location"] == "/docs"
+    assert start.status_code in (302, 307) and start.headers["location"] == "/viewer"
+    assert 'href="/docs"' in server.client.get("/viewer").text

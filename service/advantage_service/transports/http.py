@@ -47,6 +47,7 @@ from .openapi import (
     error_content,
     estimator_listing,
 )
+from .viewer import mount_viewer
 
 log = logging.getLogger("advantage_service.http")
 
@@ -266,6 +267,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.state.settings = settings
     app.add_middleware(CloseWhenDraining, engine=engine)
     app.mount(DOCS_ASSETS, StaticFiles(directory=str(swagger_ui_path)), name="docs-assets")
+    viewer = mount_viewer(app, settings, engine)
 
     @app.get("/docs", include_in_schema=False)
     async def docs() -> Response:
@@ -279,8 +281,8 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
 
     @app.get("/", include_in_schema=False)
     async def root() -> Response:
-        """The start page a person opens: the API documentation."""
-        return RedirectResponse("/docs")
+        """The start page a person opens: the token-credit viewer (it links the API docs)."""
+        return RedirectResponse("/viewer")
 
     def authenticate(request: Request, call: Call) -> Principal:
         """The caller's principal from ``Authorization: Bearer`` (a 401 otherwise), kept on
@@ -361,6 +363,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
                 computed = await engine.compute(
                     decode, transport, encode=encode, ticket=ticket, principal=principal, call=call
                 )
+        await viewer.keep(computed, json_response=not arrow_out)
         if arrow_out:
             assert computed.encoded is not None
             return Response(memoryview(computed.encoded), media_type=ARROW)
