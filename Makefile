@@ -38,11 +38,14 @@ serve: $(SERVE_STAMP)
 	$(BIN)/advantage-service serve
 
 # Real services the tests start themselves (on free ports, in temporary directories):
-# redis-server, and prometheus with its promtool (the observability tests).
+# redis-server, prometheus with its promtool (the observability tests), and a headless chromium
+# with its chromedriver (the viewer's browser tests; Selenium uses the driver on PATH).
 test-deps:
 	@missing=""; \
 	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
 	{ command -v prometheus && command -v promtool; } >/dev/null 2>&1 || missing="$$missing prometheus"; \
+	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	command -v chromedriver >/dev/null 2>&1 || missing="$$missing chromium-driver"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing$$missing (OS packages)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \

@@ -273,9 +273,9 @@
     const weight = v("cscr_weight");
     const credit = [];
     if (row.scalar !== undefined) {
-      credit.push(["outcome a\u1d62", row.scalar, "scalar"]);
+      credit.push(["outcome a_i", row.scalar, "scalar"]);
       credit.push(["weight w", weight ?? 1, "weight"]);
-      credit.push(["outcome term a\u1d62\u00b7w", row.scalar * (weight ?? 1), "outcome_term"]);
+      credit.push(["outcome term a_i \u00b7 w", row.scalar * (weight ?? 1), "outcome_term"]);
     } else if (weight !== undefined) {
       credit.push(["weight w", weight, "weight"]);
     }
