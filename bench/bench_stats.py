@@ -216,7 +216,9 @@ async def run_backend(
             assert prior is not None
             ctx = TermContext(reads={"ktae": PendingRead.of(prior)})
             t = await on_worker(
-                engine, lambda b=batch, c=ctx: compute_batch(b, spec, device, context=c), device
+                engine,
+                lambda b=batch, c=ctx: compute_batch(b, spec, device, context=c, diagnostics=()),
+                device,
             )  # type: ignore[misc]
             times["compute"].append(t)
             start = time.perf_counter()
@@ -224,7 +226,7 @@ async def run_backend(
             times["plain_response"].append(time.perf_counter() - start)
             await engine.settle_writes()
             t = await on_worker(
-                engine, lambda b=batch: compute_batch(b, plain_spec, device), device
+                engine, lambda b=batch: compute_batch(b, plain_spec, device, diagnostics=()), device
             )  # type: ignore[misc]
             times["plain_compute"].append(t)
         # The read alone (records and their decoding) and the write path, on a request of their
@@ -238,7 +240,7 @@ async def run_backend(
         read = session.context.reads["ktae"]
         prior = read.result()
         assert prior is not None
-        result = compute_batch(batch, spec, device, context=session.context)
+        result = compute_batch(batch, spec, device, context=session.context, diagnostics=())
         update, t_build = timed(functools.partial(session.update, result), device)
         compact_before = len(ops["compact"])
         cpu_start = cpu()
