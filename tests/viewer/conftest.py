@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from integration.http_support import Server, start_server
 
-TOKENS = {"viewer-secret": ["team-a"], "other-secret": ["team-b"]}
+TOKENS = {"viewer-secret": ["team-a", "team-stats"], "other-secret": ["team-b"]}
 KEEP = 8
 # A word-level vocabulary: id i is WORDS[i] (the tokenizer file the service loads).
 WORDS = ["<unk>", "the", " answer", " is", " 42", "\n", "Wait", ",", " no", " 7", "."] + [

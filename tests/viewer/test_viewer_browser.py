@@ -276,11 +276,19 @@ def test_the_namespace_statistics_show_as_a_sortable_table_with_text(
 ) -> None:
     from selenium.webdriver.common.by import By
 
-    viewer_server.client.post("/v1/advantages", json=ktae_request("browser-stats"), headers=AUTH)
-    stats = viewer_server.client.get(
-        "/v1/stats/tokens", params={"namespace": "team-a", "limit": 20}, headers=AUTH
-    ).json()
-    open_viewer(browser, viewer_server, "?namespace=team-a")
+    # A namespace of its own, its statistics written (asynchronously) before the page reads.
+    request = ktae_request("browser-stats", namespace="team-stats")
+    viewer_server.client.post("/v1/advantages", json=request, headers=AUTH)
+    deadline = time.monotonic() + 10
+    while True:
+        stats = viewer_server.client.get(
+            "/v1/stats/tokens", params={"namespace": "team-stats", "limit": 50}, headers=AUTH
+        ).json()
+        if stats["rollouts_counted"] == 8:
+            break
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.05)
+    open_viewer(browser, viewer_server, "?namespace=team-stats")
     wait_for(browser, ("idle",))
     browser.find_element(By.ID, "load-stats").click()
     deadline = time.monotonic() + 10
