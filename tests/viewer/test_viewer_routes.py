@@ -9,7 +9,7 @@ import httpx
 import numpy as np
 import pytest
 from advantage_service.transports.viewer import KeptRequest, RecentRequests
-from integration.http_support import Server
+from integration.http_support import ARROW, Server, arrow_request
 from viewer.conftest import KEEP, WORDS
 from viewer.viewer_support import ktae_request
 
@@ -124,3 +124,22 @@ def test_root_and_viewer_answer_without_holding_the_connection(
         answer = client.get(path, headers=AUTH)
         assert answer.status_code == 200
         assert "text/event-stream" not in answer.headers.get("content-type", "")
+
+
+def test_a_request_answered_in_arrow_is_kept_as_its_json_answer(viewer_server: Server) -> None:
+    client = viewer_server.client
+    request = ktae_request("routes-arrow", seed=4)
+    body = arrow_request(request)
+    answer = client.post(
+        "/v1/advantages",
+        content=body,
+        headers={**AUTH, "Content-Type": ARROW, "Accept": ARROW},
+    )
+    assert answer.status_code == 200 and answer.headers["content-type"] == ARROW
+    kept = client.get(
+        "/viewer/api/requests/routes-arrow", params={"namespace": "team-a"}, headers=AUTH
+    ).json()
+    as_json = client.post(
+        "/v1/advantages", json={**request, "request_id": "routes-arrow-json"}, headers=AUTH
+    ).json()
+    assert kept["response"]["groups"] == as_json["groups"]
