@@ -403,3 +403,18 @@ def test_deeply_nested_json_in_the_arrow_metadata_is_422_not_a_crash(server: Ser
     )
     assert answer.status_code == 422, answer.text
     assert answer.json()["error"]["code"] == "invalid_json"
+
+
+def test_an_arrow_stream_cut_short_or_followed_by_garbage_is_422(server: Server) -> None:
+    """A truncated upload must not be computed as if it were whole: the end-of-stream marker
+    must be there, and nothing after it."""
+    table = pa.table({"group_id": ["g", "g"], "reward": [1.0, 0.0], "tokens": [[1, 2], [3]]})
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    whole = sink.getvalue().to_pybytes()
+    ok = post_text(server, whole, ARROW)
+    assert ok.status_code == 200, ok.text
+    for body, why in ((whole[:-8], "end-of-stream"), (whole + b"trailing", "after")):
+        error = expect_error(post_text(server, body, ARROW), 422, "invalid_arrow", None)
+        assert why in error["message"]

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 from advantage_client.grpc_client import compute_request_message, options_message, rollout_message
 from advantage_client.grpc_gen import advantage_pb2 as pb
@@ -335,3 +336,34 @@ def test_one_namespace_never_reads_another_namespaces_statistics_or_history(
     denied = service.http.post("/v1/advantages", json=request("team-b", history=True), headers=a)
     assert denied.status_code == 403
     assert grpc_compute_code(service, "token-team-a", "team-b") == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_two_credentials_on_one_call_are_refused_whatever_their_order(shared: Service) -> None:
+    """A call carrying a team token and a wildcard token is not judged by whichever comes last:
+    ambiguous credentials are a 401 / UNAUTHENTICATED over HTTP and gRPC, both orders."""
+    body = request("team-z")
+    for pair in (("token-team-a", "token-admin"), ("token-admin", "token-team-a")):
+        raw = httpx.Request(
+            "POST",
+            f"{shared.url}/v1/advantages",
+            json=body,
+            headers=[("authorization", f"Bearer {t}") for t in pair],
+        )
+        with httpx.Client(timeout=30) as client:
+            answer = client.send(raw)
+        assert answer.status_code == 401, answer.text
+        assert "more than one" in answer.json()["error"]["message"]
+        with shared.channel() as channel:
+            stub = pb_grpc.AdvantageServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Compute(
+                    compute_request_message(body),
+                    metadata=[("authorization", f"Bearer {t}") for t in pair],
+                    timeout=30,
+                )
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # One of them alone still works.
+    ok = httpx.post(
+        f"{shared.url}/v1/advantages", json=body, headers=bearer("token-admin"), timeout=30
+    )
+    assert ok.status_code == 200

@@ -51,13 +51,31 @@ def _invalid(message: str, field: str | None = None, **where: Any) -> RequestErr
 # ---- request ------------------------------------------------------------------------------------
 
 
+# The IPC stream's end-of-stream marker: continuation 0xFFFFFFFF, then a zero length.
+END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+
+
 def read_table(body: bytes | bytearray | memoryview) -> pa.Table:
-    """The IPC stream as one table; anything unreadable is a 422 ``invalid_arrow``."""
+    """The IPC stream as one table; anything unreadable is a 422 ``invalid_arrow``, and so is a
+    stream cut before its end-of-stream marker or followed by other bytes (a truncated upload
+    must not be computed as if it were whole)."""
+    source = pa.BufferReader(pa.py_buffer(body))
     try:
-        with pa.ipc.open_stream(pa.py_buffer(body)) as reader:
-            return reader.read_all()
+        with pa.ipc.open_stream(source) as reader:
+            table = reader.read_all()
     except (pa.ArrowException, OSError, ValueError, TypeError, IndexError) as exc:
         raise _invalid(f"the body is not an Arrow IPC stream: {exc}") from exc
+    end = source.tell()
+    if bytes(memoryview(body)[max(0, end - len(END_OF_STREAM)) : end]) != END_OF_STREAM:
+        raise _invalid(
+            "the Arrow IPC stream ends without its end-of-stream marker: the body is cut short"
+        )
+    if end != len(body):
+        raise _invalid(
+            f"the body has {len(body) - end} bytes after the Arrow IPC stream's end-of-stream "
+            "marker"
+        )
+    return table
 
 
 def request_options(schema: pa.Schema) -> dict[str, Any]:

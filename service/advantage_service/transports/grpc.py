@@ -29,7 +29,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from ..accounting import Call
-from ..auth import Principal
+from ..auth import Principal, unauthenticated
 from ..config import Settings
 from ..engine import Engine
 from ..errors import Overloaded, RequestError
@@ -95,11 +95,14 @@ class AdvantageServicer(pb_grpc.AdvantageServiceServicer):
         service is closing for shutdown: the client retries elsewhere."""
         if self.engine.closing:
             await abort(context, SHUTTING_DOWN)
-        authorization = None
-        for key, value in context.invocation_metadata() or ():
-            if key == "authorization":
-                authorization = value.decode() if isinstance(value, bytes) else value
-        call.principal = self.engine.auth.authenticate(authorization)
+        values = [
+            value.decode() if isinstance(value, bytes) else value
+            for key, value in context.invocation_metadata() or ()
+            if key == "authorization"
+        ]
+        if len(values) > 1:  # ambiguous credentials: refused, not resolved by their order
+            raise unauthenticated("the call has more than one authorization metadata entry")
+        call.principal = self.engine.auth.authenticate(values[0] if values else None)
         return call.principal
 
     async def Compute(

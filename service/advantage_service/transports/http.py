@@ -28,7 +28,7 @@ from swagger_ui_bundle import swagger_ui_path
 
 from .. import __version__, jsonio
 from ..accounting import Call
-from ..auth import CHALLENGE, Principal
+from ..auth import CHALLENGE, Principal, unauthenticated
 from ..config import Settings
 from ..engine import Engine
 from ..errors import LimitExceeded, Overloaded, RequestError
@@ -287,7 +287,10 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     def authenticate(request: Request, call: Call) -> Principal:
         """The caller's principal from ``Authorization: Bearer`` (a 401 otherwise), kept on
         ``call`` for its accounting."""
-        call.principal = engine.auth.authenticate(request.headers.get("authorization"))
+        values = request.headers.getlist("authorization")
+        if len(values) > 1:  # (a team token and a wildcard one: which is meant is not ours to pick)
+            raise unauthenticated("the request has more than one Authorization header")
+        call.principal = engine.auth.authenticate(values[0] if values else None)
         return call.principal
 
     @app.exception_handler(RequestError)
