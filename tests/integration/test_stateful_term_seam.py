@@ -63,6 +63,11 @@ def _writes(
 
 
 @pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
 def running_mean_term() -> Iterator[None]:
     """Register the toy term in this process for one test (the real registration path)."""
 

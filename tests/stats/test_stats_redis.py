@@ -143,7 +143,7 @@ async def test_requests_keep_being_answered_while_redis_dies_mid_run(
     store = fast_store(redis_server)
     histories: list[str] = []
     try:
-        for i in range(36):
+        for i in range(48):
             if i == 10:
                 redis_server.kill()
             if i == 22:
@@ -164,7 +164,7 @@ async def test_requests_keep_being_answered_while_redis_dies_mid_run(
     after = list(enumerate(histories))[22:]
     while after and after[0][1] == "unavailable":
         after.pop(0)
-    assert len(after) >= 6, histories
+    assert len(after) >= 4, histories  # (reconnected, and a prompt visited twice since)
     seen: set[int] = set()
     for i, history in after:
         assert history == ("applied" if i % 3 in seen else "empty"), (i, histories)
