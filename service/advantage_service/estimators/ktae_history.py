@@ -303,13 +303,20 @@ class HistoryPrior:
         )
         return HistoryPrior(n_c, n_w, len_c, len_w, self.stored)
 
-    def lookup(self, group: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    def lookup(
+        self, group: torch.Tensor, token: torch.Tensor, method: str = "auto"
+    ) -> torch.Tensor:
         """Prior a, b, occ_c, occ_w of (group, token id) pairs (int64 (M,) each): float64
-        (M, 4) on ``group``'s device, zeros where there is none."""
+        (M, 4) on ``group``'s device, zeros where there is none.
+
+        ``method``: ``scratch`` (the CPU's dense scratch array), ``search`` (the accelerators'
+        batched binary search, which also runs on the CPU) or ``auto`` (by the device)."""
         histories = [(i, h) for i, h in enumerate(self.stored) if h is not None and h.rows]
         if group.numel() == 0 or not histories:
             return torch.zeros((group.numel(), 4), dtype=torch.float64, device=group.device)
-        if group.device.type == "cpu":
+        if method == "auto":
+            method = "scratch" if group.device.type == "cpu" else "search"
+        if method == "scratch":
             prior = self._lookup_scratch(histories, group.numpy(), token.numpy())
         else:
             prior = self._lookup_search(histories, group, token)
