@@ -147,12 +147,20 @@ class Settings(BaseSettings):
         ge=0,
         le=10_000,
         description="the viewer's recent requests: the last N computed over HTTP kept per "
-        "namespace, in memory (0: none kept; tokens are user data, so keeping is opt-in)",
+        "namespace, in Redis with ADV_REDIS_URL (any replica shows them), else in memory "
+        "(0: none kept; tokens are user data, so keeping is opt-in)",
     )
     viewer_keep_bytes: int = Field(
         default=256 * MIB,
         ge=1,
-        description="the most bytes all kept requests may hold together (the oldest go first)",
+        description="the most bytes kept requests may hold (the oldest go first): all together "
+        "in memory; each namespace's, as stored JSON, in Redis",
+    )
+    viewer_keep_ttl_seconds: int = Field(
+        default=24 * 3600,
+        gt=0,
+        description="with Redis, how long a kept request stays openable (in memory: until it "
+        "is pushed out or the process ends)",
     )
     tokenizer: str | None = Field(
         default=None,

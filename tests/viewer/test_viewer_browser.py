@@ -13,8 +13,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from integration.http_support import Server
+from integration.http_support import Server, start_server
 from oracle import ktae_group_statistics, resolve_estimator
+from stats.redis_support import RedisServer
 from viewer.viewer_support import ktae_request, long_request
 
 AUTH = {"Authorization": "Bearer viewer-secret"}
@@ -308,3 +309,20 @@ def test_the_namespace_statistics_show_as_a_sortable_table_with_text(
     )
     assert ids == sorted(ids, reverse=True)
     assert '"the"' in browser.find_element(By.ID, "stats-table").text
+
+
+def test_kept_requests_in_redis_while_it_is_down_are_a_503_on_the_page(
+    browser: Any, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    server = start_server(tmp_path, redis_url=redis_server.url, viewer_keep=4)
+    try:
+        assert server.client.post("/v1/advantages", json=ktae_request("redis-1")).status_code == 200
+        redis_server.kill()
+        open_viewer(browser, server, "?request_id=redis-1&namespace=team-a", token=None)
+        wait_for(browser, ("error",))
+        assert "HTTP 503" in error_text(browser) and "Redis" in error_text(browser)
+        status = browser.execute_script("return document.getElementById('error').dataset.status")
+        assert status == "503"
+        browser.save_screenshot(str(tmp_path / "viewer-redis-down.png"))
+    finally:
+        server.stop()

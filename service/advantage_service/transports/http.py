@@ -244,6 +244,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
             yield
         finally:
             engine.draining = True
+            await app.state.viewer.close()
             if owned:
                 await engine.flush(timeout=settings.shutdown_timeout_seconds)
                 await asyncio.to_thread(engine.close)
@@ -267,7 +268,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.state.settings = settings
     app.add_middleware(CloseWhenDraining, engine=engine)
     app.mount(DOCS_ASSETS, StaticFiles(directory=str(swagger_ui_path)), name="docs-assets")
-    viewer = mount_viewer(app, settings, engine)
+    app.state.viewer = viewer = mount_viewer(app, settings, engine)
 
     @app.get("/docs", include_in_schema=False)
     async def docs() -> Response:

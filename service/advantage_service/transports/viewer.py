@@ -9,8 +9,9 @@ token; the routes here add what the API does not have:
 - ``POST /viewer/api/diagnostics``: the diagnostics an estimator produces (so that the page asks
   for all of them).
 - ``GET /viewer/api/recent`` and ``GET /viewer/api/requests/{id}``: the requests kept by
-  ``ADV_VIEWER_KEEP`` (:class:`RecentRequests`), per namespace, with the namespace authorised as
-  for the API (401, 403).
+  ``ADV_VIEWER_KEEP`` (:mod:`.viewer_keep`: in memory, or in Redis with ``ADV_REDIS_URL``),
+  per namespace, with the namespace authorised as for the API (401, 403; 503 while Redis is
+  unreachable).
 - ``POST /viewer/api/token-text``: token ids as text through ``ADV_TOKENIZER``.
 
 Every route answers at once: the page holds no connection open after it has loaded.
@@ -19,14 +20,12 @@ Every route answers at once: the page holds no connection open after it has load
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
-from collections import OrderedDict, deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
-import numpy as np
 import orjson
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
@@ -39,6 +38,16 @@ from ..errors import RequestError
 from ..estimators import resolve_estimator
 from ..estimators.pipeline import estimator_diagnostics
 from ..response import build_response
+from .viewer_keep import (
+    KeepStore,
+    KeepUnavailable,
+    KeptRequest,
+    RecentRequests,
+    kept_request,
+    make_keep_store,
+)
+
+log = logging.getLogger("advantage_service.viewer")
 
 STATIC = Path(__file__).with_name("viewer_static")
 # The page's own policy: its scripts and styles only, its API on the same origin.
@@ -48,135 +57,8 @@ CSP = (
 )
 MAX_TEXT_IDS = 100_000
 VIEWER_TRANSPORT = "http_viewer"
-
-
-# ---- recent requests ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class KeptRequest:
-    """A computed request as the viewer reopens it: its rollouts' tokens and rewards and the
-    JSON response it got (as sent, or as JSON would have sent it for an Arrow answer)."""
-
-    request_id: str
-    namespace: str
-    kept_at: float
-    group_ids: list[str]
-    group_sizes: list[int]
-    tokens: np.ndarray  # int (N,)
-    offsets: np.ndarray  # int64 (B + 1,)
-    rewards: np.ndarray  # float32 (B,)
-    response: bytes
-    estimator: str
-
-    @property
-    def nbytes(self) -> int:
-        ids = sum(len(g) for g in self.group_ids)
-        return (
-            self.tokens.nbytes
-            + self.offsets.nbytes
-            + self.rewards.nbytes
-            + len(self.response)
-            + ids
-        )
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "request_id": self.request_id,
-            "namespace": self.namespace,
-            "kept_at": self.kept_at,
-            "estimator": self.estimator,
-            "groups": len(self.group_ids),
-            "rollouts": int(self.rewards.size),
-            "tokens": int(self.tokens.size),
-        }
-
-    def to_json(self) -> bytes:
-        """``{"request": {"groups": [{"id", "rollouts": [{"tokens", "reward"}]}]}, "response":
-        ...}``: the response's bytes as they were."""
-        rollouts = [
-            {"tokens": self.tokens[lo:hi], "reward": self.rewards[i]}
-            for i, (lo, hi) in enumerate(zip(self.offsets[:-1], self.offsets[1:], strict=True))
-        ]
-        groups, start = [], 0
-        for gid, size in zip(self.group_ids, self.group_sizes, strict=True):
-            groups.append({"id": gid, "rollouts": rollouts[start : start + size]})
-            start += size
-        head = {**self.summary(), "request": {"groups": groups}}
-        body = jsonio.dumps_bytes(head)
-        return body[:-1] + b',"response":' + self.response + b"}"
-
-
-def kept_request(computed: Computed[Any], response: bytes, now: float) -> KeptRequest:
-    req = computed.request
-    batch = req.batch
-    return KeptRequest(
-        request_id=req.request_id,
-        namespace=req.namespace,
-        kept_at=now,
-        group_ids=list(batch.group_ids),
-        group_sizes=batch.group_sizes.cpu().tolist(),
-        tokens=batch.tokens.cpu().numpy(),
-        offsets=batch.offsets.cpu().numpy().astype(np.int64),
-        rewards=batch.rewards.cpu().numpy().astype(np.float32),
-        response=response,
-        estimator=req.estimator.label,
-    )
-
-
-class RecentRequests:
-    """The last ``per_namespace`` requests of each namespace, at most ``max_bytes`` in all (the
-    oldest of any namespace leave first; a request larger than the bound is not kept). In this
-    process's memory: a replica shows the requests it computed. Thread-safe."""
-
-    def __init__(self, per_namespace: int, max_bytes: int) -> None:
-        self.per_namespace = per_namespace
-        self.max_bytes = max_bytes
-        self.nbytes = 0
-        self._lock = threading.Lock()
-        self._by_namespace: dict[str, deque[KeptRequest]] = {}
-        # (namespace, request_id) -> kept, oldest first
-        self._all: OrderedDict[tuple[str, str], KeptRequest] = OrderedDict()
-
-    @property
-    def enabled(self) -> bool:
-        return self.per_namespace > 0
-
-    def add(self, kept: KeptRequest) -> bool:
-        """Keep ``kept``; False when it is over the byte bound alone (or keeping is off)."""
-        size = kept.nbytes
-        if not self.enabled or size > self.max_bytes:
-            return False
-        key = (kept.namespace, kept.request_id)
-        with self._lock:
-            if key in self._all:  # the same request id again: the newer one
-                self._remove(self._all[key])
-            ring = self._by_namespace.setdefault(kept.namespace, deque())
-            ring.append(kept)
-            self._all[key] = kept
-            self.nbytes += size
-            if len(ring) > self.per_namespace:
-                self._remove(ring[0])
-            while self.nbytes > self.max_bytes:
-                self._remove(next(iter(self._all.values())))
-        return True
-
-    def _remove(self, kept: KeptRequest) -> None:
-        del self._all[(kept.namespace, kept.request_id)]
-        ring = self._by_namespace[kept.namespace]
-        ring.remove(kept)
-        if not ring:
-            del self._by_namespace[kept.namespace]
-        self.nbytes -= kept.nbytes
-
-    def recent(self, namespace: str) -> list[KeptRequest]:
-        """The namespace's kept requests, newest first."""
-        with self._lock:
-            return list(reversed(self._by_namespace.get(namespace, ())))
-
-    def get(self, namespace: str, request_id: str) -> KeptRequest | None:
-        with self._lock:
-            return self._all.get((namespace, request_id))
+# Keeping writes to Redis waiting at once, at most; past that a request is not kept (counted).
+MAX_PENDING_KEEPS = 64
 
 
 # ---- token text ---------------------------------------------------------------------------------
@@ -223,22 +105,55 @@ class Viewer:
 
     def __init__(self, settings: Settings, engine: Engine) -> None:
         self.engine = engine
-        self.recent = RecentRequests(settings.viewer_keep, settings.viewer_keep_bytes)
+        metrics = engine.metrics
+        self.store: KeepStore = make_keep_store(
+            settings.redis_url,
+            settings.viewer_keep,
+            settings.viewer_keep_bytes,
+            settings.viewer_keep_ttl_seconds,
+            on_error=lambda op: metrics.stats_store_errors_total.labels(op).inc(),
+        )
         self.token_text = TokenText(settings.tokenizer) if settings.tokenizer else None
+        self._pending: set[asyncio.Task[None]] = set()
 
     async def keep(self, computed: Computed[Any], json_response: bool) -> None:
         """Keep a request computed over HTTP (when ``ADV_VIEWER_KEEP`` asks for it). An Arrow
-        answer is written as JSON for the page, off the event loop."""
-        if not self.recent.enabled:
+        answer is written as JSON for the page, off the event loop. In memory before the
+        answer; to Redis after it (a task of its own: the answer never waits for Redis, and an
+        outage never fails it)."""
+        if not self.store.enabled:
             return
-        if json_response and isinstance(computed.encoded, bytes):
-            response = computed.encoded
-        else:
-            req, result, summary = computed.request, computed.result, computed.summary
-            response = await asyncio.to_thread(
-                lambda: jsonio.dumps_bytes(build_response(req, result, summary))
-            )
-        self.recent.add(kept_request(computed, response, time.time()))
+        if not self.store.background:
+            await self._keep(computed, json_response)
+            return
+        if len(self._pending) >= MAX_PENDING_KEEPS:
+            self.engine.metrics.stats_store_errors_total.labels("viewer_keep").inc()
+            return
+        task = asyncio.create_task(self._keep(computed, json_response))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _keep(self, computed: Computed[Any], json_response: bool) -> None:
+        try:
+            if json_response and isinstance(computed.encoded, bytes):
+                response = computed.encoded
+            else:
+                req, result, summary = computed.request, computed.result, computed.summary
+                response = await asyncio.to_thread(
+                    lambda: jsonio.dumps_bytes(build_response(req, result, summary))
+                )
+            await self.store.add(kept_request(computed, response, time.time()))
+        except Exception:  # best effort: never the request's failure
+            log.exception("viewer: keeping request %r failed", computed.request.request_id)
+
+    async def settle(self) -> None:
+        """Wait for the keeping writes scheduled so far."""
+        while self._pending:
+            await asyncio.gather(*list(self._pending), return_exceptions=True)
+
+    async def close(self) -> None:
+        await self.settle()
+        await self.store.close()
 
 
 def mount_viewer(app: FastAPI, settings: Settings, engine: Engine) -> Viewer:
@@ -256,6 +171,14 @@ def mount_viewer(app: FastAPI, settings: Settings, engine: Engine) -> Viewer:
                 call.namespace = namespace
                 principal.authorize(namespace)
 
+    def unavailable() -> RequestError:
+        return RequestError(
+            "keep_unavailable",
+            "kept requests live in Redis, which is unreachable now; retry later (requests are "
+            "still computed, but not kept meanwhile)",
+            status=503,
+        )
+
     @router.get("/viewer")
     async def page() -> Response:
         return FileResponse(
@@ -269,7 +192,8 @@ def mount_viewer(app: FastAPI, settings: Settings, engine: Engine) -> Viewer:
         token_text = viewer.token_text
         return {
             "auth": engine.auth.enabled,
-            "keep": viewer.recent.per_namespace,
+            "keep": viewer.store.per_namespace,
+            "keep_store": viewer.store.kind,
             "tokenizer": token_text.name if token_text is not None else None,
         }
 
@@ -290,11 +214,11 @@ def mount_viewer(app: FastAPI, settings: Settings, engine: Engine) -> Viewer:
         request: Request, namespace: Annotated[str, Query(min_length=1, max_length=128)]
     ) -> dict[str, Any]:
         authorize(request, namespace)
-        return {
-            "namespace": namespace,
-            "keep": viewer.recent.per_namespace,
-            "requests": [k.summary() for k in viewer.recent.recent(namespace)],
-        }
+        try:
+            requests = await viewer.store.recent(namespace)
+        except KeepUnavailable as exc:
+            raise unavailable() from exc
+        return {"namespace": namespace, "keep": viewer.store.per_namespace, "requests": requests}
 
     @router.get("/viewer/api/requests/{request_id}")
     async def kept(
@@ -303,20 +227,25 @@ def mount_viewer(app: FastAPI, settings: Settings, engine: Engine) -> Viewer:
         namespace: Annotated[str, Query(min_length=1, max_length=128)],
     ) -> Response:
         authorize(request, namespace)
-        found = viewer.recent.get(namespace, request_id)
+        try:
+            found = await viewer.store.get(namespace, request_id)
+        except KeepUnavailable as exc:
+            raise unavailable() from exc
         if found is None:
             why = (
                 "this server keeps no requests (ADV_VIEWER_KEEP=0)"
-                if not viewer.recent.enabled
-                else f"it is not among the last {viewer.recent.per_namespace} kept"
+                if not viewer.store.enabled
+                else f"it is not among the last {viewer.store.per_namespace} kept"
             )
+            if viewer.store.kind == "redis":
+                why += ", or it is older than ADV_VIEWER_KEEP_TTL_SECONDS"
             raise RequestError(
                 "not_found",
                 f"request {request_id!r} of namespace {namespace!r} is not kept: {why}",
                 field="request_id",
                 status=404,
             )
-        return Response(await asyncio.to_thread(found.to_json), media_type="application/json")
+        return Response(found, media_type="application/json")
 
     @router.post("/viewer/api/token-text")
     async def token_text(request: Request) -> JSONResponse:

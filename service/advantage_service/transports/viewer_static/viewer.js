@@ -406,7 +406,8 @@
     const ns = namespace();
     try {
       const body = await api(`/viewer/api/recent?namespace=${encodeURIComponent(ns)}`);
-      note.textContent = `The last ${body.keep} requests computed over HTTP in ${ns}, newest first.`;
+      const where = state.config.keep_store === "redis" ? " (kept in Redis: any replica shows them)" : "";
+      note.textContent = `The last ${body.keep} requests computed over HTTP in ${ns}, newest first${where}.`;
       list.replaceChildren(...body.requests.map((r) => {
         const item = el("li");
         const href = `/viewer?request_id=${encodeURIComponent(r.request_id)}&namespace=${encodeURIComponent(ns)}`;
