@@ -14,6 +14,7 @@ from __future__ import annotations
 import struct
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -321,8 +322,23 @@ def test_grpc_streams_answer_malformed_protobuf_without_internal_errors(
     assert_healthy(service)
 
 
-def test_fuzzing_left_the_service_idle(service: Service) -> None:
+# The fuzzed service's peak RSS: its bodies are at most ADV_MAX_BODY_BYTES (1 MB here), so no
+# input may take it far past what the service needs idle (~0.5 GB with torch) and one request.
+PEAK_RSS_BOUND = 1536 * 2**20
+
+
+def peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_fuzzing_left_the_service_idle_and_within_its_memory_bound(service: Service) -> None:
+    """Runs after the fuzzing above (same module-scoped service): nothing left in flight, no
+    traceback, and the peak RSS over the whole fuzzing within a stated bound."""
     metrics = service.metrics()
     for gauge in ("advantage_inflight_requests", "advantage_stream_open"):
         assert metrics[(gauge, ())] == 0
     assert "Traceback" not in service.output()
+    assert peak_rss(service.proc.pid) < PEAK_RSS_BOUND
