@@ -193,3 +193,48 @@ def test_arrow_tables_never_answer_5xx(server: Server) -> None:
     run()
     # The generator reaches both outcomes, so the property is not vacuous.
     assert {200, 422} <= answered, answered
+
+
+def test_corrupted_arrow_streams_never_answer_5xx_and_are_never_computed(server: Server) -> None:
+    """Valid streams cut at any byte, with bytes flipped or with garbage appended: a 422 (or,
+    for a flip the stream survives, what the stream then says), never a 5xx; a stream cut short
+    or followed by other bytes is never computed as if it were whole."""
+    answered: set[int] = set()
+
+    @settings(
+        max_examples=120,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(
+        body=arrow_bodies(),
+        cut=st.floats(0.0, 0.999),
+        flips=st.lists(st.tuples(st.floats(0.0, 0.999), st.integers(1, 255)), max_size=3),
+        tail=st.binary(min_size=1, max_size=16),
+        kind=st.sampled_from(["cut", "flip", "append"]),
+    )
+    def run(
+        body: bytes, cut: float, flips: list[tuple[float, int]], tail: bytes, kind: str
+    ) -> None:
+        if kind == "cut":
+            mutated = body[: int(cut * len(body))]
+        elif kind == "append":
+            mutated = body + tail
+        else:
+            data = bytearray(body)
+            for where, xor in flips:
+                data[int(where * len(data))] ^= xor
+            mutated = bytes(data)
+        response = server.client.post(
+            "/v1/advantages", content=mutated, headers={"content-type": ARROW}
+        )
+        assert response.status_code < 500, response.text
+        if kind in ("cut", "append"):
+            assert response.status_code in (413, 422), response.text
+        answered.add(response.status_code)
+
+    run()
+    assert 422 in answered
+    assert server.client.get("/healthz").status_code == 200
