@@ -25,12 +25,10 @@ from .flat import (
 from .grpc_gen import advantage_pb2 as pb
 from .grpc_gen import advantage_pb2_grpc as pb_grpc
 from .padded import (
-    WIRE_TOKEN_INPUTS,
     FlatRequest,
     PaddedResult,
     flat_request,
     result_from_flat,
-    unsupported_inputs,
 )
 from .retry import Retryable, RetryPolicy
 
@@ -527,25 +525,22 @@ class GrpcClient:
         """Advantages for a trainer's padded batch, sent as one unary ``Compute`` of raw
         tensors; the same arguments and result as :meth:`HttpClient.compute_padded`.
         Raises :class:`AdvantageError`."""
-        per_token = {
-            "logprobs": logprobs,
-            "entropy": entropy,
-            "sum_pi_squared": sum_pi_squared,
-            "is_weights": is_weights,
-        }
-        unsupported_inputs(per_token, WIRE_TOKEN_INPUTS, "the gRPC client")
         req = flat_request(
             tokens,
             mask,
             rewards,
             group_ids,
             estimator=estimator,
-            per_token=per_token,
+            logprobs=logprobs,
+            entropy=entropy,
+            sum_pi_squared=sum_pi_squared,
+            is_weights=is_weights,
             teacher_logprobs=teacher_logprobs,
             diagnostics=diagnostics,
             ignore_token_ids=ignore_token_ids,
             namespace=namespace,
             request_id=request_id,
+            client="the gRPC client",
         )
         response = self._unary(self.stub.Compute, flat_request_message(req))
         return flat_response_result(response, req)

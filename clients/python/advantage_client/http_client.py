@@ -13,12 +13,10 @@ import numpy as np
 from .errors import AdvantageError
 from .flat import check_top_level, flatten_groups, nest_rows, split_rows
 from .padded import (
-    WIRE_TOKEN_INPUTS,
     FlatRequest,
     PaddedResult,
     flat_request,
     result_from_flat,
-    unsupported_inputs,
 )
 from .retry import Retryable, RetryPolicy
 
@@ -338,25 +336,22 @@ class HttpClient:
         estimator with no token-level term sends zeros for the token ids (``tokens`` may be
         None). Raises :class:`AdvantageError`.
         """
-        per_token = {
-            "logprobs": logprobs,
-            "entropy": entropy,
-            "sum_pi_squared": sum_pi_squared,
-            "is_weights": is_weights,
-        }
-        unsupported_inputs(per_token, WIRE_TOKEN_INPUTS, "the HTTP client")
         req = flat_request(
             tokens,
             mask,
             rewards,
             group_ids,
             estimator=estimator,
-            per_token=per_token,
+            logprobs=logprobs,
+            entropy=entropy,
+            sum_pi_squared=sum_pi_squared,
+            is_weights=is_weights,
             teacher_logprobs=teacher_logprobs,
             diagnostics=diagnostics,
             ignore_token_ids=ignore_token_ids,
             namespace=namespace,
             request_id=request_id,
+            client="the HTTP client",
         )
         response = self._send(
             "POST",

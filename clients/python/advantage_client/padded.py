@@ -299,14 +299,26 @@ def flat_request(
     group_ids: Any,
     *,
     estimator: Any,
-    per_token: Mapping[str, Any],
+    logprobs: Any,
+    entropy: Any,
+    sum_pi_squared: Any,
+    is_weights: Any,
     teacher_logprobs: Mapping[str, Any] | None,
     diagnostics: Sequence[str],
     ignore_token_ids: Sequence[int] | None,
     namespace: str | None,
     request_id: str | None,
+    client: str,
 ) -> FlatRequest:
-    """Check a padded call's arrays and gather them into the flat layout."""
+    """Check a padded call's arrays (per-token inputs ``client``, e.g. "the HTTP client",
+    cannot carry yet are refused) and gather them into the flat layout."""
+    per_token = {
+        "logprobs": logprobs,
+        "entropy": entropy,
+        "sum_pi_squared": sum_pi_squared,
+        "is_weights": is_weights,
+    }
+    unsupported_inputs(per_token, WIRE_TOKEN_INPUTS, client)
     layout = PaddedLayout.from_padded(mask, rewards, group_ids)
     token_ids = needs_token_ids(estimator)
     flat_tokens, inputs, teachers = padded_inputs(
