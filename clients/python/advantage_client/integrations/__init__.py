@@ -12,32 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-# Which estimator components read each optional input (an outcome or a term name); an
-# estimator that has none of them is not sent that input.
-INPUT_READERS: dict[str, tuple[str, ...]] = {
-    "logprobs": ("opsd", "otb"),
-    "entropy": ("forking",),
-    "sum_pi_squared": ("otb",),
-    "is_weights": ("otb",),
-    "teacher_logprobs": ("cscr", "opsd"),
-}
-KNOWN_COMPONENTS = frozenset(
-    (
-        "grpo",
-        "dr_grpo",
-        "rloo",
-        "reinforce",
-        "reinforce_pp_baseline",
-        "opo",
-        "gpg",
-        "grpo_passk",
-        "otb",
-        "ktae",
-        "cscr",
-        "opsd",
-        "forking",
-    )
-)
+from ..methods import INPUT_READERS, OUTCOMES, TERMS
+
+# The methods and the inputs each reads come from the service's registry, generated into the
+# client package (methods.py), so a new method is added in one place.
+KNOWN_COMPONENTS = frozenset((*OUTCOMES, *TERMS))
 TOP_LEVEL = frozenset(("outcome", "whiten", "clip"))
 
 

@@ -1,0 +1,26 @@
+"""Generated from the service's estimator registry by
+clients/python/generate_methods.py; do not edit. The methods the service had when this client
+was released, and the optional inputs each reads (``teacher_logprobs``: any teacher condition).
+"""
+
+OUTCOMES: tuple[str, ...] = (
+    "grpo",
+    "dr_grpo",
+    "rloo",
+    "reinforce",
+    "reinforce_pp_baseline",
+    "opo",
+    "gpg",
+    "grpo_passk",
+    "otb",
+)
+TERMS: tuple[str, ...] = ("ktae", "cscr", "opsd", "forking")
+# Optional input -> the outcomes and terms that read it (an estimator with none of them
+# is not sent that input).
+INPUT_READERS: dict[str, tuple[str, ...]] = {
+    "entropy": ("forking",),
+    "is_weights": ("otb",),
+    "logprobs": ("opsd", "otb"),
+    "sum_pi_squared": ("otb",),
+    "teacher_logprobs": ("cscr", "opsd"),
+}
