@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from advantage_service.estimators.ktae_history import prompt_ids
-from advantage_service.request import parse_request
 from advantage_service.stats import MemoryStatsStore
+from advantage_service.wire.request import parse_request
 from stats_helpers import random_groups, read_history, serve
 
 pytestmark = pytest.mark.anyio
@@ -51,8 +51,8 @@ async def test_memory_store_stays_bounded_and_forgets_the_oldest_prompts_first()
         }
         assert (await serve(store, body)).counted
         assert store.record_bytes <= 4_000
-    assert len(store._requests) <= 50
-    assert len(store._tokens) <= 3
+    assert store.request_ids_kept <= 50
+    assert store.namespaces_kept <= 3
     newest = prompt_ids(parse_request({**body, "groups": random_groups(rng, ["p-39"])}).batch)
     prior = await read_history(store, "ns-4", newest)
     assert prior is not None and float(prior.n_c[0] + prior.n_w[0]) > 0, "newest kept"

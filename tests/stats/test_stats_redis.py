@@ -14,8 +14,8 @@ import redis
 import redis.asyncio
 import torch
 from advantage_service.estimators.ktae_history import prompt_ids
-from advantage_service.request import parse_request
 from advantage_service.stats import MemoryStatsStore, RedisStatsStore
+from advantage_service.wire.request import parse_request
 from redis_support import RedisServer
 from stats_helpers import (
     assert_same_stored,
@@ -252,17 +252,9 @@ async def test_a_restart_between_requests_costs_no_request(redis_server: RedisSe
         await store.close()
 
 
-async def test_a_resent_write_pipeline_applies_nothing_twice(
-    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_a_resent_write_pipeline_applies_nothing_twice(redis_server: RedisServer) -> None:
     """What a redis-py retry after a broken connection does: the same claim, the same chunks."""
-    import uuid
-
-    from advantage_service.stats import redis_store
-
-    fixed = uuid.uuid4()
-    monkeypatch.setattr(redis_store.uuid, "uuid4", lambda: fixed)
-    store = RedisStatsStore(redis_server.url)
+    store = RedisStatsStore(redis_server.url, new_id=lambda: "fixed-claim")
     try:
         served = await serve(store, body(11, ["s", "t"], request_id="resent"))
         query = prompt_ids(served.req.batch)
@@ -279,8 +271,8 @@ async def test_a_resent_write_pipeline_applies_nothing_twice(
 
 def token_updates(seed: int, count: int) -> list[Any]:
     """The statistics updates of ``count`` requests without history."""
-    from advantage_service.api import compute_request
-    from advantage_service.term_state import StateSession
+    from advantage_service.serving.compute import compute_request
+    from advantage_service.serving.term_state import StateSession
 
     rng = np.random.default_rng(seed)
     updates = []
@@ -358,35 +350,32 @@ async def test_a_compactor_that_dies_holding_the_lock_leaves_its_deltas_to_the_n
     assert deltas < 2 and leftovers == []
 
 
-async def test_a_compactor_that_lost_its_lock_commits_nothing(
-    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_a_compactor_that_lost_its_lock_commits_nothing(redis_server: RedisServer) -> None:
     """A compacts slowly: its lock expires, B takes it and compacts the same deltas. A's
     commit must then be refused, or those deltas would count twice."""
     from advantage_service.stats import redis_store
 
-    slow = redis_store.RedisStatsStore(redis_server.url, compact_after=100, lock_ms=200)
-    fast = redis_store.RedisStatsStore(redis_server.url, compact_after=100, lock_ms=200)
-    updates = token_updates(57, 6)
-    merge = redis_store._merge_records
     calls = []
 
     def merge_slowly_the_first_time(records: list[bytes | None]) -> bytes:
         calls.append(len(records))
         if len(calls) == 1:
             time.sleep(0.4)
-        return merge(records)
+        return redis_store.merge_records(records)
 
-    monkeypatch.setattr(redis_store, "_merge_records", merge_slowly_the_first_time)
+    options = {"compact_after": 100, "lock_ms": 200, "merge": merge_slowly_the_first_time}
+    slow = redis_store.RedisStatsStore(redis_server.url, **options)
+    fast = redis_store.RedisStatsStore(redis_server.url, **options)
+    updates = token_updates(57, 6)
     sync = redis.Redis.from_url(redis_server.url)
     try:
         for update in updates[:4]:
             assert await slow.record(NS, None, update)
         assert sync.set(slow.lock_key(NS), "slow", nx=True, px=200)
-        slow_compaction = asyncio.create_task(slow._compact(NS, "slow"))
+        slow_compaction = asyncio.create_task(slow.compact(NS, "slow"))
         await asyncio.sleep(0.25)  # the slow one is merging; its lock has expired
         assert sync.set(fast.lock_key(NS), "fast", nx=True, px=200)
-        await fast._compact(NS, "fast")
+        await fast.compact(NS, "fast")
         assert pending(redis_server)[0] == 0
         assert await fast.record(NS, None, updates[4])
         await slow_compaction
@@ -484,9 +473,9 @@ async def test_replicas_with_and_without_compression_read_each_others_history(
     """ADV_STATS_COMPRESSION can differ between replicas (or change on a running deployment):
     each reads both kinds of record."""
     from advantage_service.config import Settings
-    from advantage_service.engine import Engine
     from advantage_service.estimators.ktae_history import SPACE, is_compressed
-    from advantage_service.metrics import Metrics
+    from advantage_service.observability.metrics import Metrics
+    from advantage_service.serving.engine import Engine
 
     engine = Engine(
         Settings(device="cpu", redis_url=redis_server.url, stats_compression="zstd"),

@@ -59,6 +59,16 @@ class MemoryStatsStore:
         return self._record_bytes
 
     @property
+    def request_ids_kept(self) -> int:
+        """Request ids remembered for idempotency (at most ``max_request_ids``)."""
+        return len(self._requests)
+
+    @property
+    def namespaces_kept(self) -> int:
+        """Namespaces whose token statistics are kept (at most ``max_namespaces``)."""
+        return len(self._tokens)
+
+    @property
     def status(self) -> StoreStatus:
         return "memory"
 

@@ -189,8 +189,14 @@ class RedisStatsStore:
         on_error: OnError | None = None,
         on_duration: OnDuration | None = None,
         on_up: OnUp | None = None,
+        merge: Callable[[list[bytes | None]], bytes] | None = None,
+        new_id: Callable[[], str] | None = None,
         **redis_kwargs: Any,
     ) -> None:
+        # merge and new_id are seams for the race tests: a compaction that merges slowly, a
+        # write pipeline resent with the same claim.
+        self.merge = merge if merge is not None else merge_records
+        self.new_id = new_id if new_id is not None else (lambda: uuid.uuid4().hex)
         self.prefix = prefix
         self.ttl_seconds = int(ttl_seconds)
         self.compact_after = max(1, int(compact_after))
@@ -328,7 +334,7 @@ class RedisStatsStore:
     async def record(self, namespace: str, request_id: str | None, update: StatsUpdate) -> bool:
         if self._skipping("record"):
             return False
-        lock = uuid.uuid4().hex
+        lock = self.new_id()
         commands = await asyncio.to_thread(self._writes, namespace, request_id, update, lock)
         try:
             replies = await self._call("record", lambda: self._execute(self._writer, commands))
@@ -336,14 +342,14 @@ class RedisStatsStore:
             return False
         counted, _pending, compact = replies[-1]
         if compact:
-            await self._compact(namespace, lock)
+            await self.compact(namespace, lock)
         return bool(counted)
 
     def _writes(
         self, namespace: str, request_id: str | None, update: StatsUpdate, lock: str
     ) -> list[list[bytes]]:
         """The write pipeline: stage the records and the delta, then commit."""
-        claim = uuid.uuid4().hex
+        claim = self.new_id()
         if request_id is not None:
             claim_key, claim_ttl = self.request_key(namespace, request_id), self.ttl_seconds
         else:  # no idempotency asked for: a private claim that only guards against resends
@@ -372,7 +378,7 @@ class RedisStatsStore:
         commands.append(_command(b"EVAL", COMMIT_WRITE, b"%d" % len(keys), *keys, *args))
         return commands
 
-    async def _compact(self, namespace: str, lock: str) -> None:
+    async def compact(self, namespace: str, lock: str) -> None:
         """Merge the pending deltas into the compacted record, holding the lock ``lock``."""
         compacted, delta = self.compacted_key(namespace), self.delta_key(namespace)
         # At most 2 * compact_after deltas at once (a backlog left by a dead compactor is
@@ -385,7 +391,7 @@ class RedisStatsStore:
 
         async def run(last_round: bool) -> bool:
             current, deltas = await self._execute(self._writer, reads)
-            merged = await asyncio.to_thread(_merge_records, [current, *deltas])
+            merged = await asyncio.to_thread(self.merge, [current, *deltas])
             staged = self.stage_key(namespace, lock, "c").encode()
             keys = [self.lock_key(namespace).encode(), staged, compacted.encode(), delta.encode()]
             go_on_at = 2**62 if last_round else self.compact_after
@@ -458,7 +464,7 @@ def _merge_tables(records: list[bytes | None]) -> TokenStatsUpdate:
     return merge_token_stats([t for t in map(decode_token_stats, records) if t is not None])
 
 
-def _merge_records(records: list[bytes | None]) -> bytes:
+def merge_records(records: list[bytes | None]) -> bytes:
     return encode_token_stats(_merge_tables(records))
 
 
