@@ -25,10 +25,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from advantage_service.api import compute_request
 from advantage_service.estimators import resolve_device
-from advantage_service.merging import merge, split
-from advantage_service.request import ComputeRequest, parse_request
+from advantage_service.serving.compute import compute_request
+from advantage_service.serving.merging import merge, split
+from advantage_service.wire.request import ComputeRequest, parse_request
 from loadgen import Shape, make_request
 
 SHAPE = Shape(groups=4, rollouts=8, tokens=512)

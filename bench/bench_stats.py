@@ -67,7 +67,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from advantage_service import compute_batch
 from advantage_service.config import Settings
-from advantage_service.engine import Engine
 from advantage_service.estimators import TermContext, resolve_device, resolve_estimator
 from advantage_service.estimators.ktae_history import (
     SPACE,
@@ -76,10 +75,11 @@ from advantage_service.estimators.ktae_history import (
     prompt_ids,
 )
 from advantage_service.estimators.state import Compression, PendingRead
-from advantage_service.metrics import Metrics
-from advantage_service.request import ComputeRequest
+from advantage_service.observability.metrics import Metrics
+from advantage_service.serving.engine import Engine
+from advantage_service.serving.term_state import StateSession
 from advantage_service.stats import MemoryStatsStore, RedisStatsStore, StatsStore
-from advantage_service.term_state import StateSession
+from advantage_service.wire.request import ComputeRequest
 from stats.redis_support import RedisServer
 from synthetic import training_batch
 

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from advantage_client.integrations import verl as adv_verl
 from advantage_service import RolloutBatch, compute_batch
-from advantage_service.padded import _Padded
+from advantage_service.wire.padded import _Padded
 from verl import DataProto
 from verl.trainer.config import AlgoConfig
 from verl.trainer.ppo import ray_trainer

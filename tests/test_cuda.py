@@ -67,11 +67,11 @@ def test_cuda_matches_cpu_with_ktae_history():
     the writes built from the device's result are the CPU's."""
     import asyncio
 
-    from advantage_service.api import compute_request
     from advantage_service.estimators import resolve_estimator
-    from advantage_service.request import ComputeRequest
+    from advantage_service.serving.compute import compute_request
+    from advantage_service.serving.term_state import StateSession
     from advantage_service.stats import MemoryStatsStore
-    from advantage_service.term_state import StateSession
+    from advantage_service.wire.request import ComputeRequest
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from synthetic import training_batch

@@ -16,7 +16,7 @@ import pytest
 import torch
 from advantage_service import RequestError, RolloutBatch, compute, compute_batch
 from advantage_service.cli import main as cli_main
-from advantage_service.transports.openapi import estimator_listing
+from advantage_service.wire.listing import estimator_listing
 from token_cases import ERROR_CASES, ERROR_IDS, token_request
 
 TOL = 2e-5

@@ -11,9 +11,8 @@ from .api import compute
 from .batch import RolloutBatch
 from .errors import LimitExceeded, RequestError
 from .estimators import AdvantageResult, EstimatorSpec, compute_batch, presets, resolve_estimator
-from .padded import PaddedResult, compute_padded
-
-__version__ = "0.1.0"
+from .version import __version__
+from .wire.padded import PaddedResult, compute_padded
 
 __all__ = [
     "AdvantageResult",

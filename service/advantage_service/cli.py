@@ -6,13 +6,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import __version__
+from .version import __version__
 
 
 def _compute(args: argparse.Namespace) -> int:
-    from . import jsonio
     from .api import compute
     from .errors import RequestError
+    from .wire import jsonio
 
     try:
         source = sys.stdin.buffer if args.input == "-" else open(args.input, "rb")  # noqa: SIM115

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from advantage_service.metrics import Metrics
+from advantage_service.observability.metrics import Metrics
 from deploy_support import (
     DOCS,
     dashboards,

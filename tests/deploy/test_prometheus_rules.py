@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 import yaml
-from advantage_service.metrics import Metrics
+from advantage_service.observability.metrics import Metrics
 from deploy_support import ALERTS, ALERTS_TEST, alert_rules, unknown_metrics
 
 # The list: down, error ratio, p99 latency, saturation (overload refusals and a queue

@@ -21,8 +21,8 @@ from advantage_client import AdvantageError, GrpcClient
 from advantage_client.grpc_client import compute_request_message
 from advantage_client.grpc_gen import advantage_pb2_grpc as pb_grpc
 from advantage_service.config import Settings
-from advantage_service.engine import Engine
-from advantage_service.scheduler import Ticket
+from advantage_service.serving.engine import Engine
+from advantage_service.serving.scheduler import Ticket
 from advantage_service.transports.grpc import bound_port, start_grpc_server, stop_grpc_server
 from grpc_support import random_request, stream_rollouts
 from holding import Hold, held_request

@@ -9,8 +9,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from advantage_service import compute, jsonio, presets, resolve_estimator
+from advantage_service import compute, presets, resolve_estimator
 from advantage_service.estimators import OUTCOMES, TERMS
+from advantage_service.wire import jsonio
 from http_support import ALL_PRESETS, ARROW, Server, arrow_request, random_request, read_arrow
 
 pytestmark = pytest.mark.integration

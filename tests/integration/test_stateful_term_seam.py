@@ -21,11 +21,11 @@ import redis
 import torch
 from advantage_service.batch import RolloutBatch
 from advantage_service.config import Settings
-from advantage_service.engine import Engine
 from advantage_service.estimators.baselines import group_sum
 from advantage_service.estimators.registry import TERMS, TermContext, TermOutput, register_term
 from advantage_service.estimators.state import TermState, TermWrites, WriteOptions
-from advantage_service.metrics import Metrics
+from advantage_service.observability.metrics import Metrics
+from advantage_service.serving.engine import Engine
 from advantage_service.transports.http import create_app
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration]

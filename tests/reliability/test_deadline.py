@@ -17,10 +17,10 @@ from advantage_client.grpc_client import compute_request_message
 from advantage_client.grpc_gen import advantage_pb2_grpc as pb_grpc
 from advantage_client.http_client import arrow_request_body
 from advantage_service.config import Settings
-from advantage_service.engine import Engine
 from advantage_service.errors import RequestError
-from advantage_service.metrics import Metrics
-from advantage_service.request import parse_request
+from advantage_service.observability.metrics import Metrics
+from advantage_service.serving.engine import Engine
+from advantage_service.wire.request import parse_request
 from holding import Hold, held_request
 from process_support import poll
 from support import Service

@@ -12,13 +12,13 @@ import numpy as np
 import oracle
 import pytest
 import torch
-from advantage_service.api import compute_request
 from advantage_service.estimators import AdvantageResult
 from advantage_service.estimators.ktae_history import SPACE, HistoryPrior
 from advantage_service.estimators.state import Compression, WriteOptions
-from advantage_service.request import ComputeRequest, parse_request
+from advantage_service.serving.compute import compute_request
+from advantage_service.serving.term_state import StateSession
 from advantage_service.stats import StatsStore, StatsUpdate, TokenStatsUpdate
-from advantage_service.term_state import StateSession
+from advantage_service.wire.request import ComputeRequest, parse_request
 
 
 @dataclass

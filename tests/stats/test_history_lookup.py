@@ -92,7 +92,7 @@ def test_lookup_of_no_pairs_and_of_no_history() -> None:
 
 @pytest.mark.parametrize("largest", [50, 2**31 - 1, 2**40])
 def test_distinct_keys_are_torch_unique(largest: int) -> None:
-    from advantage_service.term_state import _distinct
+    from advantage_service.serving.term_state import _distinct
 
     rng = np.random.default_rng(largest % 97)
     keys = torch.from_numpy(rng.integers(0, largest, size=5000, dtype=np.int64))

@@ -17,17 +17,17 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from advantage_service.api import compute_request
 from advantage_service.config import Settings
-from advantage_service.engine import Engine
 from advantage_service.errors import RequestError
 from advantage_service.estimators import TermContext
 from advantage_service.estimators import ktae as ktae_module
 from advantage_service.estimators.ktae_history import HistoryPrior
 from advantage_service.estimators.state import PendingRead
-from advantage_service.metrics import Metrics
-from advantage_service.request import parse_request
+from advantage_service.observability.metrics import Metrics
+from advantage_service.serving.compute import compute_request
+from advantage_service.serving.engine import Engine
 from advantage_service.stats import MemoryStatsStore, RecordKey
+from advantage_service.wire.request import parse_request
 from stats_helpers import random_groups, read_history
 
 pytestmark = pytest.mark.anyio

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 import redis
 from advantage_service.config import Settings
-from advantage_service.engine import Engine
 from advantage_service.estimators.ktae_history import decode_history, is_compressed
-from advantage_service.metrics import Metrics
-from advantage_service.request import parse_request
+from advantage_service.observability.metrics import Metrics
+from advantage_service.serving.engine import Engine
 from advantage_service.stats.blobs import decode_token_stats
+from advantage_service.wire.request import parse_request
 from redis_support import RedisServer
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration]

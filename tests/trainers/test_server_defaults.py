@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from advantage_service.config import Settings
-from advantage_service.request import parse_request, with_server_defaults
+from advantage_service.wire.request import parse_request, with_server_defaults
 from pydantic import ValidationError
 
 

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import redis
 from advantage_service.config import Settings
-from advantage_service.engine import Engine
-from advantage_service.metrics import Metrics
+from advantage_service.observability.metrics import Metrics
+from advantage_service.serving.engine import Engine
 from advantage_service.transports.http import create_app
-from advantage_service.transports.viewer_keep import KeptRequest, RedisKeep
+from advantage_service.viewer.keep import KeptRequest, RedisKeep
 from stats.redis_support import RedisServer
 from viewer.viewer_support import ktae_request
 

@@ -8,7 +8,7 @@ import re
 import httpx
 import numpy as np
 import pytest
-from advantage_service.transports.viewer import KeptRequest, RecentRequests
+from advantage_service.viewer.routes import KeptRequest, RecentRequests
 from integration.http_support import ARROW, Server, arrow_request
 from viewer.conftest import KEEP, WORDS
 from viewer.viewer_support import ktae_request

@@ -24,11 +24,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .. import jsonio
 from ..batch import TOKEN_INPUTS, RolloutBatch
 from ..errors import RequestError
 from ..estimators import AdvantageResult
-from ..request import ComputeRequest, parse_options
+from ..wire import jsonio
+from ..wire.request import ComputeRequest, parse_options
 
 MEDIA_TYPE = "application/vnd.apache.arrow.stream"
 REQUEST_METADATA = b"advantage.request"

@@ -28,11 +28,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from ..accounting import Call
-from ..auth import Principal, unauthenticated
 from ..config import Settings
-from ..engine import Engine
 from ..errors import Overloaded, RequestError
+from ..serving.accounting import Call
+from ..serving.auth import Principal, unauthenticated
+from ..serving.engine import Engine
 from .grpc_codec import (
     INTERNAL_MESSAGE,
     SERVICE_NAME,
@@ -151,7 +151,7 @@ class AdvantageServicer(pb_grpc.AdvantageServiceServicer):
         except RequestError as exc:
             await abort(context, exc)
             raise  # unreachable: abort raises
-        session = StreamSession(self, principal)
+        session = StreamSession(self.engine, self.settings, self.limits, principal)
         metrics = self.engine.metrics
         self.open_streams += 1
         metrics.stream_open.inc()

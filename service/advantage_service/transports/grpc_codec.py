@@ -13,12 +13,13 @@ import numpy as np
 from advantage_client.grpc_gen import advantage_pb2 as pb
 from google.protobuf.message import DecodeError
 
-from .. import jsonio
 from ..batch import TOKEN_INPUTS, RolloutBatch
 from ..errors import Overloaded, RequestError
 from ..estimators import AdvantageResult
-from ..request import ComputeRequest, parse_options
-from .openapi import EstimatorListing, estimator_listing
+from ..wire import jsonio
+from ..wire.listing import estimator_listing
+from ..wire.request import ComputeRequest, parse_options
+from .openapi import EstimatorListing
 
 TRANSPORT = "grpc"
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AdvantageService"].full_name

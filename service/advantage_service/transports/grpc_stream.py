@@ -15,18 +15,19 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from advantage_client.grpc_gen import advantage_pb2 as pb
 
-from .. import jsonio
-from ..auth import Principal
 from ..batch import TOKEN_INPUTS, RolloutBatch
 from ..config import Settings
 from ..errors import LimitExceeded, RequestError
 from ..estimators import AdvantageResult
-from ..request import ComputeRequest, RequestOptions, batch_from_groups, parse_options
+from ..serving.auth import Principal
+from ..serving.engine import Engine
+from ..wire import jsonio
+from ..wire.request import ComputeRequest, RequestOptions, batch_from_groups, parse_options
 from .grpc_codec import (
     INTERNAL_MESSAGE,
     TRANSPORT,
@@ -37,9 +38,6 @@ from .grpc_codec import (
     summary_message,
     write_tensor,
 )
-
-if TYPE_CHECKING:
-    from .grpc import AdvantageServicer
 
 log = logging.getLogger("advantage_service.grpc")
 
@@ -196,12 +194,16 @@ class StreamSession:
     """One StreamCompute call: reads rollouts, assembles groups, computes them on the engine,
     queues the answers for the handler to write."""
 
-    def __init__(self, servicer: AdvantageServicer, principal: Principal) -> None:
+    def __init__(
+        self, engine: Engine, settings: Settings, limits: StreamLimits, principal: Principal
+    ) -> None:
+        # What the session needs is passed in, not read off the servicer: the servicer imports
+        # this module, and this module imports nothing of the servicer's.
         self.principal = principal
-        self.engine = servicer.engine
-        self.settings = servicer.settings
-        self.limits = servicer.limits
-        self.metrics = servicer.engine.metrics
+        self.engine = engine
+        self.settings = settings
+        self.limits = limits
+        self.metrics = engine.metrics
         self.template: RequestOptions | None = None
         self.pending: dict[str, _Group] = {}
         self.pending_tokens = 0

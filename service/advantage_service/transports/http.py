@@ -26,15 +26,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from swagger_ui_bundle import swagger_ui_path
 
-from .. import __version__, jsonio
-from ..accounting import Call
-from ..auth import CHALLENGE, Principal, unauthenticated
 from ..config import Settings
-from ..engine import Engine
 from ..errors import LimitExceeded, Overloaded, RequestError
 from ..estimators import AdvantageResult
-from ..request import ComputeRequest, parse_request
-from ..response import build_response
+from ..serving.accounting import Call
+from ..serving.auth import CHALLENGE, Principal, unauthenticated
+from ..serving.engine import Engine
+from ..version import __version__
+from ..viewer.routes import mount_viewer
+from ..wire import jsonio
+from ..wire.listing import estimator_listing
+from ..wire.request import ComputeRequest, parse_request
+from ..wire.response import build_response
 from . import arrow
 from .openapi import (
     ADVANTAGE_RESPONSES,
@@ -45,9 +48,7 @@ from .openapi import (
     TokenStats,
     document_request_body,
     error_content,
-    estimator_listing,
 )
-from .viewer import mount_viewer
 
 log = logging.getLogger("advantage_service.http")
 

@@ -11,11 +11,11 @@ from typing import Annotated, Any, Literal
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from .. import jsonio
-from ..api import compute as compute_in_process
-from ..estimators import OUTCOMES, TERMS, Param, presets, resolve_estimator
+from ..estimators import OUTCOMES, TERMS, Param, presets
 from ..estimators.pipeline import all_diagnostics
 from ..estimators.spec import DEFAULT_PRESET, TOP_LEVEL_PARAMS
+from ..serving.compute import compute as compute_in_process
+from ..wire import jsonio
 from . import arrow
 
 JSON = "application/json"
@@ -327,50 +327,6 @@ def request_json_schema() -> tuple[dict[str, Any], dict[str, Any]]:
         "description": "diagnostics to return beside advantages",
     }
     return schema, defs
-
-
-def default_params(params: tuple[Param, ...]) -> dict[str, Any]:
-    return {p.name: p.default for p in params}
-
-
-def estimator_listing() -> dict[str, Any]:
-    """Every outcome, term, preset and parameter, from the registry (with the inputs each
-    needs: its ``requires`` at its default parameters)."""
-    return {
-        "default": DEFAULT_PRESET,
-        "presets": {name: resolve_estimator(name).to_dict() for name in presets()},
-        "outcomes": [
-            {
-                "name": o.name,
-                "description": o.doc,
-                "formula": o.formula,
-                "paper": o.paper,
-                "parameters": [p.describe() for p in o.params],
-                "whiten_default": o.whiten_default,
-                "min_group_size": o.min_group_size,
-                "per_token": o.per_token,
-                "diagnostics": list(o.diagnostics),
-                "inputs": list(o.requires(default_params(o.params)).values()),
-                "optional_inputs": list(o.optional),
-            }
-            for o in OUTCOMES.values()
-        ],
-        "terms": [
-            {
-                "name": t.name,
-                "description": t.doc,
-                "formula": t.formula,
-                "paper": t.paper,
-                "parameters": [p.describe() for p in t.params],
-                "diagnostics": list(t.diagnostics),
-                "inputs": list(t.requires(default_params(t.params)).values()),
-                "optional_inputs": list(t.optional),
-            }
-            for t in TERMS.values()
-        ],
-        "options": [p.describe() for p in TOP_LEVEL_PARAMS],
-        "diagnostics": list(all_diagnostics()),
-    }
 
 
 def error_content(description: str) -> dict[str, Any]:

@@ -22,10 +22,10 @@ from typing import Any
 import uvicorn
 from pydantic import ValidationError
 
-from .. import logs
-from ..auth import TokensFileError
 from ..config import Settings
-from ..engine import Engine
+from ..observability import logs
+from ..serving.auth import TokensFileError
+from ..serving.engine import Engine
 from .grpc import start_grpc_server, stop_grpc_server, stop_serving
 from .http import create_app
 

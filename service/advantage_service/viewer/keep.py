@@ -43,8 +43,8 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
-from .. import jsonio
-from ..engine import Computed
+from ..serving.engine import Computed
+from ..wire import jsonio
 
 log = logging.getLogger("advantage_service.viewer")
 

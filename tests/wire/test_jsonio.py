@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 from advantage_service.errors import LimitExceeded, RequestError
-from advantage_service.jsonio import BodyLimits, loads_request
+from advantage_service.wire.jsonio import BodyLimits, loads_request
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

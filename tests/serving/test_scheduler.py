@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 from advantage_service.config import Settings
-from advantage_service.engine import Engine
 from advantage_service.errors import Overloaded, RequestError
-from advantage_service.metrics import Metrics
-from advantage_service.request import parse_request
+from advantage_service.observability.metrics import Metrics
+from advantage_service.serving.engine import Engine
+from advantage_service.wire.request import parse_request
 from holding import Hold, held_request
 
 

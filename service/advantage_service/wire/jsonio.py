@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from .errors import LimitExceeded, RequestError
+from ..errors import LimitExceeded, RequestError
 
 
 def _default(value: Any) -> Any:

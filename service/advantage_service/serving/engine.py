@@ -23,21 +23,22 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import torch
 
-from . import __version__, assembly, merging
+from ..batch import RolloutBatch
+from ..config import Settings
+from ..errors import LimitExceeded, RequestError, deadline_exceeded
+from ..estimators import TERMS, AdvantageResult, TermContext, resolve_device
+from ..estimators.pipeline import check_inputs
+from ..estimators.state import WriteOptions
+from ..observability.metrics import TOKEN_SAMPLE, Metrics
+from ..stats import StatsStore
+from ..version import __version__
+from ..wire.jsonio import BodyLimits
+from ..wire.request import ComputeRequest, parse_request, with_server_defaults
+from . import assembly, merging
 from .accounting import UNKNOWN_ESTIMATOR, Call
-from .api import check_finite, compute_request, summarize
 from .auth import Authenticator, Principal
-from .batch import RolloutBatch
-from .config import Settings
-from .errors import LimitExceeded, RequestError, deadline_exceeded
-from .estimators import TERMS, AdvantageResult, TermContext, resolve_device
-from .estimators.pipeline import check_inputs
-from .estimators.state import WriteOptions
-from .jsonio import BodyLimits
-from .metrics import TOKEN_SAMPLE, Metrics
-from .request import ComputeRequest, parse_request, with_server_defaults
+from .compute import check_finite, compute_request, summarize
 from .scheduler import Computation, Scheduler, Ticket
-from .stats import StatsStore
 from .stats_writer import StatsWriter
 from .term_state import StateSession
 
@@ -71,7 +72,11 @@ class Engine:
         *,
         store: StatsStore | None = None,
         auth: Authenticator | None = None,
+        compute: Callable[..., AdvantageResult] = compute_request,
     ) -> None:
+        # ``compute`` computes one (possibly merged) request on the device: compute_request,
+        # or, in tests, a wrapper that holds or fails it.
+        self.compute_fn = compute
         self.settings = settings
         self.metrics = metrics if metrics is not None else Metrics()
         self.device = resolve_device(settings.device)
@@ -387,7 +392,7 @@ class Engine:
         self, req: ComputeRequest, context: TermContext | None
     ) -> tuple[AdvantageResult, float]:
         start = time.perf_counter()
-        result = compute_request(req, self.device, context)
+        result = self.compute_fn(req, self.device, context)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return result, time.perf_counter() - start

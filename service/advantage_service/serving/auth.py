@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import RequestError
+from ..errors import RequestError
 
 log = logging.getLogger("advantage_service.auth")
 

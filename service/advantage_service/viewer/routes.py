@@ -1,6 +1,6 @@
 """The token-credit viewer: a page at ``/viewer`` and the few JSON routes it reads beside the API.
 
-The page (``viewer_static/``: HTML, CSS and JavaScript of the package, nothing from a CDN) shows
+The page (``static/``: HTML, CSS and JavaScript of the package, nothing from a CDN) shows
 a request's tokens shaded by their advantage or any returned diagnostic, and per token why it got
 its credit. It computes pasted requests through ``POST /v1/advantages`` with the caller's bearer
 token; the routes here add what the API does not have:
@@ -31,14 +31,14 @@ from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
-from .. import jsonio
 from ..config import Settings
-from ..engine import Computed, Engine
 from ..errors import RequestError
 from ..estimators import resolve_estimator
 from ..estimators.pipeline import estimator_diagnostics
-from ..response import build_response
-from .viewer_keep import (
+from ..serving.engine import Computed, Engine
+from ..wire import jsonio
+from ..wire.response import build_response
+from .keep import (
     KeepStore,
     KeepUnavailable,
     KeptRequest,
@@ -49,7 +49,7 @@ from .viewer_keep import (
 
 log = logging.getLogger("advantage_service.viewer")
 
-STATIC = Path(__file__).with_name("viewer_static")
+STATIC = Path(__file__).with_name("static")
 # The page's own policy: its scripts and styles only, its API on the same origin.
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "

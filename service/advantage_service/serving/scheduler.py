@@ -34,9 +34,9 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import Overloaded
-from .estimators import AdvantageResult, TermContext
-from .request import ComputeRequest
+from ..errors import Overloaded
+from ..estimators import AdvantageResult, TermContext
+from ..wire.request import ComputeRequest
 
 log = logging.getLogger("advantage_service.scheduler")
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from .estimators import AdvantageResult
+from ..estimators import AdvantageResult
 from .request import ComputeRequest
 
 

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from .estimators import AdvantageResult
+from ..estimators import AdvantageResult
 from .term_state import StateSession
 
 log = logging.getLogger("advantage_service.stats_writer")

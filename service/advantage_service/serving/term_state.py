@@ -26,13 +26,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from .batch import RolloutBatch
-from .estimators import TERMS, AdvantageResult, TermContext
-from .estimators.state import PendingRead, TermState, WriteOptions
-from .request import ComputeRequest
-from .stats import StatsStore, StatsUpdate, TokenStatsUpdate
-from .stats.base import RecordKey
-from .stats.blobs import COUNT_COLUMNS, INT32_MAX, TOKEN_COLUMNS
+from ..batch import RolloutBatch
+from ..estimators import TERMS, AdvantageResult, TermContext
+from ..estimators.state import PendingRead, TermState, WriteOptions
+from ..stats import StatsStore, StatsUpdate, TokenStatsUpdate
+from ..stats.base import RecordKey
+from ..stats.blobs import COUNT_COLUMNS, INT32_MAX, TOKEN_COLUMNS
+from ..wire.request import ComputeRequest
 
 # Counted for every request; the other statistics columns are the terms' to fill.
 BASE_COLUMNS = ("correct", "wrong", "occurrences")

@@ -13,16 +13,15 @@ import httpx
 import numpy as np
 import pytest
 from advantage_service import LimitExceeded, RequestError, compute
-from advantage_service import engine as engine_module
-from advantage_service.api import compute_request
 from advantage_service.config import Settings
-from advantage_service.engine import Engine
 from advantage_service.errors import Overloaded
-from advantage_service.metrics import BulkHistogram, Metrics
-from advantage_service.request import parse_request
+from advantage_service.observability.metrics import BulkHistogram, Metrics
+from advantage_service.serving.compute import compute_request
+from advantage_service.serving.engine import Engine
 from advantage_service.transports import arrow
 from advantage_service.transports.http import create_app
 from advantage_service.transports.server import settings_from_args
+from advantage_service.wire.request import parse_request
 from oracle import PRESETS, random_request, reference_compute
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.parser import text_string_to_metric_families
@@ -182,19 +181,17 @@ def test_a_failed_decode_releases_its_slot_and_is_counted() -> None:
     assert samples(engine)[key] == 3
 
 
-def test_event_loop_keeps_running_while_a_batch_computes(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_event_loop_keeps_running_while_a_batch_computes() -> None:
     """The compute is held until the event loop has ticked a few times: it can only finish if
     it runs off the loop (on the loop it would wait for ticks that never come)."""
-    engine = engine_with()
     req = parse_request(make_request(groups=4, size=4, length=50, seed=1))
     ticked = threading.Event()
-    real = engine_module.compute_request
 
     def held_compute(*args: Any, **kwargs: Any) -> Any:
         assert ticked.wait(timeout=30), "the event loop did not run while computing"
-        return real(*args, **kwargs)
+        return compute_request(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "compute_request", held_compute)
+    engine = Engine(Settings(device="cpu"), Metrics(process=False), compute=held_compute)
 
     async def scenario() -> int:
         ticks = 0

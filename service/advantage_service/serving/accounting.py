@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
+from ..errors import Overloaded, RequestError
+from ..observability.logs import access
+from ..observability.metrics import Metrics
+from ..wire.request import ComputeRequest
 from .auth import Principal
-from .errors import Overloaded, RequestError
-from .logs import access
-from .metrics import Metrics
-from .request import ComputeRequest
 
 # Estimator label for calls that end before their estimator is known.
 UNKNOWN_ESTIMATOR = "unknown"

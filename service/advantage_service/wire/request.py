@@ -16,10 +16,10 @@ from typing import Any
 from advantage_client.errors import AdvantageError
 from advantage_client.flat import TOP_LEVEL_FIELDS, flatten_groups
 
-from .batch import RolloutBatch
-from .errors import LimitExceeded, RequestError
-from .estimators import EstimatorSpec, resolve_estimator
-from .estimators.pipeline import all_diagnostics
+from ..batch import RolloutBatch
+from ..errors import LimitExceeded, RequestError
+from ..estimators import EstimatorSpec, resolve_estimator
+from ..estimators.pipeline import all_diagnostics
 
 DEFAULT_NAMESPACE = "default"
 MAX_REQUEST_ID_LENGTH = 256

@@ -29,10 +29,10 @@ import torch
 from advantage_client.errors import AdvantageError
 from advantage_client.padded import PaddedLayout, PaddedResult, as_numpy, group_index_of
 
-from .batch import RolloutBatch
-from .errors import RequestError
-from .estimators import OUTCOMES, compute_batch, resolve_estimator
-from .estimators.pipeline import WHITEN_EPS, check_inputs
+from ..batch import RolloutBatch
+from ..errors import RequestError
+from ..estimators import OUTCOMES, compute_batch, resolve_estimator
+from ..estimators.pipeline import WHITEN_EPS, check_inputs
 
 __all__ = ["PaddedResult", "compute_padded"]
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 import json
 from collections.abc import Hashable, Sequence
 
-from .batch import RolloutBatch
-from .estimators import TERMS, AdvantageResult
-from .request import ComputeRequest
+from ..batch import RolloutBatch
+from ..estimators import TERMS, AdvantageResult
+from ..wire.request import ComputeRequest
 from .term_state import reads_state
 
 

@@ -3,10 +3,10 @@ the authenticator. The engine takes them ready-made (tests hand it their own).""
 
 from __future__ import annotations
 
+from ..config import Settings
+from ..observability.metrics import Metrics
+from ..stats import StatsStore, make_store
 from .auth import Authenticator
-from .config import Settings
-from .metrics import Metrics
-from .stats import StatsStore, make_store
 
 
 def stats_store(settings: Settings, metrics: Metrics) -> StatsStore:

@@ -12,11 +12,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from advantage_service.api import compute_request
 from advantage_service.estimators import TERMS
-from advantage_service.merging import merge, merge_key, split
-from advantage_service.request import parse_request
-from advantage_service.term_state import StateSession
+from advantage_service.serving.compute import compute_request
+from advantage_service.serving.merging import merge, merge_key, split
+from advantage_service.serving.term_state import StateSession
+from advantage_service.wire.request import parse_request
 from oracle import ALL_PRESETS, random_request
 
 COMPOSITIONS: list[Any] = [
