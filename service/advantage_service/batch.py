@@ -24,7 +24,7 @@ LOGPROB_TOLERANCE = 1e-4
 INT32_LIMIT = 2**31
 # The optional per-token inputs beside the teachers' log-probabilities, each float32 (N,) or
 # None (ESTIMATORS.md, "New per-token inputs"). They travel wherever logprobs travels.
-TOKEN_INPUTS = ("logprobs", "entropy", "sum_pi_squared", "is_weights")
+TOKEN_INPUTS = ("logprobs", "entropy", "sum_pi_squared", "is_weights", "returns")
 # An entropy may fall below 0, and a sum of squared probabilities above 1, by float rounding
 # in the client; more is a bug there.
 RANGE_TOLERANCE = 1e-4
@@ -136,6 +136,9 @@ class RolloutBatch:
     sum_pi_squared: torch.Tensor | None = None
     # rho_it >= 0: the trainer's truncated importance weights.
     is_weights: torch.Tensor | None = None
+    # G_it: the return from token t on (the reward-to-go, for rewards spread over tokens, e.g.
+    # a per-token KL penalty); OTB's G in place of r_i.
+    returns: torch.Tensor | None = None
     # Prompt ids for state kept per prompt (history); defaults to the group ids.
     prompt_ids: list[str] | None = None
     # A batch that merges several requests (``concat``): int64 (S+1,) on the CPU, request s owns
@@ -157,6 +160,7 @@ class RolloutBatch:
         entropy: Any = None,
         sum_pi_squared: Any = None,
         is_weights: Any = None,
+        returns: Any = None,
         vocab_size: int | None = None,
         prompt_ids: Sequence[str] | None = None,
     ) -> RolloutBatch:
@@ -185,6 +189,7 @@ class RolloutBatch:
             entropy=optional(entropy, "entropy"),
             sum_pi_squared=optional(sum_pi_squared, "sum_pi_squared"),
             is_weights=optional(is_weights, "is_weights"),
+            returns=optional(returns, "returns"),
             prompt_ids=None if prompt_ids is None else [str(p) for p in prompt_ids],
         )
         if batch.prompt_ids is not None and len(batch.prompt_ids) != len(batch.group_ids):
@@ -496,6 +501,8 @@ def _out_of_range(name: str, values: torch.Tensor) -> tuple[torch.Tensor, str]:
         return (values <= 0) | (values > 1 + RANGE_TOLERANCE), "must lie in (0, 1]"
     if name == "is_weights":
         return values < 0, "is a negative importance weight"
+    if name == "returns":
+        return torch.zeros_like(values, dtype=torch.bool), ""
     raise ValueError(f"no range for {name!r}")
 
 
@@ -506,6 +513,14 @@ def _concat_token_inputs(batches: Sequence[RolloutBatch]) -> dict[str, torch.Ten
         parts = [getattr(b, name) for b in batches]
         if all(p is not None for p in parts):
             out[name] = torch.cat(parts)
+        elif name == "returns" and any(p is not None for p in parts):
+            # A request without returns has G_it = r_i: its rewards over its tokens.
+            out[name] = torch.cat(
+                [
+                    p if p is not None else b.per_token(b.rewards.float())
+                    for p, b in zip(parts, batches, strict=True)
+                ]
+            )
         elif name in NEUTRAL_VALUES and any(p is not None for p in parts):
             fill = NEUTRAL_VALUES[name]
             out[name] = torch.cat(

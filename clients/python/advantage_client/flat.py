@@ -35,7 +35,7 @@ TOP_LEVEL_FIELDS = (
 )
 # Optional per-token values of a rollout, one per token, beside the teachers' log-probabilities
 # (the service's batch carries each as a float32 (N,) array).
-TOKEN_FIELDS = ("logprobs", "entropy", "sum_pi_squared", "is_weights")
+TOKEN_FIELDS = ("logprobs", "entropy", "sum_pi_squared", "is_weights", "returns")
 ROLLOUT_FIELDS = ("tokens", "reward", *TOKEN_FIELDS, "teacher_logprobs")
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
@@ -59,6 +59,7 @@ class FlatGroups:
     entropy: np.ndarray | None = None  # numbers (N,)
     sum_pi_squared: np.ndarray | None = None  # numbers (N,)
     is_weights: np.ndarray | None = None  # numbers (N,)
+    returns: np.ndarray | None = None  # numbers (N,)
     # Per group: its ``prompt_key`` (None where the group gave none); None when none did.
     prompt_keys: list[str | None] | None = None
 
@@ -311,8 +312,8 @@ def _flat_values(
 
 def flatten_groups(groups: Any) -> FlatGroups:
     """The request's ``groups`` (``[{"id", "prompt_key"?, "rollouts": [{"tokens", "reward",
-    "logprobs"?, "entropy"?, "sum_pi_squared"?, "is_weights"?, "teacher_logprobs"?}]}]``, lists
-    or numpy arrays inside) as validated flat arrays.
+    "logprobs"?, "entropy"?, "sum_pi_squared"?, "is_weights"?, "returns"?,
+    "teacher_logprobs"?}]}]``, lists or numpy arrays inside) as validated flat arrays.
 
     Checks what the layout needs (types, list lengths, values given for every rollout or none)
     and raises :class:`AdvantageError` naming the group id, rollout index and field of the first

@@ -450,9 +450,10 @@ class GrpcClient:
     exponential backoff on UNAVAILABLE (an overload refusal, or no server) and on saturation
     (RESOURCE_EXHAUSTED with code ``saturated``, from services before UNAVAILABLE); an overload
     refusal's wait is its ``retry-after-ms`` trailing metadata, else ``retry-after`` (see
-    :class:`RetryPolicy`), never above ``max_backoff``. A stream that loses its server (or is
-    refused) reconnects after the same wait and sends again the rollouts of groups not yet
-    answered.
+    :class:`RetryPolicy`), never above ``max_backoff``; ``max_wait`` (seconds) keeps unary calls
+    retrying past ``retries`` until that much time was spent waiting. A stream that loses its
+    server (or is refused) reconnects after the same wait and sends again the rollouts of groups
+    not yet answered.
 
     ``token``: the bearer token (``authorization`` metadata on every call). TLS: ``ca_file``
     (the CA that signed the service's certificate) and, for mutual TLS, ``client_cert`` and
@@ -468,6 +469,7 @@ class GrpcClient:
         retries: int = 3,
         backoff: float = 0.1,
         max_backoff: float = 10.0,
+        max_wait: float | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         options: Sequence[tuple[str, Any]] = (),
         token: str | None = None,
@@ -489,7 +491,7 @@ class GrpcClient:
         self.stub = pb_grpc.AdvantageServiceStub(self.channel)
         self.timeout = timeout
         self.stream_timeout = stream_timeout
-        self.retry = RetryPolicy(retries, backoff, max_backoff)
+        self.retry = RetryPolicy(retries, backoff, max_backoff, max_wait)
 
     def close(self) -> None:
         self.channel.close()
@@ -531,6 +533,7 @@ class GrpcClient:
         entropy: Any = None,
         sum_pi_squared: Any = None,
         is_weights: Any = None,
+        returns: Any = None,
         diagnostics: Sequence[str] = (),
         ignore_token_ids: Sequence[int] | None = None,
         namespace: str | None = None,
@@ -557,6 +560,7 @@ class GrpcClient:
             request_id=request_id,
             client="the gRPC client",
             prompt_keys=prompt_keys,
+            returns=returns,
         )
         response = self._unary(self.stub.Compute, flat_request_message(req))
         return flat_response_result(response, req)

@@ -223,8 +223,9 @@ class HttpClient:
     text; ``"json"`` the JSON contract. ``timeout`` bounds each request (seconds). Retries
     connection failures and 503 (overloaded, or not ready) with exponential backoff; an
     overload refusal's wait is the body's ``retry_after_ms``, else ``Retry-After`` (see
-    :class:`RetryPolicy`), never above ``max_backoff``. 429 (saturated, from services before
-    503) is retried the same way.
+    :class:`RetryPolicy`), never above ``max_backoff``; ``max_wait`` (seconds) keeps retrying
+    past ``retries`` until that much time was spent waiting (riding out a restart). 429
+    (saturated, from services before 503) is retried the same way.
 
     ``token``: the bearer token (``Authorization: Bearer``). For an ``https://`` URL,
     ``ca_file`` is the CA that signed the service's certificate (system CAs when None), and
@@ -240,6 +241,7 @@ class HttpClient:
         retries: int = 3,
         backoff: float = 0.1,
         max_backoff: float = 10.0,
+        max_wait: float | None = None,
         headers: Mapping[str, str] | None = None,
         transport: httpx.BaseTransport | None = None,
         token: str | None = None,
@@ -263,7 +265,7 @@ class HttpClient:
             transport=transport,
             verify=verify,
         )
-        self.retry = RetryPolicy(retries, backoff, max_backoff)
+        self.retry = RetryPolicy(retries, backoff, max_backoff, max_wait)
 
     def close(self) -> None:
         self.http.close()
@@ -326,6 +328,7 @@ class HttpClient:
         entropy: Any = None,
         sum_pi_squared: Any = None,
         is_weights: Any = None,
+        returns: Any = None,
         diagnostics: Sequence[str] = (),
         ignore_token_ids: Sequence[int] | None = None,
         namespace: str | None = None,
@@ -363,6 +366,7 @@ class HttpClient:
             request_id=request_id,
             client="the HTTP client",
             prompt_keys=prompt_keys,
+            returns=returns,
         )
         response = self._send(
             "POST",

@@ -21,6 +21,7 @@ INPUT_READERS: dict[str, tuple[str, ...]] = {
     "entropy": ("forking",),
     "is_weights": ("otb",),
     "logprobs": ("opsd", "otb"),
+    "returns": ("otb",),
     "sum_pi_squared": ("otb",),
     "teacher_logprobs": ("cscr", "opsd"),
 }

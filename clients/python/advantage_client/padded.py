@@ -24,7 +24,7 @@ from . import flat as _flat
 from .errors import AdvantageError
 
 # The per-token inputs of compute_padded, by keyword (their names on both wires too).
-PER_TOKEN_INPUTS = ("logprobs", "entropy", "sum_pi_squared", "is_weights")
+PER_TOKEN_INPUTS = ("logprobs", "entropy", "sum_pi_squared", "is_weights", "returns")
 # Those this client version's wire encoders carry (a client before the per-token inputs of
 # the forking/OTB work carried logprobs only).
 WIRE_TOKEN_INPUTS: tuple[str, ...] = tuple(getattr(_flat, "TOKEN_FIELDS", ("logprobs",)))
@@ -95,6 +95,10 @@ def needs_token_ids(estimator: Any) -> bool:
     if isinstance(estimator, str):
         return estimator not in OUTCOME_PRESETS
     if isinstance(estimator, Mapping):
+        outcome = estimator.get("outcome")
+        name = outcome.get("name") if isinstance(outcome, Mapping) else outcome
+        if name is not None and name not in OUTCOME_PRESETS:  # (per token, like otb, or unknown)
+            return True
         return any(
             key not in ESTIMATOR_TOP_LEVEL and value is not None and value is not False
             for key, value in estimator.items()
@@ -336,6 +340,7 @@ def flat_request(
     request_id: str | None,
     client: str,
     prompt_keys: Any = None,
+    returns: Any = None,
 ) -> FlatRequest:
     """Check a padded call's arrays (per-token inputs ``client``, e.g. "the HTTP client",
     cannot carry yet are refused) and gather them into the flat layout. ``prompt_keys`` (B,):
@@ -345,6 +350,7 @@ def flat_request(
         "entropy": entropy,
         "sum_pi_squared": sum_pi_squared,
         "is_weights": is_weights,
+        "returns": returns,
     }
     unsupported_inputs(per_token, WIRE_TOKEN_INPUTS, client)
     layout = PaddedLayout.from_padded(mask, rewards, group_ids)

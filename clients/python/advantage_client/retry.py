@@ -45,11 +45,16 @@ class RetryPolicy:
     - else that random time alone;
 
     and never longer than ``max_backoff``.
+
+    ``max_wait`` (seconds, optional): keep retrying past ``retries`` until this much time has
+    been spent waiting in all, so that a call rides out a service restart (a rolling restart
+    takes tens of seconds); None: ``retries`` alone decides.
     """
 
     retries: int = 3
     backoff: float = 0.1
     max_backoff: float = 10.0
+    max_wait: float | None = None
 
     def delay(
         self, attempt: int, retry_after: float | None = None, retry_after_ms: int | None = None
@@ -67,11 +72,17 @@ class RetryPolicy:
         """``attempt_fn()`` until it returns, raises something other than :class:`Retryable`,
         or the retries are spent (then the last error is raised)."""
         attempt = 0
+        waited = 0.0
         while True:
             try:
                 return attempt_fn()
             except Retryable as exc:
-                if attempt >= self.retries:
+                budget = None if self.max_wait is None else self.max_wait - waited
+                if attempt >= self.retries and (budget is None or budget <= 0):
                     raise exc.last from None
-                sleep(self.delay(attempt, exc.retry_after, exc.retry_after_ms))
+                wait = self.delay(attempt, exc.retry_after, exc.retry_after_ms)
+                if budget is not None and attempt >= self.retries:
+                    wait = min(wait, budget)
+                sleep(wait)
+                waited += wait
                 attempt += 1

@@ -123,14 +123,19 @@ def optimal_token_baseline(
     ``old_log_probs``), (N,); sum_pi_squared: S_it = sum_v pi(v | x, y_<t)^2, (N,); is_weights:
     the trainer's truncated importance weights rho_it, (N,), or None.
 
-    G_it = r_i (the outcome reward sits at the last token, so it is every token's reward to go);
+    G_it = r_i (the outcome reward sits at the last token, so it is every token's reward to go),
+    or the batch's ``returns`` when given (rewards spread over tokens: G_it = sum_{j >= t} r_ij);
     B_gt = sum_i G_it W_it / (sum_i W_it + epsilon) over the rollouts i of group g with T_i > t;
     a group of one rollout has B = 0; with ``handle_zero_tail``, a group's unique longest
     rollout has B = 0 past the second longest's length.
     """
     rollout = batch.rollout_of_token
     group, lengths = batch.group_index, batch.lengths
-    reward = batch.rewards.double().index_select(0, rollout)
+    reward = (
+        batch.returns.double()
+        if batch.returns is not None
+        else batch.rewards.double().index_select(0, rollout)
+    )
 
     w = path_variance_proxy(logprobs, sum_pi_squared, is_weights)
     cumulative = segment_cumsum(w, lengths, rollout)
@@ -176,14 +181,14 @@ PARAMS = (
 
 @register_outcome(
     "otb",
-    formula="a_it = r_i - B_gt, B_gt = sum_i r_i W_it / (sum_i W_it + eps), "
-    "W_it = sum_{j<=t} (1 - 2 pi_ij + S_ij) rho_ij^2",
+    formula="a_it = G_it - B_gt, B_gt = sum_i G_it W_it / (sum_i W_it + eps), "
+    "W_it = sum_{j<=t} (1 - 2 pi_ij + S_ij) rho_ij^2, G_it = returns_it (default r_i)",
     paper="Li et al. 2026, arXiv 2602.07078 (optimal token baseline; verl optimal_token_baseline)",
     params=PARAMS,
     per_token=True,
     diagnostics=("otb_baseline",),
     requires=lambda params: {"logprobs": "logprobs", "sum_pi_squared": "sum_pi_squared"},
-    optional=("is_weights",),
+    optional=("is_weights", "returns"),
 )
 def otb(batch: RolloutBatch, params: Mapping[str, Any]) -> OutcomeOutput:
     """Optimal token baseline: reward minus a per-(group, position) variance-weighted baseline."""

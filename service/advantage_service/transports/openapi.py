@@ -85,6 +85,11 @@ class RolloutIn(BaseModel):
         description="the trainer's truncated importance weights (one per token; otb uses them "
         "when given)",
     )
+    returns: list[float] | None = Field(
+        None,
+        description="the return from each token on (the reward-to-go of rewards spread over "
+        "tokens; one per token; otb uses it in place of the reward when given)",
+    )
     teacher_logprobs: dict[str, list[LogProb]] | None = Field(
         None, description="condition name (e.g. pos, neg) -> log-probabilities, one per token"
     )
@@ -397,7 +402,8 @@ def document_request_body(app: FastAPI) -> None:
                     "schema": {"type": "string", "format": "binary"},
                     "description": (
                         "one row per rollout: group_id utf8, reward float, tokens "
-                        "list<int32>, optional logprobs, entropy, sum_pi_squared, is_weights "
+                        "list<int32>, optional prompt_key utf8, logprobs, entropy, "
+                        "sum_pi_squared, is_weights, returns "
                         "and teacher.<name> list<float32>; "
                         "the other request fields as JSON in schema metadata advantage.request"
                     ),

@@ -37,7 +37,7 @@ from ..estimators.pipeline import WHITEN_EPS, check_inputs
 
 __all__ = ["PaddedResult", "compute_padded"]
 
-PER_TOKEN_INPUTS = ("logprobs", "entropy", "sum_pi_squared", "is_weights")
+PER_TOKEN_INPUTS = ("logprobs", "entropy", "sum_pi_squared", "is_weights", "returns")
 
 
 def _batch_inputs() -> frozenset[str]:
@@ -222,6 +222,7 @@ def compute_padded(
     entropy: Any = None,
     sum_pi_squared: Any = None,
     is_weights: Any = None,
+    returns: Any = None,
     diagnostics: Sequence[str] = (),
     ignore_token_ids: Sequence[int] | None = None,
     namespace: str | None = None,
@@ -251,6 +252,7 @@ def compute_padded(
         "entropy": entropy,
         "sum_pi_squared": sum_pi_squared,
         "is_weights": is_weights,
+        "returns": returns,
     }
     supported = _batch_inputs()
     for name, values in per_token.items():
