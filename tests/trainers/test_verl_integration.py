@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from advantage_client import AdvantageError
 from advantage_client.integrations import verl as adv_verl
 from oracle import PRESETS
 from padded_batches import ATOL, RTOL, PaddedCase, padded_case
@@ -121,3 +122,202 @@ def test_over_the_service(service: Any, transport: str) -> None:
     got = advantages(data_proto(case), "adv_ktae")
     np.testing.assert_allclose(got.numpy(), case.advantages, rtol=RTOL, atol=ATOL)
     assert service.requests(transport=transport) == before + 1
+
+
+# ---- verl's settings, per-token rewards, failing early, restarts, packaging ---------------------
+
+
+def test_norm_adv_by_std_in_grpo_false_is_honoured() -> None:
+    """Today it was silently ignored: still divided by the std."""
+    case = padded_case(40, "grpo", layout="right", ids="uuid", group_size=(2, 6), empty_prob=0)
+    expected = advantages(data_proto(case), "grpo", norm=False)
+    got = advantages(data_proto(case), "adv_grpo", norm=False)
+    np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=RTOL, atol=ATOL)
+    # through the registered function alone (verl's own branch of compute_advantage passes
+    # only config, which fit sets to config.algorithm), too
+    adv_verl.unpatch()
+    got = ray_trainer.compute_advantage(
+        data_proto(case),
+        adv_estimator="adv_grpo",
+        norm_adv_by_std_in_grpo=False,
+        config=AlgoConfig(norm_adv_by_std_in_grpo=False),
+    ).batch["advantages"]
+    np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "says"),
+    [
+        ("gamma", 0.99, "algorithm.gamma=1.0"),
+        ("lam", 0.95, "algorithm.lam=1.0"),
+        ("use_pf_ppo", True, "use_pf_ppo=false"),
+        ("gdpo_reward_keys", ["a"], "gdpo_reward_keys"),
+    ],
+)
+def test_settings_the_estimators_cannot_honour_are_refused(
+    setting: str, value: Any, says: str
+) -> None:
+    case = padded_case(41, "grpo")
+    config = AlgoConfig(**{setting: value})
+    with pytest.raises(adv_verl.VerlConfigError, match=says):
+        ray_trainer.compute_advantage(data_proto(case), adv_estimator="adv_grpo", config=config)
+
+
+def test_an_estimator_that_fixes_norm_by_std_against_verls_setting_is_refused() -> None:
+    adv_verl.register(presets={"std": {"outcome": {"name": "grpo", "norm_by_std": True}}})
+    case = padded_case(42, "grpo")
+    with pytest.raises(adv_verl.VerlConfigError, match="make them agree"):
+        advantages(data_proto(case), "adv_std", norm=False)
+
+
+def spread_rewards(case: PaddedCase, rng: np.random.Generator) -> torch.Tensor:
+    """Token-level rewards spread over each response (verl's KL penalty in the reward)."""
+    values = rng.normal(0, 0.2, size=case.mask.shape) * case.mask
+    return torch.from_numpy(values).float()
+
+
+def test_otb_uses_the_reward_to_go_of_per_token_rewards_as_verl_does() -> None:
+    # The issue's example: verl [[.5, .25], [-.5, -.25]]; the service gave [[.5, .5], [-.5, -.5]].
+    fn = adv_verl.REGISTERED["adv_otb"]
+    mask = torch.ones(2, 2)
+    got, _ = fn(
+        torch.tensor([[0.5, 0.5], [0.0, 0.0]]),
+        mask,
+        np.array(["g", "g"], dtype=object),
+        AlgoConfig(),
+        responses=torch.tensor([[1, 2], [3, 4]]),
+        old_log_probs=torch.full((2, 2), -1.0),
+        sum_pi_squared=torch.full((2, 2), 0.5),
+    )
+    np.testing.assert_allclose(got.numpy(), [[0.5, 0.25], [-0.5, -0.25]], atol=1e-6)
+    from verl.trainer.ppo.core_algos import compute_optimal_token_baseline_advantage
+
+    rng = np.random.default_rng(43)
+    for seed in range(5):
+        case = padded_case(
+            60 + seed, "grpo", layout="right", ids="str", group_size=(2, 5), empty_prob=0
+        )
+        data = data_proto(case)
+        rewards = spread_rewards(case, rng)
+        data.batch["token_level_rewards"] = rewards
+        logprobs = torch.from_numpy(-rng.uniform(0.01, 3, size=case.mask.shape)).float()
+        spp = torch.from_numpy(rng.uniform(0.05, 1, size=case.mask.shape)).float()
+        data.batch["old_log_probs"] = logprobs
+        data.batch["sum_pi_squared"] = spp
+        mask = torch.from_numpy(case.mask).float()
+        expected, _ = compute_optimal_token_baseline_advantage(
+            rewards, mask, data.non_tensor_batch["uid"], logprobs, spp
+        )
+        got = advantages(data, "adv_otb")
+        np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_outcome_estimators_sum_per_token_rewards_as_verls_own() -> None:
+    rng = np.random.default_rng(44)
+    case = padded_case(45, "grpo", layout="right", ids="uuid", group_size=(2, 6), empty_prob=0)
+    rewards = spread_rewards(case, rng)
+    theirs, ours = data_proto(case), data_proto(case)
+    theirs.batch["token_level_rewards"] = rewards
+    ours.batch["token_level_rewards"] = rewards.clone()
+    np.testing.assert_allclose(
+        advantages(ours, "adv_rloo").numpy(),
+        advantages(theirs, "rloo_vectorized").numpy(),
+        rtol=RTOL,
+        atol=ATOL,
+    )
+
+
+@pytest.mark.parametrize(
+    ("presets", "says"),
+    [
+        (["grpoo"], "unknown estimator 'grpoo'"),
+        ({"x": {"outcome": "rlooo"}}, "unknown outcome baseline 'rlooo'"),
+        ({"x": {"outcome": "grpo", "ktae": {"scal": 1}}}, "no parameter 'scal'"),
+        ({"x": {"outcome": "grpo", "cscr": {"strength": 2.0}}}, "strength must be <= 1"),
+        ({"x": {"outcome": "grpo", "ktae": {"history": "always"}}}, "must be one of"),
+    ],
+)
+def test_a_bad_estimator_fails_at_registration_not_at_the_first_step(
+    presets: Any, says: str
+) -> None:
+    with pytest.raises(adv_verl.VerlConfigError, match=says):
+        adv_verl.register(presets=presets)
+
+
+@pytest.mark.integration
+def test_bad_estimators_are_checked_against_the_services_listing(service: Any) -> None:
+    with pytest.raises(adv_verl.VerlConfigError, match="unknown estimator 'ktea'"):
+        adv_verl.register("http", service.url, presets=["ktea"])
+
+
+def test_missing_inputs_say_what_to_set_in_verl() -> None:
+    case = padded_case(46, "otb")
+    data = data_proto(case)
+    data.batch.pop("sum_pi_squared", None)
+    with pytest.raises(adv_verl.VerlConfigError, match="calculate_sum_pi_squared=True"):
+        advantages(data, "adv_otb")
+    from omegaconf import OmegaConf
+
+    v1 = OmegaConf.create(
+        {"algorithm": {}, "trainer": {"use_v1": True}, "actor_rollout_ref": {"actor": {}}}
+    )
+    with pytest.raises(adv_verl.VerlConfigError, match="trainer.use_v1=false"):
+        adv_verl.REGISTERED["adv_otb"].check_config(v1)
+
+
+def test_the_setup_hook_reads_its_settings_from_the_environment() -> None:
+    env = adv_verl.runtime_env(
+        "http", "http://a:1", presets=["grpo"], estimators={"k": {"ktae": {}}}, namespace="n"
+    )
+    assert env["worker_process_setup_hook"] == "advantage_client.integrations.verl.setup"
+    settings = adv_verl.settings_from_env(env["env_vars"])
+    assert settings == {
+        "transport": "http",
+        "url": "http://a:1",
+        "presets": {"grpo": "grpo", "k": {"ktae": {}}},
+        "namespace": "n",
+    }
+
+
+@pytest.mark.integration
+def test_a_service_down_past_the_retries_falls_back_to_verls_own_when_asked(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    from trainer_support import start_trainer_service
+
+    srv = start_trainer_service(tmp_path_factory.mktemp("down"))
+    try:
+        made = adv_verl.register(
+            "http", srv.url, presets=["grpo"], fallback=True, max_wait=0.5, retries=1
+        )
+        strict = adv_verl.register(
+            "http", srv.url, presets={"strict": "grpo"}, max_wait=0.5, retries=1
+        )
+        # the default wait of a registered client rides out a rolling restart
+        default = adv_verl.register("http", srv.url, presets={"default": "grpo"})
+        assert default["adv_default"].compute_padded.__self__.retry.max_wait >= 60
+    finally:
+        srv.stop()
+    case = padded_case(47, "grpo", layout="right", ids="uuid", group_size=(2, 6), empty_prob=0)
+    expected = advantages(data_proto(case), "grpo_vectorized")
+    got = advantages(data_proto(case), "adv_grpo")
+    np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=RTOL, atol=ATOL)
+    assert adv_verl.FALLBACK_CALLS["adv_grpo"] >= 1 and "adv_grpo" in made
+    with pytest.raises(AdvantageError, match="cannot reach"):
+        advantages(data_proto(case), "adv_strict")
+    assert "adv_strict" in strict
+    with pytest.raises(adv_verl.VerlConfigError, match="outcome-only"):
+        adv_verl.register(presets=["ktae"], fallback=True)
+
+
+def test_the_verl_extra_declares_the_tested_version_range() -> None:
+    import importlib.metadata
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    pyproject = Path(__file__).resolve().parents[2] / "clients/python/pyproject.toml"
+    extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
+    (verl,) = [Requirement(r) for r in extras["verl"] if r.startswith("verl")]
+    assert importlib.metadata.version("verl") in verl.specifier
