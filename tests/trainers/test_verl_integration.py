@@ -261,7 +261,7 @@ def test_missing_inputs_say_what_to_set_in_verl() -> None:
     v1 = OmegaConf.create(
         {"algorithm": {}, "trainer": {"use_v1": True}, "actor_rollout_ref": {"actor": {}}}
     )
-    with pytest.raises(adv_verl.VerlConfigError, match="trainer.use_v1=false"):
+    with pytest.raises(adv_verl.VerlConfigError, match=r"trainer\.use_v1=false"):
         adv_verl.REGISTERED["adv_otb"].check_config(v1)
 
 
