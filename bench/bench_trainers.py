@@ -205,11 +205,16 @@ def main() -> int:
     if not args.no_remote:
         server = Server(device, Path(tempfile.mkdtemp()) / "service.log")
         adv_verl.register(
-            "http", server.url, presets={"ktae_http": "ktae"}, ignore_token_ids=[EOS], timeout=300
+            "http",
+            server.url,
+            presets={"ktae_http": "ktae", "grpo_http": "grpo"},
+            ignore_token_ids=[EOS],
+            timeout=300,
         )
         adv_verl.register(
             "grpc", server.target, presets={"ktae_grpc": "ktae"}, ignore_token_ids=[EOS]
         )
+        fns["adv_grpo HTTP (Arrow)"] = through_verl("adv_grpo_http")
         fns["adv_ktae HTTP (Arrow)"] = through_verl("adv_ktae_http")
         fns["adv_ktae gRPC"] = through_verl("adv_ktae_grpc")
     try:
@@ -241,6 +246,12 @@ def main() -> int:
         f"{share_best:5.0%} best (goal <= 25%) {verdict}"
     )
     if server is not None:
+        ratio(
+            "adv_grpo HTTP (Arrow)",
+            "verl grpo_vectorized",
+            1.05,
+            "adv_grpo HTTP / verl grpo_vectorized",
+        )
         ratio("adv_ktae HTTP (Arrow)", "adv_ktae in-process", 2.0, "adv_ktae HTTP / in-process")
         ratio("adv_ktae gRPC", "adv_ktae in-process", 2.0, "adv_ktae gRPC / in-process")
     return 0
