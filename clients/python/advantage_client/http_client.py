@@ -115,12 +115,14 @@ def arrow_flat_result(body: bytes, req: FlatRequest) -> PaddedResult:
 
     scalars = table.column("scalar").to_numpy()
     names = [d for d in req.options["return"] if d != "scalar"]
+    meta = json.loads((table.schema.metadata or {}).get(RESPONSE_METADATA, b"{}"))
     return result_from_flat(
         req.layout,
         flat("advantages"),
         scalars,
         {name: flat(name) for name in names},
         req.token_ids,
+        meta.get("summary"),
     )
 
 
@@ -218,7 +220,8 @@ class HttpClient:
     connection failures and 503 (overloaded, or not ready) with exponential backoff; an
     overload refusal's wait is the body's ``retry_after_ms``, else ``Retry-After`` (see
     :class:`RetryPolicy`), never above ``max_backoff``. 429 (saturated, from services before
-    503) is retried the same way.
+    503) is retried the same way. It gives up after ``retries`` retries, or, by default
+    (``retries=None``), once it has waited ``retry_for`` seconds (60) in all.
 
     ``token``: the bearer token (``Authorization: Bearer``). For an ``https://`` URL,
     ``ca_file`` is the CA that signed the service's certificate (system CAs when None), and
@@ -231,9 +234,10 @@ class HttpClient:
         *,
         wire: Literal["arrow", "json"] = "arrow",
         timeout: float | None = 60.0,
-        retries: int = 3,
+        retries: int | None = None,
         backoff: float = 0.1,
         max_backoff: float = 10.0,
+        retry_for: float = 60.0,
         headers: Mapping[str, str] | None = None,
         transport: httpx.BaseTransport | None = None,
         token: str | None = None,
@@ -257,7 +261,7 @@ class HttpClient:
             transport=transport,
             verify=verify,
         )
-        self.retry = RetryPolicy(retries, backoff, max_backoff)
+        self.retry = RetryPolicy(retries, backoff, max_backoff, retry_for)
 
     def close(self) -> None:
         self.http.close()

@@ -36,7 +36,9 @@ class Retryable(Exception):
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """``retries`` more tries after the first. The n-th waits:
+    """``retries`` more tries after the first; with ``retries=None`` (the default), tries until
+    ``retry_for`` seconds have been waited in all, long enough to ride out a rolling restart of
+    the service (a pod replaced, its readiness probe passing again). The n-th waits:
 
     - with the service's millisecond hint (``retry_after_ms``), that long plus up to 20% jitter,
       whatever the backoff would be (the service sizes it from how fast its queue drains);
@@ -47,9 +49,16 @@ class RetryPolicy:
     and never longer than ``max_backoff``.
     """
 
-    retries: int = 3
+    retries: int | None = None
     backoff: float = 0.1
     max_backoff: float = 10.0
+    retry_for: float = 60.0
+
+    def exhausted(self, attempt: int, waited: float) -> bool:
+        """Whether to give up after ``attempt`` retries that waited ``waited`` seconds."""
+        if self.retries is not None:
+            return attempt >= self.retries
+        return waited >= self.retry_for
 
     def delay(
         self, attempt: int, retry_after: float | None = None, retry_after_ms: int | None = None
@@ -67,11 +76,14 @@ class RetryPolicy:
         """``attempt_fn()`` until it returns, raises something other than :class:`Retryable`,
         or the retries are spent (then the last error is raised)."""
         attempt = 0
+        waited = 0.0
         while True:
             try:
                 return attempt_fn()
             except Retryable as exc:
-                if attempt >= self.retries:
+                if self.exhausted(attempt, waited):
                     raise exc.last from None
-                sleep(self.delay(attempt, exc.retry_after, exc.retry_after_ms))
+                wait = self.delay(attempt, exc.retry_after, exc.retry_after_ms)
+                sleep(wait)
+                waited += wait
                 attempt += 1
