@@ -42,14 +42,14 @@ def _check_value(param: Mapping[str, Any], value: Any, where: str) -> None:
     number = float(value)
     if not math.isfinite(number):
         raise EstimatorCheckError(f"{where} must be finite, got {value!r}")
-    if "minimum" in param and number < param["minimum"]:
-        raise EstimatorCheckError(f"{where} must be >= {param['minimum']:g}, got {value!r}")
-    if "exclusive_minimum" in param and number <= param["exclusive_minimum"]:
-        raise EstimatorCheckError(
-            f"{where} must be > {param['exclusive_minimum']:g}, got {value!r}"
-        )
-    if "maximum" in param and number > param["maximum"]:
-        raise EstimatorCheckError(f"{where} must be <= {param['maximum']:g}, got {value!r}")
+    # (a bound the listing does not set is absent, or null in the HTTP listing's schema)
+    low, above, high = (param.get(k) for k in ("minimum", "exclusive_minimum", "maximum"))
+    if low is not None and number < low:
+        raise EstimatorCheckError(f"{where} must be >= {low:g}, got {value!r}")
+    if above is not None and number <= above:
+        raise EstimatorCheckError(f"{where} must be > {above:g}, got {value!r}")
+    if high is not None and number > high:
+        raise EstimatorCheckError(f"{where} must be <= {high:g}, got {value!r}")
 
 
 def _params(
