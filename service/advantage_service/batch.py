@@ -158,10 +158,13 @@ class RolloutBatch:
         sum_pi_squared: Any = None,
         is_weights: Any = None,
         vocab_size: int | None = None,
+        prompt_ids: Sequence[str] | None = None,
     ) -> RolloutBatch:
         """Build and validate a batch from flat arrays (numpy, torch or lists).
 
         ``logprobs``, ``entropy``, ``sum_pi_squared``, ``is_weights``: (N,) each, or None.
+        ``prompt_ids``: per group, the key of the state kept per prompt (history); None keys it
+        by the group ids.
         Raises :class:`RequestError` naming the group, rollout and field of the first problem.
         """
 
@@ -182,7 +185,14 @@ class RolloutBatch:
             entropy=optional(entropy, "entropy"),
             sum_pi_squared=optional(sum_pi_squared, "sum_pi_squared"),
             is_weights=optional(is_weights, "is_weights"),
+            prompt_ids=None if prompt_ids is None else [str(p) for p in prompt_ids],
         )
+        if batch.prompt_ids is not None and len(batch.prompt_ids) != len(batch.group_ids):
+            raise RequestError(
+                "invalid_shape",
+                f"{len(batch.prompt_ids)} prompt keys for {len(batch.group_ids)} groups",
+                field="prompt_key",
+            )
         batch.validate(vocab_size=vocab_size)
         batch.tokens = batch.tokens.to(torch.int32)
         return batch

@@ -59,6 +59,13 @@ class FlatGroups:
     entropy: np.ndarray | None = None  # numbers (N,)
     sum_pi_squared: np.ndarray | None = None  # numbers (N,)
     is_weights: np.ndarray | None = None  # numbers (N,)
+    # Per group: its ``prompt_key`` (None where the group gave none); None when none did.
+    prompt_keys: list[str | None] | None = None
+
+    def prompt_ids(self) -> list[str] | None:
+        """Per group, the key of its history: its prompt key, else its id (None when no
+        group gave a key: the service keys history by the group ids then)."""
+        return prompt_ids(self.group_ids, self.prompt_keys)
 
     def token_values(self) -> dict[str, np.ndarray]:
         """The per-token values of :data:`TOKEN_FIELDS` the rollouts gave (name -> (N,)), in
@@ -100,6 +107,58 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 # Token ids at or above this cannot be a vocabulary's (the batch holds them as int32).
 TOKEN_ID_LIMIT = 2**31
 MAX_CONDITION_NAME_LENGTH = 64
+
+
+def prompt_ids(group_ids: Sequence[str], keys: Sequence[str | None] | None) -> list[str] | None:
+    """Per group, its prompt key where it has one, else its group id; None without keys."""
+    if keys is None or all(k is None for k in keys):
+        return None
+    return [gid if key is None else key for gid, key in zip(group_ids, keys, strict=True)]
+
+
+def check_prompt_key(key: Any, **where: Any) -> str:
+    """A group's ``prompt_key``: a string of at most :data:`MAX_GROUP_ID_LENGTH` characters."""
+    if not isinstance(key, str):
+        raise _error(
+            "invalid_type",
+            f"prompt_key must be a string, got {key!r:.80}",
+            field="prompt_key",
+            **where,
+        )
+    if len(key) > MAX_GROUP_ID_LENGTH:
+        raise _too_long("prompt_key", len(key), MAX_GROUP_ID_LENGTH, "prompt_key", **where)
+    return key
+
+
+def group_prompt_keys(
+    row_keys: Sequence[str | None] | np.ndarray, group_ids: Sequence[str], group_index: np.ndarray
+) -> list[str | None]:
+    """Per-row prompt keys (None: no key for that row) as one key per group. Every row of a
+    group must give the same key (or every row none); the first group whose rows disagree is an
+    error naming it. (One comparison over the rows; the per-group checks loop over groups.)"""
+    keys = np.empty(len(row_keys), dtype=object)
+    keys[:] = list(row_keys)
+    index = np.asarray(group_index, dtype=np.int64)
+    _, first = np.unique(index, return_index=True)
+    per_group = np.empty(len(group_ids), dtype=object)
+    per_group[index[first]] = keys[first]
+    differ = np.flatnonzero(per_group[index] != keys)
+    if differ.size:
+        row = int(differ[0])
+        g = int(index[row])
+        raise _error(
+            "invalid_value",
+            f"the rows of group {group_ids[g]!r:.80} give different prompt keys "
+            f"({per_group[g]!r:.80} and {keys[row]!r:.80}); every row of a group must give the "
+            "same prompt_key",
+            group_id=group_ids[g],
+            field="prompt_key",
+        )
+    out: list[str | None] = per_group.tolist()
+    for gid, key in zip(group_ids, out, strict=True):
+        if key is not None:
+            check_prompt_key(key, group_id=gid)
+    return out
 
 
 def _too_long(what: str, length: int, limit: int, field: str, **where: Any) -> AdvantageError:
@@ -251,9 +310,9 @@ def _flat_values(
 
 
 def flatten_groups(groups: Any) -> FlatGroups:
-    """The request's ``groups`` (``[{"id", "rollouts": [{"tokens", "reward", "logprobs"?,
-    "entropy"?, "sum_pi_squared"?, "is_weights"?, "teacher_logprobs"?}]}]``, lists or numpy
-    arrays inside) as validated flat arrays.
+    """The request's ``groups`` (``[{"id", "prompt_key"?, "rollouts": [{"tokens", "reward",
+    "logprobs"?, "entropy"?, "sum_pi_squared"?, "is_weights"?, "teacher_logprobs"?}]}]``, lists
+    or numpy arrays inside) as validated flat arrays.
 
     Checks what the layout needs (types, list lengths, values given for every rollout or none)
     and raises :class:`AdvantageError` naming the group id, rollout index and field of the first
@@ -275,7 +334,7 @@ def flatten_groups(groups: Any) -> FlatGroups:
             )
         if len(gid) > MAX_GROUP_ID_LENGTH:  # (not echoed: it is too long to be an id)
             raise _too_long(f"groups[{g}].id", len(gid), MAX_GROUP_ID_LENGTH, "id")
-        extra = set(group) - {"id", "rollouts"}
+        extra = set(group) - {"id", "prompt_key", "rollouts"}
         if extra:
             raise _error(
                 "unknown_field",
@@ -305,6 +364,11 @@ def flatten_groups(groups: Any) -> FlatGroups:
         """group_id and rollout_index of flat rollout ``r`` (error paths only)."""
         g = int(np.searchsorted(starts, r, side="right")) - 1
         return {"group_id": str(groups[g].get("id")), "rollout_index": int(r - starts[g])}
+
+    keys = [group.get("prompt_key") for group in groups]
+    for group, key in zip(groups, keys, strict=True):
+        if key is not None:
+            check_prompt_key(key, group_id=group["id"])
 
     token_lists: list[list[Any] | np.ndarray] = []
     rewards = []
@@ -448,6 +512,7 @@ def flatten_groups(groups: Any) -> FlatGroups:
         tokens=flat_tokens,
         rewards=np.asarray(rewards, dtype=np.float64),
         teacher_logprobs=teacher_logprobs,
+        prompt_keys=keys if any(k is not None for k in keys) else None,
         **token_values,
     )
 

@@ -48,6 +48,7 @@ STREAM_ROLLOUT_FIELDS = (
     "reward",
     *TOKEN_FIELDS,
     "teacher_logprobs",
+    "prompt_key",
 )
 # Unlimited on the client: the server's ADV_MAX_BODY_BYTES is the limit that matters.
 CHANNEL_OPTIONS = (
@@ -115,6 +116,8 @@ def compute_request_message(request: Mapping[str, Any]) -> pb.ComputeRequest:
         tokens=to_tensor(flat.tokens),
         rewards=to_tensor(flat.rewards),
     )
+    if flat.prompt_keys is not None:
+        message.prompt_keys.extend(key or "" for key in flat.prompt_keys)
     for name, values in flat.token_values().items():
         getattr(message, name).CopyFrom(to_tensor(values))
     for name, values in flat.teacher_logprobs.items():
@@ -139,6 +142,8 @@ def flat_request_message(req: FlatRequest) -> pb.ComputeRequest:
         tokens=to_tensor(req.tokens),
         rewards=to_tensor(layout.rewards),
     )
+    if req.prompt_keys is not None:
+        message.prompt_keys.extend(key or "" for key in req.prompt_keys)
     for name, values in req.per_token.items():
         getattr(message, name).CopyFrom(to_tensor(values))
     for name, values in req.teacher_logprobs.items():
@@ -197,7 +202,7 @@ def compute_response_dict(response: pb.ComputeResponse) -> dict[str, Any]:
 def rollout_message(rollout: Mapping[str, Any]) -> pb.Rollout:
     """A stream rollout dict (``group_id``, ``group_size``, optional ``rollout_id``,
     ``tokens``, ``reward``, optional ``logprobs``, ``entropy``, ``sum_pi_squared``,
-    ``is_weights`` and ``teacher_logprobs``) as a ``Rollout``."""
+    ``is_weights``, ``teacher_logprobs`` and ``prompt_key``) as a ``Rollout``."""
     if not isinstance(rollout, Mapping):
         raise AdvantageError("invalid_type", "a rollout must be a dict", field="rollouts")
     gid = rollout.get("group_id")
@@ -230,12 +235,21 @@ def rollout_message(rollout: Mapping[str, Any]) -> pb.Rollout:
             "invalid_type", f"reward must be a number, got {reward!r}", field="reward", **where
         )
     rid = rollout.get("rollout_id")
+    key = rollout.get("prompt_key")
+    if key is not None and not isinstance(key, str):
+        raise AdvantageError(
+            "invalid_type",
+            f"prompt_key must be a string, got {key!r:.80}",
+            field="prompt_key",
+            **where,
+        )
     message = pb.Rollout(
         group_id=gid,
         group_size=int(size),
         rollout_id="" if rid is None else str(rid),
         tokens=to_tensor(narrow_tokens(token_array(rollout["tokens"], field="tokens", **where))),
         reward=float(reward),
+        prompt_key=key or "",
     )
     for name in TOKEN_FIELDS:
         if rollout.get(name) is not None:
@@ -524,6 +538,7 @@ class GrpcClient:
         ignore_token_ids: Sequence[int] | None = None,
         namespace: str | None = None,
         request_id: str | None = None,
+        prompt_keys: Any = None,
     ) -> PaddedResult:
         """Advantages for a trainer's padded batch, sent as one unary ``Compute`` of raw
         tensors; the same arguments and result as :meth:`HttpClient.compute_padded`.
@@ -544,6 +559,7 @@ class GrpcClient:
             namespace=namespace,
             request_id=request_id,
             client="the gRPC client",
+            prompt_keys=prompt_keys,
         )
         response = self._unary(self.stub.Compute, flat_request_message(req))
         return flat_response_result(response, req)

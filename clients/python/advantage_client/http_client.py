@@ -55,6 +55,10 @@ def arrow_request_body(request: Mapping[str, Any]) -> bytes:
         "reward": pa.array(flat.rewards, type=pa.float64()),
         "tokens": lists(flat.tokens, tokens_type),
     }
+    if flat.prompt_keys is not None:
+        columns["prompt_key"] = pa.array(flat.prompt_keys, type=pa.string()).take(
+            pa.array(flat.group_index)
+        )
     for name, values in flat.token_values().items():
         columns[name] = lists(values, pa.float32())
     for name, values in flat.teacher_logprobs.items():
@@ -87,6 +91,8 @@ def arrow_flat_body(req: FlatRequest) -> bytes:
         "reward": pa.array(layout.rewards, type=pa.float64()),
         "tokens": lists(req.tokens, tokens_type),
     }
+    if req.prompt_keys is not None:
+        columns["prompt_key"] = pa.array(req.row_prompt_keys(), type=pa.string())
     for name, values in req.per_token.items():
         columns[name] = lists(values, pa.float32())
     for name, values in req.teacher_logprobs.items():
@@ -328,6 +334,7 @@ class HttpClient:
         ignore_token_ids: Sequence[int] | None = None,
         namespace: str | None = None,
         request_id: str | None = None,
+        prompt_keys: Any = None,
     ) -> PaddedResult:
         """Advantages for a trainer's padded batch, sent as flat Arrow columns (whatever
         ``wire`` says: the padded path has no per-rollout dicts to send as JSON).
@@ -338,7 +345,10 @@ class HttpClient:
         :class:`~advantage_client.padded.PaddedResult` of numpy arrays: ``advantages`` (B, T)
         float32 with 0 off the mask, ``scalars`` (B,), ``diagnostics`` {name: (B, T)}. An
         estimator with no token-level term sends zeros for the token ids (``tokens`` may be
-        None). Raises :class:`AdvantageError`.
+        None). ``prompt_keys`` (B,): per row, the key of its group's history (KTAE
+        ``history: "prompt"``; every row of a group the same), so that one prompt's visits under
+        new group ids share it; None keys history by the group ids. Raises
+        :class:`AdvantageError`.
         """
         req = flat_request(
             tokens,
@@ -356,6 +366,7 @@ class HttpClient:
             namespace=namespace,
             request_id=request_id,
             client="the HTTP client",
+            prompt_keys=prompt_keys,
         )
         response = self._send(
             "POST",

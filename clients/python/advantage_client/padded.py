@@ -283,6 +283,32 @@ class FlatRequest:
     per_token: dict[str, np.ndarray]  # keyword (logprobs, entropy, ...) -> float32 (N,)
     teacher_logprobs: dict[str, np.ndarray]  # condition -> float32 (N,)
     options: dict[str, Any]  # the JSON request's top-level fields
+    # Per group (layout.group_ids order): the key of its history, None for none; None: no keys.
+    prompt_keys: list[str | None] | None = None
+
+    def row_prompt_keys(self) -> list[str | None] | None:
+        """Per row, its group's prompt key (the Arrow column), or None without keys."""
+        if self.prompt_keys is None:
+            return None
+        return [self.prompt_keys[int(g)] for g in self.layout.group_index]
+
+
+def group_keys(layout: PaddedLayout, prompt_keys: Any) -> list[str | None] | None:
+    """``prompt_keys`` (B,) per row (strings; None for a row without one) as one key per group
+    of ``layout``; the rows of a group must agree. None when not given."""
+    if prompt_keys is None:
+        return None
+    rows = as_numpy(prompt_keys, "prompt_keys")
+    if rows.shape != (layout.shape[0],):
+        raise AdvantageError(
+            "invalid_shape",
+            f"prompt_keys must have {layout.shape[0]} entries (one per row), got shape "
+            f"{rows.shape}",
+            field="prompt_key",
+        )
+    keys = [None if k is None else str(k) for k in rows.tolist()]
+    per_group = _flat.group_prompt_keys(keys, layout.group_ids, layout.group_index)
+    return per_group if any(k is not None for k in per_group) else None
 
 
 def unsupported_inputs(given: Mapping[str, Any], supported: Sequence[str], where: str) -> None:
@@ -314,9 +340,11 @@ def flat_request(
     namespace: str | None,
     request_id: str | None,
     client: str,
+    prompt_keys: Any = None,
 ) -> FlatRequest:
     """Check a padded call's arrays (per-token inputs ``client``, e.g. "the HTTP client",
-    cannot carry yet are refused) and gather them into the flat layout."""
+    cannot carry yet are refused) and gather them into the flat layout. ``prompt_keys`` (B,):
+    per row, the key of its group's history (every row of a group the same), or None."""
     per_token = {
         "logprobs": logprobs,
         "entropy": entropy,
@@ -343,4 +371,5 @@ def flat_request(
             namespace=namespace,
             request_id=request_id,
         ),
+        prompt_keys=group_keys(layout, prompt_keys),
     )

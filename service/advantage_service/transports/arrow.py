@@ -1,6 +1,7 @@
 """Arrow IPC stream codec for ``POST /v1/advantages`` (ARCHITECTURE.md, "Public HTTP API").
 
 Request: one row per rollout, ``group_id`` utf8, ``reward`` float, ``tokens`` list<int32>,
+optional ``prompt_key`` utf8 (the same in every row of a group: the key of its history),
 optional ``logprobs``, ``entropy``, ``sum_pi_squared``, ``is_weights`` and ``teacher.<name>``
 list<float32>; the rest of the JSON request in the schema metadata key ``advantage.request``.
 The list columns' offsets and values buffers become the flat batch directly: no Python loop over
@@ -23,6 +24,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from advantage_client.errors import AdvantageError
+from advantage_client.flat import group_prompt_keys, prompt_ids
 
 from ..batch import TOKEN_INPUTS, RolloutBatch
 from ..errors import RequestError
@@ -35,6 +38,7 @@ REQUEST_METADATA = b"advantage.request"
 RESPONSE_METADATA = b"advantage.response"
 TEACHER_PREFIX = "teacher."
 REQUIRED_COLUMNS = ("group_id", "reward", "tokens")
+PROMPT_KEY_COLUMN = "prompt_key"
 
 # Arrow buffers are immutable, so numpy views of them are read-only, and torch warns when it
 # wraps one. The batch is never written in place (estimators are pure functions), and wrapping
@@ -215,12 +219,13 @@ def batch_from_table(table: pa.Table, vocab_size: int | None = None) -> RolloutB
         duplicate = next(n for n in names if names.count(n) > 1)
         raise _invalid(f"column {duplicate!r} appears twice", field=duplicate)
     for name in names:
-        if name in REQUIRED_COLUMNS or name in TOKEN_INPUTS:
+        if name in REQUIRED_COLUMNS or name in TOKEN_INPUTS or name == PROMPT_KEY_COLUMN:
             continue
         if not name.startswith(TEACHER_PREFIX) or name == TEACHER_PREFIX:
             raise RequestError(
                 "unknown_field",
-                f"unknown column {name!r}; known: {[*REQUIRED_COLUMNS, *TOKEN_INPUTS]} and "
+                f"unknown column {name!r}; known: "
+                f"{[*REQUIRED_COLUMNS, PROMPT_KEY_COLUMN, *TOKEN_INPUTS]} and "
                 "teacher.<condition>",
                 field=name,
             )
@@ -283,8 +288,31 @@ def batch_from_table(table: pa.Table, vocab_size: int | None = None) -> RolloutB
         rewards=rewards,
         teacher_logprobs=teacher,
         vocab_size=vocab_size,
+        prompt_ids=_prompt_ids(table, group_ids, group_index),
         **token_inputs,
     )
+
+
+def _prompt_ids(table: pa.Table, group_ids: list[str], group_index: np.ndarray) -> list[str] | None:
+    """Per group, the key of its history from the optional ``prompt_key`` column (a null row
+    gives none; the rows of a group must agree); None without the column."""
+    if PROMPT_KEY_COLUMN not in table.column_names:
+        return None
+    column = _column(table, PROMPT_KEY_COLUMN)
+    kind = column.type.value_type if pa.types.is_dictionary(column.type) else column.type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)):
+        raise _invalid(f"prompt_key must be utf8, got {column.type}", field=PROMPT_KEY_COLUMN)
+    try:
+        keys = group_prompt_keys(column.cast(pa.string()).to_pylist(), group_ids, group_index)
+    except AdvantageError as exc:
+        raise RequestError(
+            exc.code,
+            exc.message,
+            group_id=exc.group_id,
+            field=exc.field,
+            status=413 if exc.code == "limit_exceeded" else 422,
+        ) from exc
+    return prompt_ids(group_ids, keys)
 
 
 # ---- response -----------------------------------------------------------------------------------

@@ -10,11 +10,13 @@ from typing import Any
 
 import grpc
 import numpy as np
+from advantage_client.errors import AdvantageError
+from advantage_client.flat import check_prompt_key, prompt_ids
 from advantage_client.grpc_gen import advantage_pb2 as pb
 from google.protobuf.message import DecodeError
 
 from ..batch import TOKEN_INPUTS, RolloutBatch
-from ..errors import Overloaded, RequestError
+from ..errors import LimitExceeded, Overloaded, RequestError
 from ..estimators import AdvantageResult
 from ..wire import jsonio
 from ..wire.listing import estimator_listing
@@ -139,6 +141,7 @@ def decode_compute_request(request: pb.ComputeRequest) -> ComputeRequest:
             for name, values in sorted(request.teacher_logprobs.items())
         },
         vocab_size=options.vocab_size,
+        prompt_ids=_prompt_ids(request),
         **{
             name: read_tensor(getattr(request, name), name, integer=False)
             for name in TOKEN_INPUTS
@@ -146,6 +149,28 @@ def decode_compute_request(request: pb.ComputeRequest) -> ComputeRequest:
         },
     )
     return options.with_batch(batch)
+
+
+def _prompt_ids(request: pb.ComputeRequest) -> list[str] | None:
+    """Per group, the key of its history: ``prompt_keys`` (parallel to ``group_ids``; an empty
+    string gives none) where given, else None (the group ids key it)."""
+    keys = list(request.prompt_keys)
+    if not keys:
+        return None
+    group_ids = list(request.group_ids)
+    if len(keys) != len(group_ids):
+        raise RequestError(
+            "invalid_shape",
+            f"prompt_keys has {len(keys)} entries for {len(group_ids)} group_ids: give one per "
+            "group (an empty string for none) or none at all",
+            field="prompt_keys",
+        )
+    try:
+        for gid, key in zip(group_ids, keys, strict=True):
+            check_prompt_key(key, group_id=gid)
+    except AdvantageError as exc:
+        raise LimitExceeded(exc.message, group_id=exc.group_id, field="prompt_keys") from exc
+    return prompt_ids(group_ids, [key or None for key in keys])
 
 
 def summary_message(summary: Mapping[str, Any]) -> pb.Summary:

@@ -88,6 +88,8 @@ class _Group:
     rollouts: list[_Rollout] = field(default_factory=list)
     tokens: int = 0
     completed_at: float = 0.0
+    # The key of the group's history (the first rollout's prompt_key; "" for none).
+    prompt_key: str = ""
 
     @property
     def rollout_ids(self) -> list[str]:
@@ -105,7 +107,10 @@ class _Group:
             }
             for r in self.rollouts
         ]
-        return batch_from_groups([{"id": self.group_id, "rollouts": rollouts}], vocab_size)
+        group: dict[str, Any] = {"id": self.group_id, "rollouts": rollouts}
+        if self.prompt_key:
+            group["prompt_key"] = self.prompt_key
+        return batch_from_groups([group], vocab_size)
 
 
 def decode_rollout(rollout: pb.Rollout, rollout_index: int) -> _Rollout:
@@ -282,6 +287,15 @@ class StreamSession:
                     rollout_index=index,
                     field="group_size",
                 )
+            if message.prompt_key != group.prompt_key:
+                raise RequestError(
+                    "invalid_value",
+                    f"prompt_key is {message.prompt_key!r:.80}, but earlier rollouts of the group "
+                    f"gave {group.prompt_key!r:.80}; every rollout of a group must give the same",
+                    group_id=gid,
+                    rollout_index=index,
+                    field="prompt_key",
+                )
             if message.rollout_id and message.rollout_id in group.rollout_ids:
                 raise RequestError(
                     "duplicate_rollout",
@@ -347,7 +361,7 @@ class StreamSession:
                 rollout_index=0,
                 field="group_id",
             )
-        group = _Group(gid, size)
+        group = _Group(gid, size, prompt_key=message.prompt_key)
         self.pending[gid] = group
         self.metrics.stream_pending_groups.inc()
         return group

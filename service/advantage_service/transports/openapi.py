@@ -93,6 +93,12 @@ class RolloutIn(BaseModel):
 class GroupIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     id: str = Field(description="the group's (prompt's) id, unique in the request")
+    prompt_key: str | None = Field(
+        None,
+        max_length=256,
+        description="the key of the group's state kept per prompt (KTAE history); the group id "
+        "when absent",
+    )
     rollouts: list[RolloutIn] = Field(min_length=1)
 
 

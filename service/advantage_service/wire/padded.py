@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 from advantage_client.errors import AdvantageError
+from advantage_client.flat import group_prompt_keys, prompt_ids
 from advantage_client.padded import PaddedLayout, PaddedResult, as_numpy, group_index_of
 
 from ..batch import RolloutBatch
@@ -148,6 +149,24 @@ class _Padded:
         return tensor if self.torch else tensor.numpy()
 
 
+def _prompt_ids(padded: _Padded, prompt_keys: Any) -> list[str] | None:
+    """Per group, the key of its history from per-row ``prompt_keys`` (checked as the clients
+    check them: one per row, every row of a group the same); None when not given."""
+    if prompt_keys is None:
+        return None
+    rows = as_numpy(prompt_keys, "prompt_keys")
+    b = int(padded.group_index.numel())
+    if rows.shape != (b,):
+        raise RequestError(
+            "invalid_shape",
+            f"prompt_keys must have {b} entries (one per row), got shape {rows.shape}",
+            field="prompt_key",
+        )
+    keys = [None if k is None else str(k) for k in rows.tolist()]
+    index = padded.group_index.cpu().numpy()
+    return prompt_ids(padded.group_ids, group_prompt_keys(keys, padded.group_ids, index))
+
+
 def _outcome_only(
     padded: _Padded, spec: Any, wanted: tuple[str, ...]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,6 +226,7 @@ def compute_padded(
     ignore_token_ids: Sequence[int] | None = None,
     namespace: str | None = None,
     request_id: str | None = None,
+    prompt_keys: Any = None,
 ) -> PaddedResult:
     """Per-token advantages for a padded batch, computed in this process.
 
@@ -214,8 +234,9 @@ def compute_padded(
     mask: bool or 0/1 (B, T), true at each rollout's tokens; rewards: (B,); group_ids: (B,)
     strings, integers or objects naming each row's group, in any order; logprobs and each
     ``teacher_logprobs[condition]``: float (B, T); ``diagnostics``: names to return besides the
-    scalars (only those are computed). ``namespace`` and ``request_id`` are accepted for the
-    clients' signature; in-process there is no stats store to read or write.
+    scalars (only those are computed). ``namespace``, ``request_id`` and ``prompt_keys`` (B,:
+    per row, the key of its group's history; every row of a group the same) are accepted for the
+    clients' signature and checked; in-process there is no stats store to read or write.
 
     Returns :class:`PaddedResult`: ``advantages`` float32 (B, T) with exact zeros off the mask,
     ``scalars`` float32 (B,), ``diagnostics`` {name: float32 (B, T)}: torch tensors on the
@@ -243,6 +264,7 @@ def compute_padded(
     try:
         token_level = _token_level(spec)
         padded = _Padded(mask, rewards, group_ids, gather=token_level)
+        keys = _prompt_ids(padded, prompt_keys)
         if not token_level:
             advantages, scalars = _outcome_only(padded, spec, wanted)
             return PaddedResult(padded.out(advantages), padded.out(scalars), {})
@@ -275,6 +297,7 @@ def compute_padded(
         rewards=padded.rewards,
         logprobs=logprobs_flat,
         teacher_logprobs=teachers,
+        prompt_ids=keys,
         **inputs,
     )
     result = compute_batch(

@@ -170,5 +170,6 @@ def batch_from_groups(groups: Any, vocab_size: int | None) -> RolloutBatch:
         rewards=flat.rewards,
         teacher_logprobs=flat.teacher_logprobs,
         vocab_size=vocab_size,
+        prompt_ids=flat.prompt_ids(),
         **flat.token_values(),
     )
