@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 import torch
 from advantage_client.integrations import fallback
-from advantage_client.integrations.trl import AdvantageGRPOTrainer
+from advantage_client.integrations.trl import AdvantageGRPOTrainer, prompt_key
 from datasets import Dataset
 from process_support import free_port
 from trl import GRPOConfig
@@ -548,6 +548,31 @@ def test_the_listing_check_resolves_as_the_service_does(estimator: Any) -> None:
     from advantage_service.wire.listing import estimator_listing
 
     listing = json.loads(json.dumps(estimator_listing()))
-    assert checks.resolve(listing, estimator) == advantage_service.resolve_estimator(
-        estimator
-    ).to_dict()
+    assert (
+        checks.resolve(listing, estimator)
+        == advantage_service.resolve_estimator(estimator).to_dict()
+    )
+
+
+def test_prompt_keys_are_a_hash_of_the_prompt_or_a_dataset_column(tmp_path: Path) -> None:
+    ids = [f"q{i % 4}" for i in range(len(PROMPTS))]
+    dataset = Dataset.from_dict({"prompt": PROMPTS, "pid": ids})
+    by_column = trainer_of(
+        tmp_path,
+        dataset=dataset,
+        cls=Recording,
+        advantage_transport="inprocess",
+        advantage_prompt_key="pid",
+    )
+    by_column.train()
+    keys = list(by_column.sent[0]["prompt_keys"])
+    assert set(keys) <= set(ids) and len(keys) == 8
+    assert all(len(set(keys[g : g + 4])) == 1 for g in (0, 4))  # one key per group
+    hashed = trainer_of(tmp_path, cls=Recording, advantage_transport="inprocess")
+    hashed.train()
+    keys = list(hashed.sent[0]["prompt_keys"])
+    output = hashed.outputs[0]
+    for row in range(8):
+        prompt = output["prompt_ids"][row][output["prompt_mask"][row].bool()]
+        assert keys[row] == prompt_key(prompt.tolist())
+    assert len(set(keys)) == 2  # two prompts of four completions each

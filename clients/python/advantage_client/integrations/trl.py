@@ -59,7 +59,6 @@ TRANSPORTS = ("inprocess", "http", "grpc")
 # may the opt-in local fallback step in; a request the service refused is never papered over.
 UNREACHABLE = frozenset(("unavailable", "timeout", "overloaded", "saturated"))
 HISTORY_OUTCOMES = ("applied", "empty", "unavailable")
-PROMPT_KEYS = False  # TEMPORARY until compute_padded takes prompt_keys
 TeacherHook = Callable[[list[dict[str, Any]], torch.Tensor, torch.Tensor], Mapping[str, Any]]
 
 
@@ -458,7 +457,7 @@ class AdvantageGRPOTrainer(GRPOTrainer):
                 rewards[rows],
                 groups[keep],
                 estimator=self.advantage_estimator,
-                **({"prompt_keys": np.asarray(sent_keys, dtype=object)} if PROMPT_KEYS else {}),
+                prompt_keys=np.asarray(sent_keys, dtype=object),
                 teacher_logprobs={c: v[rows] for c, v in teachers.items()} or None,
                 request_id=request_id,
                 **{name: values[rows] for name, values in per_token.items()},
