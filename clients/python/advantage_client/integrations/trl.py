@@ -250,9 +250,10 @@ class AdvantageGRPOTrainer(GRPOTrainer):
 
     def _trl_has_logprobs(self) -> bool:
         """Whether TRL computes ``old_per_token_logps`` before the advantages (its own rule)."""
-        generate_every = self.args.steps_per_generation * self.num_iterations
+        config: Any = self.args  # (a GRPOConfig)
+        generate_every = config.steps_per_generation * self.num_iterations
         return bool(
-            self.args.gradient_accumulation_steps % generate_every != 0
+            config.gradient_accumulation_steps % generate_every != 0
             or (self.use_vllm and self.vllm_importance_sampling_correction)
         )
 
@@ -335,15 +336,14 @@ class AdvantageGRPOTrainer(GRPOTrainer):
         sampling temperature: ``logprobs`` of the sampled token, the ``entropy`` and
         ``sum_pi_squared`` (sum of the squared probabilities) of the distribution."""
         width = completion_ids.shape[1]
-        batch = self.args.per_device_train_batch_size if self.model.training else None
+        model: Any = self.model
+        batch = self.args.per_device_train_batch_size if model.training else None
         batch = batch or self.args.per_device_eval_batch_size or ids.shape[0]
         parts: dict[str, list[torch.Tensor]] = {name: [] for name in want}
         with torch.no_grad():
             for start in range(0, ids.shape[0], batch):
                 end = start + batch
-                logits = self.model(
-                    input_ids=ids[start:end], attention_mask=attention[start:end]
-                ).logits
+                logits = model(input_ids=ids[start:end], attention_mask=attention[start:end]).logits
                 # (position t's logits predict token t + 1)
                 logits = logits[:, -width - 1 : -1].float() / self.temperature
                 logp = torch.log_softmax(logits, dim=-1)
@@ -372,18 +372,14 @@ class AdvantageGRPOTrainer(GRPOTrainer):
         from trl.trainer.utils import pad
 
         out = {}
-        pad_id = (
-            self.processing_class.pad_token_id
-            if hasattr(self.processing_class, "pad_token_id")
-            else 0
-        )
+        pad_id = getattr(self.processing_class, "pad_token_id", None) or 0
         for condition in sorted(conditions):
             column = self._teacher[condition]
             prompts = [row[column] for row in inputs]
             prompt_ids, _, _ = self._tokenize_prompts(prompts)
             ids = pad(
                 [torch.tensor(p) for p in prompt_ids],
-                padding_value=pad_id or 0,
+                padding_value=pad_id,
                 padding_side="left",
             )
             mask = pad(
@@ -489,7 +485,8 @@ class AdvantageGRPOTrainer(GRPOTrainer):
         assert rewards_per_func is not None
         acc = self.accelerator
         device = acc.device
-        mode = "train" if self.model.training else "eval"
+        model: Any = self.model
+        mode = "train" if model.training else "eval"
         generations = (self.num_generations if mode == "train" else self.num_generations_eval) or 1
         weights = self.reward_weights.to(rewards_per_func.device).unsqueeze(0)
         rewards = (rewards_per_func * weights).nansum(dim=1)
@@ -553,7 +550,7 @@ class AdvantageGRPOTrainer(GRPOTrainer):
         history outcome and fallback go to the metrics (every report_to backend)."""
         count = mask.sum(dim=1).clamp(min=1)
         per_row = ((advantages * mask).sum(dim=1) / count).tolist()
-        table = self._logs["advantages"]
+        table: Any = self._logs["advantages"]  # (a deque of the generation batch's rows)
         for _ in range(min(len(per_row), len(table))):
             table.pop()
         table.extend(per_row)
