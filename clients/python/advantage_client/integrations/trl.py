@@ -506,8 +506,10 @@ class AdvantageGRPOTrainer(GRPOTrainer):
         all_teachers = {name: self._gathered(v.float(), 0.0) for name, v in teachers.items()}
         groups = (np.arange(all_ids.shape[0]) // generations).astype(np.int64)
 
-        # One call for the whole batch, from rank 0; the others receive its answer (or error).
+        # One call for the whole batch, from rank 0; the others receive its answer, or the
+        # text of its error (every rank must reach the broadcast, or the others hang in it).
         payload: list[Any] = [None]
+        error: Exception | None = None
         if acc.is_main_process:
             try:
                 payload[0] = self._call_service(
@@ -521,15 +523,16 @@ class AdvantageGRPOTrainer(GRPOTrainer):
                     self._request_id(mode),
                 )
             except Exception as exc:
-                if acc.num_processes == 1:
-                    raise
-                payload[0] = exc
+                error = exc
+                payload[0] = f"{type(exc).__name__}: {exc}"
         if acc.num_processes > 1:
             from accelerate.utils import broadcast_object_list
 
             broadcast_object_list(payload, from_process=0)
-        if isinstance(payload[0], Exception):
-            raise RuntimeError(f"the advantage call on rank 0 failed: {payload[0]}") from payload[0]
+        if error is not None:
+            raise error
+        if isinstance(payload[0], str):
+            raise RuntimeError(f"the advantage call on rank 0 failed: {payload[0]}")
         all_advantages_np, record = payload[0]
         all_advantages = torch.as_tensor(all_advantages_np, device=device)
 
