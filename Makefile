@@ -7,7 +7,7 @@ SERVE_STAMP := $(VENV)/.serve-installed
 PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints-dev.txt
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-deps bench lint format clean
+.PHONY: install serve test test-deps bench demo lint format clean
 
 install: $(STAMP)
 
@@ -64,6 +64,12 @@ bench: install
 	$(BIN)/python bench/bench_trainers.py
 	$(BIN)/python bench/bench_fleet.py
 	$(BIN)/python bench/bench_merge.py
+
+# The learning demo (README, "A learning demo"): the tiny TRL model trained with GRPO and with
+# KTAE (history per prompt) through a service it starts; writes trl_demo.png and trl_demo.json.
+DEMO_OUT ?= demo-out
+demo: install
+	$(BIN)/python clients/examples/trl_demo.py --start-service --out $(DEMO_OUT)
 
 lint: install
 	$(BIN)/ruff check service tests bench clients/python

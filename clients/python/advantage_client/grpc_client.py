@@ -159,6 +159,7 @@ def flat_response_result(response: pb.ComputeResponse, req: FlatRequest) -> Padd
         from_tensor(response.scalars),
         {name: from_tensor(values) for name, values in response.diagnostics.items()},
         req.token_ids,
+        summary_dict(response.summary),
     )
 
 
@@ -450,10 +451,10 @@ class GrpcClient:
     exponential backoff on UNAVAILABLE (an overload refusal, or no server) and on saturation
     (RESOURCE_EXHAUSTED with code ``saturated``, from services before UNAVAILABLE); an overload
     refusal's wait is its ``retry-after-ms`` trailing metadata, else ``retry-after`` (see
-    :class:`RetryPolicy`), never above ``max_backoff``; ``max_wait`` (seconds) keeps unary calls
-    retrying past ``retries`` until that much time was spent waiting. A stream that loses its
-    server (or is refused) reconnects after the same wait and sends again the rollouts of groups
-    not yet answered.
+    :class:`RetryPolicy`), never above ``max_backoff``. A stream that loses its server (or is
+    refused) reconnects after the same wait and sends again the rollouts of groups not yet
+    answered. Both give up after ``retries`` retries, or, by default (``retries=None``), once
+    they have waited ``retry_for`` seconds (60) in all.
 
     ``token``: the bearer token (``authorization`` metadata on every call). TLS: ``ca_file``
     (the CA that signed the service's certificate) and, for mutual TLS, ``client_cert`` and
@@ -466,10 +467,10 @@ class GrpcClient:
         *,
         timeout: float | None = 60.0,
         stream_timeout: float | None = None,
-        retries: int = 3,
+        retries: int | None = None,
         backoff: float = 0.1,
         max_backoff: float = 10.0,
-        max_wait: float | None = None,
+        retry_for: float = 60.0,
         credentials: grpc.ChannelCredentials | None = None,
         options: Sequence[tuple[str, Any]] = (),
         token: str | None = None,
@@ -491,7 +492,7 @@ class GrpcClient:
         self.stub = pb_grpc.AdvantageServiceStub(self.channel)
         self.timeout = timeout
         self.stream_timeout = stream_timeout
-        self.retry = RetryPolicy(retries, backoff, max_backoff, max_wait)
+        self.retry = RetryPolicy(retries, backoff, max_backoff, retry_for)
 
     def close(self) -> None:
         self.channel.close()
@@ -533,7 +534,6 @@ class GrpcClient:
         entropy: Any = None,
         sum_pi_squared: Any = None,
         is_weights: Any = None,
-        returns: Any = None,
         diagnostics: Sequence[str] = (),
         ignore_token_ids: Sequence[int] | None = None,
         namespace: str | None = None,
@@ -560,7 +560,6 @@ class GrpcClient:
             request_id=request_id,
             client="the gRPC client",
             prompt_keys=prompt_keys,
-            returns=returns,
         )
         response = self._unary(self.stub.Compute, flat_request_message(req))
         return flat_response_result(response, req)
@@ -600,7 +599,7 @@ class GrpcClient:
             returns=returns,
         )
         state = _StreamState(iter(rollouts))
-        failures = 0
+        failures, waited = 0, 0.0
         while True:
             attempt, replay = state.begin()
             call = self.stub.StreamCompute(
@@ -612,7 +611,7 @@ class GrpcClient:
                 for response in call:
                     if state.error is not None:
                         raise state.error
-                    failures = 0
+                    failures, waited = 0, 0.0
                     state.answered(response)
                     yield stream_result_dict(response)
                 if state.error is not None:
@@ -622,9 +621,11 @@ class GrpcClient:
                 if state.error is not None:
                     raise state.error from None
                 error = error_from_rpc(exc)
-                if not is_retryable(error) or failures >= self.retry.retries:
+                if not is_retryable(error) or self.retry.exhausted(failures, waited):
                     raise error from None
-                time.sleep(self.retry.delay(failures, error.retry_after, error.retry_after_ms))
+                wait = self.retry.delay(failures, error.retry_after, error.retry_after_ms)
+                time.sleep(wait)
+                waited += wait
                 failures += 1
             finally:
                 call.cancel()

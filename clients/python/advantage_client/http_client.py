@@ -121,12 +121,14 @@ def arrow_flat_result(body: bytes, req: FlatRequest) -> PaddedResult:
 
     scalars = table.column("scalar").to_numpy()
     names = [d for d in req.options["return"] if d != "scalar"]
+    meta = json.loads((table.schema.metadata or {}).get(RESPONSE_METADATA, b"{}"))
     return result_from_flat(
         req.layout,
         flat("advantages"),
         scalars,
         {name: flat(name) for name in names},
         req.token_ids,
+        meta.get("summary"),
     )
 
 
@@ -223,9 +225,9 @@ class HttpClient:
     text; ``"json"`` the JSON contract. ``timeout`` bounds each request (seconds). Retries
     connection failures and 503 (overloaded, or not ready) with exponential backoff; an
     overload refusal's wait is the body's ``retry_after_ms``, else ``Retry-After`` (see
-    :class:`RetryPolicy`), never above ``max_backoff``; ``max_wait`` (seconds) keeps retrying
-    past ``retries`` until that much time was spent waiting (riding out a restart). 429
-    (saturated, from services before 503) is retried the same way.
+    :class:`RetryPolicy`), never above ``max_backoff``. 429 (saturated, from services before
+    503) is retried the same way. It gives up after ``retries`` retries, or, by default
+    (``retries=None``), once it has waited ``retry_for`` seconds (60) in all.
 
     ``token``: the bearer token (``Authorization: Bearer``). For an ``https://`` URL,
     ``ca_file`` is the CA that signed the service's certificate (system CAs when None), and
@@ -238,10 +240,10 @@ class HttpClient:
         *,
         wire: Literal["arrow", "json"] = "arrow",
         timeout: float | None = 60.0,
-        retries: int = 3,
+        retries: int | None = None,
         backoff: float = 0.1,
         max_backoff: float = 10.0,
-        max_wait: float | None = None,
+        retry_for: float = 60.0,
         headers: Mapping[str, str] | None = None,
         transport: httpx.BaseTransport | None = None,
         token: str | None = None,
@@ -265,7 +267,7 @@ class HttpClient:
             transport=transport,
             verify=verify,
         )
-        self.retry = RetryPolicy(retries, backoff, max_backoff, max_wait)
+        self.retry = RetryPolicy(retries, backoff, max_backoff, retry_for)
 
     def close(self) -> None:
         self.http.close()
@@ -328,7 +330,6 @@ class HttpClient:
         entropy: Any = None,
         sum_pi_squared: Any = None,
         is_weights: Any = None,
-        returns: Any = None,
         diagnostics: Sequence[str] = (),
         ignore_token_ids: Sequence[int] | None = None,
         namespace: str | None = None,
@@ -366,7 +367,6 @@ class HttpClient:
             request_id=request_id,
             client="the HTTP client",
             prompt_keys=prompt_keys,
-            returns=returns,
         )
         response = self._send(
             "POST",

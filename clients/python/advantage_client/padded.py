@@ -45,6 +45,9 @@ class PaddedResult:
     advantages: Any
     scalars: Any
     diagnostics: dict[str, Any] = field(default_factory=dict)
+    # The response's summary (``compute_ms``, ``history``, ...): empty in-process, where no
+    # service answered.
+    summary: dict[str, Any] = field(default_factory=dict)
 
 
 def as_numpy(values: Any, name: str = "values") -> np.ndarray:
@@ -258,6 +261,7 @@ def result_from_flat(
     scalars: np.ndarray,
     diagnostics: Mapping[str, np.ndarray],
     token_ids: bool,
+    summary: Mapping[str, Any] | None = None,
 ) -> PaddedResult:
     """Flat (N,) results in row order as a :class:`PaddedResult`. Without ``token_ids`` every
     row's advantages are one value (no token-level term), broadcast over its mask."""
@@ -269,6 +273,7 @@ def result_from_flat(
         advantages=padded,
         scalars=np.asarray(scalars, dtype=np.float32),
         diagnostics={name: layout.scatter(values) for name, values in diagnostics.items()},
+        summary=dict(summary or {}),
     )
 
 

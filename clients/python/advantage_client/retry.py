@@ -36,7 +36,9 @@ class Retryable(Exception):
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """``retries`` more tries after the first. The n-th waits:
+    """``retries`` more tries after the first; with ``retries=None`` (the default), tries until
+    ``retry_for`` seconds have been waited in all, long enough to ride out a rolling restart of
+    the service (a pod replaced, its readiness probe passing again). The n-th waits:
 
     - with the service's millisecond hint (``retry_after_ms``), that long plus up to 20% jitter,
       whatever the backoff would be (the service sizes it from how fast its queue drains);
@@ -45,16 +47,18 @@ class RetryPolicy:
     - else that random time alone;
 
     and never longer than ``max_backoff``.
-
-    ``max_wait`` (seconds, optional): keep retrying past ``retries`` until this much time has
-    been spent waiting in all, so that a call rides out a service restart (a rolling restart
-    takes tens of seconds); None: ``retries`` alone decides.
     """
 
-    retries: int = 3
+    retries: int | None = None
     backoff: float = 0.1
     max_backoff: float = 10.0
-    max_wait: float | None = None
+    retry_for: float = 60.0
+
+    def exhausted(self, attempt: int, waited: float) -> bool:
+        """Whether to give up after ``attempt`` retries that waited ``waited`` seconds."""
+        if self.retries is not None:
+            return attempt >= self.retries
+        return waited >= self.retry_for
 
     def delay(
         self, attempt: int, retry_after: float | None = None, retry_after_ms: int | None = None
@@ -77,12 +81,9 @@ class RetryPolicy:
             try:
                 return attempt_fn()
             except Retryable as exc:
-                budget = None if self.max_wait is None else self.max_wait - waited
-                if attempt >= self.retries and (budget is None or budget <= 0):
+                if self.exhausted(attempt, waited):
                     raise exc.last from None
                 wait = self.delay(attempt, exc.retry_after, exc.retry_after_ms)
-                if budget is not None and attempt >= self.retries:
-                    wait = min(wait, budget)
                 sleep(wait)
                 waited += wait
                 attempt += 1

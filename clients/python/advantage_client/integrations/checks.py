@@ -1,140 +1,185 @@
-"""Estimators checked against the service's listing (``GET /v1/estimators``) when an integration
-is set up, so that a misspelt name, an unknown or out-of-range parameter, or an input the
-trainer cannot give fails at once, not at the first training step after model load and
-generation. numpy-free and trainer-free: trainer integrations share it."""
+"""An estimator checked against the service's listing (``GET /v1/estimators``, or the registry
+in-process) before a trainer starts, so that a misspelt name, an unknown parameter or a value out
+of range fails when the trainer is built, not at its first step after model load and generation.
+
+The listing names every preset (resolved), outcome and term with its parameters (type, range,
+choices) and the inputs it needs at its default parameters; :func:`resolve` follows the
+service's own resolution of a preset or a partial object onto that listing.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 TOP_LEVEL = ("outcome", "whiten", "clip")
-# Term parameters that name teacher conditions (the inputs they need follow their values).
-CONDITION_PARAMS = ("positive", "negative", "teacher")
 
 
-class EstimatorConfigError(ValueError):
-    """An estimator the service would refuse, found before training starts."""
+class EstimatorCheckError(ValueError):
+    """An estimator the service would refuse, named before the first step."""
 
 
-def _check_value(where: str, spec: Mapping[str, Any], value: Any) -> None:
-    kind = spec.get("type")
+def _check_value(param: Mapping[str, Any], value: Any, where: str) -> None:
+    kind = param.get("type")
     if value is None:
-        if not spec.get("nullable"):
-            raise EstimatorConfigError(f"{where} may not be null")
+        if not param.get("nullable"):
+            raise EstimatorCheckError(f"{where} may not be null")
         return
-    ok = {
-        "boolean": isinstance(value, bool),
-        "number": isinstance(value, int | float) and not isinstance(value, bool),
-        "integer": isinstance(value, int) and not isinstance(value, bool),
-        "string": isinstance(value, str),
-    }.get(str(kind), True)
-    if not ok:
-        raise EstimatorConfigError(f"{where} must be a {kind}, got {value!r}")
-    choices = spec.get("choices")
-    if choices is not None and value not in choices:
-        raise EstimatorConfigError(f"{where} must be one of {choices}, got {value!r}")
+    if kind == "boolean":
+        if not isinstance(value, bool):
+            raise EstimatorCheckError(f"{where} must be true or false, got {value!r}")
+        return
+    if kind == "string":
+        if not isinstance(value, str):
+            raise EstimatorCheckError(f"{where} must be a string, got {value!r}")
+        choices = param.get("choices")
+        if choices is not None and value not in choices:
+            raise EstimatorCheckError(f"{where} must be one of {list(choices)}, got {value!r}")
+        return
     if isinstance(value, bool) or not isinstance(value, int | float):
-        return
-    low, high = spec.get("minimum"), spec.get("maximum")
-    if low is not None and value < low:
-        raise EstimatorConfigError(f"{where} must be >= {low}, got {value}")
-    if high is not None and value > high:
-        raise EstimatorConfigError(f"{where} must be <= {high}, got {value}")
-    strict = spec.get("exclusive_minimum")
-    if strict is not None and value <= strict:
-        raise EstimatorConfigError(f"{where} must be > {strict}, got {value}")
+        raise EstimatorCheckError(f"{where} must be a number, got {value!r}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise EstimatorCheckError(f"{where} must be finite, got {value!r}")
+    # (a bound the listing does not set is absent, or null in the HTTP listing's schema)
+    low, above, high = (param.get(k) for k in ("minimum", "exclusive_minimum", "maximum"))
+    if low is not None and number < low:
+        raise EstimatorCheckError(f"{where} must be >= {low:g}, got {value!r}")
+    if above is not None and number <= above:
+        raise EstimatorCheckError(f"{where} must be > {above:g}, got {value!r}")
+    if high is not None and number > high:
+        raise EstimatorCheckError(f"{where} must be <= {high:g}, got {value!r}")
 
 
-def _params(where: str, specs: list[Mapping[str, Any]], given: Mapping[str, Any]) -> dict[str, Any]:
-    by_name = {p["name"]: p for p in specs}
-    for key in given:
-        if key not in by_name:
-            raise EstimatorConfigError(
-                f"{where} has no parameter {key!r}; its parameters: {sorted(by_name)}"
+def _params(
+    described: list[Mapping[str, Any]], given: Mapping[str, Any], where: str, skip: tuple[str, ...]
+) -> dict[str, Any]:
+    known = {p["name"]: p for p in described}
+    for name in given:
+        if name not in known and name not in skip:
+            raise EstimatorCheckError(
+                f"{where} has no parameter {name!r}; known: {sorted(known) or 'none'}"
             )
-    out = {}
-    for name, spec in by_name.items():
-        value = given.get(name, spec.get("default"))
-        _check_value(f"{where}.{name}", spec, value)
-        out[name] = value
+    out: dict[str, Any] = {}
+    for name, param in known.items():
+        if name in given:
+            _check_value(param, given[name], f"{where}.{name}")
+            out[name] = given[name]
+        else:
+            out[name] = param.get("default")
     return out
 
 
-def resolve(estimator: Any, listing: Mapping[str, Any]) -> dict[str, Any]:
-    """``estimator`` (a preset name or an object) as the full object, checked against
-    ``listing``; raises :class:`EstimatorConfigError` naming what the service would refuse."""
-    presets = listing.get("presets") or {}
+def resolve(listing: Mapping[str, Any], estimator: Any) -> dict[str, Any]:
+    """The full estimator object (``{"outcome": {"name", ...params}, <term>: {...} | None,
+    "whiten", "clip"}``) of a preset name or a partial object, as the service would resolve it;
+    raises :class:`EstimatorCheckError` naming what it would refuse."""
+    presets: Mapping[str, Any] = listing.get("presets") or {}
+    outcomes = {o["name"]: o for o in listing.get("outcomes", ())}
+    terms = {t["name"]: t for t in listing.get("terms", ())}
+    if estimator is None:
+        estimator = listing.get("default", "grpo")
     if isinstance(estimator, str):
         if estimator not in presets:
-            raise EstimatorConfigError(
+            raise EstimatorCheckError(
                 f"unknown estimator {estimator!r}; the service's presets: {sorted(presets)}"
             )
-        found = presets[estimator]
-        return dict(found) if isinstance(found, Mapping) else {"outcome": {"name": estimator}}
+        return dict(presets[estimator])
     if not isinstance(estimator, Mapping):
-        raise EstimatorConfigError(f"an estimator is a preset name or an object, got {estimator!r}")
-    outcomes = {o["name"]: o for o in listing.get("outcomes", [])}
-    terms = {t["name"]: t for t in listing.get("terms", [])}
-    options = {o["name"]: o for o in listing.get("options", [])}
-    for key in estimator:
-        if key not in (*TOP_LEVEL, *terms):
-            raise EstimatorConfigError(
-                f"estimator has no field {key!r}; known: {sorted((*TOP_LEVEL, *terms))}"
-            )
-    outcome = estimator.get("outcome", listing.get("default", "grpo"))
-    outcome = {"name": outcome} if isinstance(outcome, str) else dict(outcome or {})
-    name = outcome.pop("name", None)
-    if name not in outcomes:
-        raise EstimatorConfigError(
-            f"unknown outcome baseline {name!r}; the service's: {sorted(outcomes)}"
+        raise EstimatorCheckError(
+            f"estimator must be a preset name or an object, got {type(estimator).__name__}"
         )
-    full: dict[str, Any] = {
+    allowed = {*TOP_LEVEL, *terms}
+    for key in estimator:
+        if key not in allowed:
+            raise EstimatorCheckError(f"estimator has no field {key!r}; known: {sorted(allowed)}")
+    outcome = estimator.get("outcome", listing.get("default", "grpo"))
+    if isinstance(outcome, str):
+        outcome = {"name": outcome}
+    if not isinstance(outcome, Mapping) or not isinstance(outcome.get("name"), str):
+        raise EstimatorCheckError("estimator.outcome must be a name or an object with a name")
+    name = outcome["name"]
+    if name not in outcomes:
+        raise EstimatorCheckError(
+            f"unknown outcome baseline {name!r}; the service's outcomes: {sorted(outcomes)}"
+        )
+    resolved: dict[str, Any] = {
         "outcome": {
             "name": name,
-            **_params("estimator.outcome", outcomes[name]["parameters"], outcome),
+            **_params(
+                outcomes[name].get("parameters", []), outcome, "estimator.outcome", ("name",)
+            ),
         }
     }
-    for term, spec in terms.items():
-        given = estimator.get(term)
+    for term_name, term in terms.items():
+        given = estimator.get(term_name)
         if given is None or given is False:
-            full[term] = None
+            resolved[term_name] = None
             continue
         if given is True:
             given = {}
         if not isinstance(given, Mapping):
-            raise EstimatorConfigError(f"estimator.{term} must be an object, true or null")
-        full[term] = _params(f"estimator.{term}", spec["parameters"], given)
-    for option, spec in options.items():
-        value = estimator.get(option, spec.get("default"))
-        _check_value(f"estimator.{option}", spec, value)
-        full[option] = value
-    return full
+            raise EstimatorCheckError(f"estimator.{term_name} must be an object, true, or null")
+        resolved[term_name] = _params(
+            term.get("parameters", []), given, f"estimator.{term_name}", ()
+        )
+    options = {p["name"]: p for p in listing.get("options", ())}
+    for key in ("whiten", "clip"):
+        if key in estimator and key in options:
+            _check_value(options[key], estimator[key], f"estimator.{key}")
+    whiten = estimator.get("whiten")
+    resolved["whiten"] = bool(outcomes[name].get("whiten_default")) if whiten is None else whiten
+    resolved["clip"] = estimator.get("clip")
+    return resolved
 
 
-def required_inputs(full: Mapping[str, Any], listing: Mapping[str, Any]) -> set[str]:
-    """The rollout inputs the resolved estimator needs (``logprobs``, ``sum_pi_squared``,
-    ``teacher_logprobs.<condition>``, ...), its teacher conditions named by its parameters."""
-    components = {c["name"]: c for c in (*listing.get("outcomes", []), *listing.get("terms", []))}
-    outcome = full.get("outcome") or {}
-    parts: list[tuple[str, Mapping[str, Any]]] = [(outcome.get("name", "grpo"), outcome)]
-    parts += [(k, v) for k, v in full.items() if k not in TOP_LEVEL and isinstance(v, Mapping)]
-    needs: set[str] = set()
-    for name, params in parts:
-        listed = components.get(name, {})
-        conditions = [params[p] for p in CONDITION_PARAMS if isinstance(params.get(p), str)]
-        for item in listed.get("inputs", []):
-            if item.startswith("teacher_logprobs.") and conditions:
-                continue
-            needs.add(item)
-        needs.update(f"teacher_logprobs.{c}" for c in conditions)
-    return needs
+def required_inputs(listing: Mapping[str, Any], resolved: Mapping[str, Any]) -> set[str]:
+    """The inputs the resolved estimator cannot do without, by ``compute_padded`` keyword:
+    ``logprobs``, ``entropy``, ``sum_pi_squared``, ``teacher_logprobs.<condition>``. A
+    teacher's condition follows the term's parameters (CSCR's ``positive``/``negative``,
+    OPSD's ``teacher``), the rest is the listing's ``inputs`` of each part."""
+    outcomes = {o["name"]: o for o in listing.get("outcomes", ())}
+    terms = {t["name"]: t for t in listing.get("terms", ())}
+    outcome = resolved.get("outcome") or {}
+    name = outcome.get("name") if isinstance(outcome, Mapping) else outcome
+    parts: list[tuple[Mapping[str, Any], Mapping[str, Any]]] = []
+    if name in outcomes:
+        parts.append((outcomes[name], outcome if isinstance(outcome, Mapping) else {}))
+    for term_name, params in resolved.items():
+        if term_name in terms and params:
+            parts.append((terms[term_name], params))
+    needed: set[str] = set()
+    for part, params in parts:
+        for field in part.get("inputs", ()):
+            if field.startswith("teacher_logprobs."):
+                condition = field.split(".", 1)[1]
+                # (the default condition names are the defaults of the parameters naming them)
+                for param in part.get("parameters", ()):
+                    if param.get("default") == condition and param["name"] in params:
+                        condition = str(params[param["name"]])
+                        break
+                field = f"teacher_logprobs.{condition}"
+            needed.add(field)
+    return needed
 
 
-def uses_history(full: Mapping[str, Any]) -> bool:
-    """Whether the resolved estimator keeps per-prompt history (KTAE ``history != "none"``)."""
+def is_token_level(listing: Mapping[str, Any], resolved: Mapping[str, Any]) -> bool:
+    """Whether the estimator's advantages vary within a completion (a term, or an outcome per
+    token such as OTB)."""
+    outcomes = {o["name"]: o for o in listing.get("outcomes", ())}
+    outcome = resolved.get("outcome") or {}
+    name = outcome.get("name") if isinstance(outcome, Mapping) else outcome
+    if bool(outcomes.get(name, {}).get("per_token")):
+        return True
+    return any(k not in TOP_LEVEL and v for k, v in resolved.items())
+
+
+def uses_history(resolved: Mapping[str, Any]) -> bool:
+    """Whether the resolved estimator keeps per-prompt history (a term whose ``history`` is not
+    ``none``)."""
     return any(
         isinstance(v, Mapping) and v.get("history") not in (None, "none")
-        for k, v in full.items()
+        for k, v in resolved.items()
         if k not in TOP_LEVEL
     )

@@ -60,7 +60,7 @@ import numpy as np
 
 from ..errors import AdvantageError
 from . import backend
-from .checks import EstimatorConfigError, required_inputs, resolve, uses_history
+from .checks import EstimatorCheckError, required_inputs, resolve, uses_history
 
 log = logging.getLogger("advantage_client.verl")
 
@@ -71,7 +71,7 @@ ENV_URL = "ADVANTAGE_VERL_URL"
 ENV_PRESETS = "ADVANTAGE_VERL_PRESETS"
 ENV_OPTIONS = "ADVANTAGE_VERL_OPTIONS"
 # Default total time a call keeps retrying a service that is down (a rolling restart).
-DEFAULT_MAX_WAIT = 60.0
+DEFAULT_RETRY_FOR = 60.0
 # data.batch key -> compute_padded keyword (entropys: legacy trainer; entropy: v1 trainer)
 BATCH_INPUTS = {
     "old_log_probs": "logprobs",
@@ -395,10 +395,10 @@ def make_estimators(
     for name, estimator in chosen.items():
         verl_name = name if name.startswith(PREFIX) else PREFIX + name
         try:
-            full = resolve(estimator, listing)
-        except EstimatorConfigError as exc:
+            full = resolve(listing, estimator)
+        except EstimatorCheckError as exc:
             raise VerlConfigError(f"{verl_name}: {exc}") from None
-        needs = required_inputs(full, listing)
+        needs = required_inputs(listing, full)
         for need in needs:
             if need not in INPUT_HINTS and not need.startswith("teacher_logprobs."):
                 raise VerlConfigError(
@@ -426,7 +426,7 @@ def register(
     ``client_options``: ``ignore_token_ids`` and ``namespace`` for every call; ``prompt_key``
     (``"hash"``, default: a hash of the prompt's token ids; a ``non_tensor_batch`` field name;
     None: the uid) for estimators with history; ``fallback=True`` to compute outcome-only
-    estimators with verl's own when the service stays unreachable; ``max_wait`` (seconds,
+    estimators with verl's own when the service stays unreachable; ``retry_for`` (seconds,
     default 60) that a call keeps retrying a service that is down; the rest for the client
     (``timeout``, ``token``, ...). Registering a name again replaces it.
     """
@@ -439,7 +439,7 @@ def register(
         "fallback": bool(client_options.pop("fallback", False)),
     }
     if transport != "inprocess":
-        client_options.setdefault("max_wait", DEFAULT_MAX_WAIT)
+        client_options.setdefault("retry_for", DEFAULT_RETRY_FOR)
     compute_padded, _, client = backend(transport, url, client_options)
     listing = listing_of(transport, client)
     if presets is None:
