@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x61\x64vantage/v1/advantage.proto\x12\x0c\x61\x64vantage.v1\":\n\x06Tensor\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.advantage.v1.DType\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\xaf\x01\n\x0e\x43omputeOptions\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x10\n\x06preset\x18\x02 \x01(\tH\x00\x12\x18\n\x0e\x65stimator_json\x18\x03 \x01(\tH\x00\x12\x18\n\x10ignore_token_ids\x18\x04 \x03(\x03\x12\x17\n\nvocab_size\x18\x05 \x01(\x03H\x01\x88\x01\x01\x12\x0f\n\x07returns\x18\x06 \x03(\tB\x0b\n\testimatorB\r\n\x0b_vocab_size\"\xc7\x04\n\x0e\x43omputeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x07options\x18\x02 \x01(\x0b\x32\x1c.advantage.v1.ComputeOptions\x12\x11\n\tgroup_ids\x18\x03 \x03(\t\x12)\n\x0bgroup_index\x18\x04 \x01(\x0b\x32\x14.advantage.v1.Tensor\x12%\n\x07offsets\x18\x05 \x01(\x0b\x32\x14.advantage.v1.Tensor\x12$\n\x06tokens\x18\x06 \x01(\x0b\x32\x14.advantage.v1.Tensor\x12%\n\x07rewards\x18\x07 \x01(\x0b\x32\x14.advantage.v1.Tensor\x12&\n\x08logprobs\x18\x08 \x01(\x0b\x32\x14.advantage.v1.Tensor\x12K\n\x10teacher_logprobs\x18\t \x03(\x0b\x32\x31.advantage.v1.ComputeRequest.TeacherLogprobsEntry\x12%\n\x07\x65ntropy\x18\n \x01(\x0b\x32\x14.advantage.v1.Tensor\x12,\n\x0esum_pi_squared\x18\x0b \x01(\x0b\x32\x14.advantage.v1.Tensor\x12(\n\nis_weights\x18\x0c \x01(\x0b\x32\x14.advantage.v1.Tensor\x1aL\n\x14TeacherLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.advantage.v1.Tensor:\x02\x38\x01\"\xa4\x01\n\x07Summary\x12\x0e\n\x06tokens\x18\x01 \x01(\x03\x12\x10\n\x08rollouts\x18\x02 \x01(\x03\x12\x0e\n\x06groups\x18\x03 \x01(\x03\x12\x1a\n\x12zero_signal_groups\x18\x04 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\ncompute_ms\x18\x06 \x01(\x01\x12\x0f\n\x07history\x18\x07 \x01(\t\x12\x16\n\x0e\x62\x61tch_requests\x18\x08 \x01(\x03\"\xbd\x03\n\x0f\x43omputeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x16\n\x0e\x65stimator_json\x18\x03 \x01(\t\x12\x11\n\tgroup_ids\x18\x04 \x03(\t\x12)\n\x0bgroup_index\x18\x05 \x01(\x0b\x32\x14.advantage.v1.Tensor\x12%\n\x07offsets\x18\x06 \x01(\x0b\x32\x14.advantage.v1.Tensor\x12(\n\nadvantages\x18\x07 \x01(\x0b\x32\x14.advantage.v1.Tensor\x12%\n\x07scalars\x18\x08 \x01(\x0b\x32\x14.advantage.v1.Tensor\x12\x43\n\x0b\x64iagnostics\x18\t \x03(\x0b\x32..advantage.v1.ComputeResponse.DiagnosticsEntry\x12&\n\x07summary\x18\n \x01(\x0b\x32\x15.advantage.v1.Summary\x1aH\n\x10\x44iagnosticsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.advantage.v1.Tensor:\x02\x38\x01\"\xc4\x03\n\x07Rollout\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x12\n\ngroup_size\x18\x02 \x01(\r\x12\x12\n\nrollout_id\x18\x03 \x01(\t\x12$\n\x06tokens\x18\x04 \x01(\x0b\x32\x14.advantage.v1.Tensor\x12\x13\n\x06reward\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12&\n\x08logprobs\x18\x06 \x01(\x0b\x32\x14.advantage.v1.Tensor\x12\x44\n\x10teacher_logprobs\x18\x07 \x03(\x0b\x32*.advantage.v1.Rollout.TeacherLogprobsEntry\x12%\n\x07\x65ntropy\x18\x08 \x01(\x0b\x32\x14.advantage.v1.Tensor\x12,\n\x0esum_pi_squared\x18\t \x01(\x0b\x32\x14.advantage.v1.Tensor\x12(\n\nis_weights\x18\n \x01(\x0b\x32\x14.advantage.v1.Tensor\x1aL\n\x14TeacherLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.advantage.v1.Tensor:\x02\x38\x01\x42\t\n\x07_reward\"r\n\rStreamRequest\x12/\n\x07options\x18\x01 \x01(\x0b\x32\x1c.advantage.v1.ComputeOptionsH\x00\x12(\n\x07rollout\x18\x02 \x01(\x0b\x32\x15.advantage.v1.RolloutH\x00\x42\x06\n\x04kind\"\x91\x02\n\rRolloutResult\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x15\n\rrollout_index\x18\x02 \x01(\r\x12(\n\nadvantages\x18\x03 \x01(\x0b\x32\x14.advantage.v1.Tensor\x12\x13\n\x06scalar\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\x41\n\x0b\x64iagnostics\x18\x05 \x03(\x0b\x32,.advantage.v1.RolloutResult.DiagnosticsEntry\x1aH\n\x10\x44iagnosticsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.advantage.v1.Tensor:\x02\x38\x01\x42\t\n\x07_scalar\"\xa2\x01\n\x0bGroupResult\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12-\n\x08rollouts\x18\x02 \x03(\x0b\x32\x1b.advantage.v1.RolloutResult\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x16\n\x0e\x65stimator_json\x18\x04 \x01(\t\x12&\n\x07summary\x18\x05 \x01(\x0b\x32\x15.advantage.v1.Summary\"u\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12\x1a\n\rrollout_index\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05\x66ield\x18\x05 \x01(\tB\x10\n\x0e_rollout_index\"W\n\nGroupError\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\"\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x13.advantage.v1.Error\x12\x13\n\x0brollout_ids\x18\x03 \x03(\t\"p\n\x0eStreamResponse\x12+\n\x06result\x18\x01 \x01(\x0b\x32\x19.advantage.v1.GroupResultH\x00\x12)\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x18.advantage.v1.GroupErrorH\x00\x42\x06\n\x04kind\"\x17\n\x15ListEstimatorsRequest\"\x8d\x01\n\x16ListEstimatorsResponse\x12\x16\n\x0e\x64\x65\x66\x61ult_preset\x18\x01 \x01(\t\x12\x0f\n\x07presets\x18\x02 \x03(\t\x12\x10\n\x08outcomes\x18\x03 \x03(\t\x12\r\n\x05terms\x18\x04 \x03(\t\x12\x13\n\x0b\x64iagnostics\x18\x05 \x03(\t\x12\x14\n\x0clisting_json\x18\x06 \x01(\t*f\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x44TYPE_INT32\x10\x01\x12\x0f\n\x0b\x44TYPE_INT64\x10\x02\x12\x11\n\rDTYPE_FLOAT32\x10\x03\x12\x11\n\rDTYPE_FLOAT64\x10\x04\x32\x87\x02\n\x10\x41\x64vantageService\x12\x46\n\x07\x43ompute\x12\x1c.advantage.v1.ComputeRequest\x1a\x1d.advantage.v1.ComputeResponse\x12N\n\rStreamCompute\x12\x1b.advantage.v1.StreamRequest\x1a\x1c.advantage.v1.StreamResponse(\x01\x30\x01\x12[\n\x0eListEstimators\x12#.advantage.v1.ListEstimatorsRequest\x1a$.advantage.v1.ListEstimatorsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x61\x64vantage/v1/advantage.proto\x12\x0c\x61\x64vantage.v1\":\n\x06Tensor\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.advantage.v1.DType\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\xaf\x01\n\x0e\x43omputeOptions\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x10\n\x06preset\x18\x02 \x01(\tH\x00\x12\x18\n\x0e\x65stimator_json\x18\x03 \x01(\tH\x00\x12\x18\n\x10ignore_token_ids\x18\x04 \x03(\x03\x12\x17\n\nvocab_size\x18\x05 \x01(\x03H\x01\x88\x01\x01\x12\x0f\n\x07returns\x18\x06 \x03(\tB\x0b\n\testimatorB\r\n\x0b_vocab_size\"\xc7\x04\n\x0e\x43omputeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x07options\x18\x02 \x01(\x0b\x32\x1c.advantage.v1.ComputeOptions\x12\x11\n\tgroup_ids\x18\x03 \x03(\t\x12)\n\x0bgroup_index\x18\x04 \x01(\x0b\x32\x14.advantage.v1.Tensor\x12%\n\x07offsets\x18\x05 \x01(\x0b\x32\x14.advantage.v1.Tensor\x12$\n\x06tokens\x18\x06 \x01(\x0b\x32\x14.advantage.v1.Tensor\x12%\n\x07rewards\x18\x07 \x01(\x0b\x32\x14.advantage.v1.Tensor\x12&\n\x08logprobs\x18\x08 \x01(\x0b\x32\x14.advantage.v1.Tensor\x12K\n\x10teacher_logprobs\x18\t \x03(\x0b\x32\x31.advantage.v1.ComputeRequest.TeacherLogprobsEntry\x12%\n\x07\x65ntropy\x18\n \x01(\x0b\x32\x14.advantage.v1.Tensor\x12,\n\x0esum_pi_squared\x18\x0b \x01(\x0b\x32\x14.advantage.v1.Tensor\x12(\n\nis_weights\x18\x0c \x01(\x0b\x32\x14.advantage.v1.Tensor\x1aL\n\x14TeacherLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.advantage.v1.Tensor:\x02\x38\x01\"\xc8\x01\n\x07Summary\x12\x0e\n\x06tokens\x18\x01 \x01(\x03\x12\x10\n\x08rollouts\x18\x02 \x01(\x03\x12\x0e\n\x06groups\x18\x03 \x01(\x03\x12\x1a\n\x12zero_signal_groups\x18\x04 \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\ncompute_ms\x18\x06 \x01(\x01\x12\x0f\n\x07history\x18\x07 \x01(\t\x12\x16\n\x0e\x62\x61tch_requests\x18\x08 \x01(\x03\x12\x15\n\x08recorded\x18\t \x01(\x08H\x00\x88\x01\x01\x42\x0b\n\t_recorded\"\xbd\x03\n\x0f\x43omputeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x16\n\x0e\x65stimator_json\x18\x03 \x01(\t\x12\x11\n\tgroup_ids\x18\x04 \x03(\t\x12)\n\x0bgroup_index\x18\x05 \x01(\x0b\x32\x14.advantage.v1.Tensor\x12%\n\x07offsets\x18\x06 \x01(\x0b\x32\x14.advantage.v1.Tensor\x12(\n\nadvantages\x18\x07 \x01(\x0b\x32\x14.advantage.v1.Tensor\x12%\n\x07scalars\x18\x08 \x01(\x0b\x32\x14.advantage.v1.Tensor\x12\x43\n\x0b\x64iagnostics\x18\t \x03(\x0b\x32..advantage.v1.ComputeResponse.DiagnosticsEntry\x12&\n\x07summary\x18\n \x01(\x0b\x32\x15.advantage.v1.Summary\x1aH\n\x10\x44iagnosticsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.advantage.v1.Tensor:\x02\x38\x01\"\xc4\x03\n\x07Rollout\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x12\n\ngroup_size\x18\x02 \x01(\r\x12\x12\n\nrollout_id\x18\x03 \x01(\t\x12$\n\x06tokens\x18\x04 \x01(\x0b\x32\x14.advantage.v1.Tensor\x12\x13\n\x06reward\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12&\n\x08logprobs\x18\x06 \x01(\x0b\x32\x14.advantage.v1.Tensor\x12\x44\n\x10teacher_logprobs\x18\x07 \x03(\x0b\x32*.advantage.v1.Rollout.TeacherLogprobsEntry\x12%\n\x07\x65ntropy\x18\x08 \x01(\x0b\x32\x14.advantage.v1.Tensor\x12,\n\x0esum_pi_squared\x18\t \x01(\x0b\x32\x14.advantage.v1.Tensor\x12(\n\nis_weights\x18\n \x01(\x0b\x32\x14.advantage.v1.Tensor\x1aL\n\x14TeacherLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.advantage.v1.Tensor:\x02\x38\x01\x42\t\n\x07_reward\"r\n\rStreamRequest\x12/\n\x07options\x18\x01 \x01(\x0b\x32\x1c.advantage.v1.ComputeOptionsH\x00\x12(\n\x07rollout\x18\x02 \x01(\x0b\x32\x15.advantage.v1.RolloutH\x00\x42\x06\n\x04kind\"\x91\x02\n\rRolloutResult\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x15\n\rrollout_index\x18\x02 \x01(\r\x12(\n\nadvantages\x18\x03 \x01(\x0b\x32\x14.advantage.v1.Tensor\x12\x13\n\x06scalar\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\x41\n\x0b\x64iagnostics\x18\x05 \x03(\x0b\x32,.advantage.v1.RolloutResult.DiagnosticsEntry\x1aH\n\x10\x44iagnosticsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.advantage.v1.Tensor:\x02\x38\x01\x42\t\n\x07_scalar\"\xa2\x01\n\x0bGroupResult\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12-\n\x08rollouts\x18\x02 \x03(\x0b\x32\x1b.advantage.v1.RolloutResult\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x16\n\x0e\x65stimator_json\x18\x04 \x01(\t\x12&\n\x07summary\x18\x05 \x01(\x0b\x32\x15.advantage.v1.Summary\"u\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12\x1a\n\rrollout_index\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05\x66ield\x18\x05 \x01(\tB\x10\n\x0e_rollout_index\"W\n\nGroupError\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\"\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x13.advantage.v1.Error\x12\x13\n\x0brollout_ids\x18\x03 \x03(\t\"p\n\x0eStreamResponse\x12+\n\x06result\x18\x01 \x01(\x0b\x32\x19.advantage.v1.GroupResultH\x00\x12)\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x18.advantage.v1.GroupErrorH\x00\x42\x06\n\x04kind\"\x17\n\x15ListEstimatorsRequest\"\x8d\x01\n\x16ListEstimatorsResponse\x12\x16\n\x0e\x64\x65\x66\x61ult_preset\x18\x01 \x01(\t\x12\x0f\n\x07presets\x18\x02 \x03(\t\x12\x10\n\x08outcomes\x18\x03 \x03(\t\x12\r\n\x05terms\x18\x04 \x03(\t\x12\x13\n\x0b\x64iagnostics\x18\x05 \x03(\t\x12\x14\n\x0clisting_json\x18\x06 \x01(\t*f\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x44TYPE_INT32\x10\x01\x12\x0f\n\x0b\x44TYPE_INT64\x10\x02\x12\x11\n\rDTYPE_FLOAT32\x10\x03\x12\x11\n\rDTYPE_FLOAT64\x10\x04\x32\x87\x02\n\x10\x41\x64vantageService\x12\x46\n\x07\x43ompute\x12\x1c.advantage.v1.ComputeRequest\x1a\x1d.advantage.v1.ComputeResponse\x12N\n\rStreamCompute\x12\x1b.advantage.v1.StreamRequest\x1a\x1c.advantage.v1.StreamResponse(\x01\x30\x01\x12[\n\x0eListEstimators\x12#.advantage.v1.ListEstimatorsRequest\x1a$.advantage.v1.ListEstimatorsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,8 +39,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROLLOUT_TEACHERLOGPROBSENTRY']._serialized_options = b'8\001'
   _globals['_ROLLOUTRESULT_DIAGNOSTICSENTRY']._loaded_options = None
   _globals['_ROLLOUTRESULT_DIAGNOSTICSENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=2988
-  _globals['_DTYPE']._serialized_end=3090
+  _globals['_DTYPE']._serialized_start=3024
+  _globals['_DTYPE']._serialized_end=3126
   _globals['_TENSOR']._serialized_start=46
   _globals['_TENSOR']._serialized_end=104
   _globals['_COMPUTEOPTIONS']._serialized_start=107
@@ -50,33 +50,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMPUTEREQUEST_TEACHERLOGPROBSENTRY']._serialized_start=792
   _globals['_COMPUTEREQUEST_TEACHERLOGPROBSENTRY']._serialized_end=868
   _globals['_SUMMARY']._serialized_start=871
-  _globals['_SUMMARY']._serialized_end=1035
-  _globals['_COMPUTERESPONSE']._serialized_start=1038
-  _globals['_COMPUTERESPONSE']._serialized_end=1483
-  _globals['_COMPUTERESPONSE_DIAGNOSTICSENTRY']._serialized_start=1411
-  _globals['_COMPUTERESPONSE_DIAGNOSTICSENTRY']._serialized_end=1483
-  _globals['_ROLLOUT']._serialized_start=1486
-  _globals['_ROLLOUT']._serialized_end=1938
+  _globals['_SUMMARY']._serialized_end=1071
+  _globals['_COMPUTERESPONSE']._serialized_start=1074
+  _globals['_COMPUTERESPONSE']._serialized_end=1519
+  _globals['_COMPUTERESPONSE_DIAGNOSTICSENTRY']._serialized_start=1447
+  _globals['_COMPUTERESPONSE_DIAGNOSTICSENTRY']._serialized_end=1519
+  _globals['_ROLLOUT']._serialized_start=1522
+  _globals['_ROLLOUT']._serialized_end=1974
   _globals['_ROLLOUT_TEACHERLOGPROBSENTRY']._serialized_start=792
   _globals['_ROLLOUT_TEACHERLOGPROBSENTRY']._serialized_end=868
-  _globals['_STREAMREQUEST']._serialized_start=1940
-  _globals['_STREAMREQUEST']._serialized_end=2054
-  _globals['_ROLLOUTRESULT']._serialized_start=2057
-  _globals['_ROLLOUTRESULT']._serialized_end=2330
-  _globals['_ROLLOUTRESULT_DIAGNOSTICSENTRY']._serialized_start=1411
-  _globals['_ROLLOUTRESULT_DIAGNOSTICSENTRY']._serialized_end=1483
-  _globals['_GROUPRESULT']._serialized_start=2333
-  _globals['_GROUPRESULT']._serialized_end=2495
-  _globals['_ERROR']._serialized_start=2497
-  _globals['_ERROR']._serialized_end=2614
-  _globals['_GROUPERROR']._serialized_start=2616
-  _globals['_GROUPERROR']._serialized_end=2703
-  _globals['_STREAMRESPONSE']._serialized_start=2705
-  _globals['_STREAMRESPONSE']._serialized_end=2817
-  _globals['_LISTESTIMATORSREQUEST']._serialized_start=2819
-  _globals['_LISTESTIMATORSREQUEST']._serialized_end=2842
-  _globals['_LISTESTIMATORSRESPONSE']._serialized_start=2845
-  _globals['_LISTESTIMATORSRESPONSE']._serialized_end=2986
-  _globals['_ADVANTAGESERVICE']._serialized_start=3093
-  _globals['_ADVANTAGESERVICE']._serialized_end=3356
+  _globals['_STREAMREQUEST']._serialized_start=1976
+  _globals['_STREAMREQUEST']._serialized_end=2090
+  _globals['_ROLLOUTRESULT']._serialized_start=2093
+  _globals['_ROLLOUTRESULT']._serialized_end=2366
+  _globals['_ROLLOUTRESULT_DIAGNOSTICSENTRY']._serialized_start=1447
+  _globals['_ROLLOUTRESULT_DIAGNOSTICSENTRY']._serialized_end=1519
+  _globals['_GROUPRESULT']._serialized_start=2369
+  _globals['_GROUPRESULT']._serialized_end=2531
+  _globals['_ERROR']._serialized_start=2533
+  _globals['_ERROR']._serialized_end=2650
+  _globals['_GROUPERROR']._serialized_start=2652
+  _globals['_GROUPERROR']._serialized_end=2739
+  _globals['_STREAMRESPONSE']._serialized_start=2741
+  _globals['_STREAMRESPONSE']._serialized_end=2853
+  _globals['_LISTESTIMATORSREQUEST']._serialized_start=2855
+  _globals['_LISTESTIMATORSREQUEST']._serialized_end=2878
+  _globals['_LISTESTIMATORSRESPONSE']._serialized_start=2881
+  _globals['_LISTESTIMATORSRESPONSE']._serialized_end=3022
+  _globals['_ADVANTAGESERVICE']._serialized_start=3129
+  _globals['_ADVANTAGESERVICE']._serialized_end=3392
 # @@protoc_insertion_point(module_scope)
