@@ -51,6 +51,12 @@ Encoder = Callable[[ComputeRequest, AdvantageResult, dict[str, Any]], T]
 
 __all__ = ["UNKNOWN_ESTIMATOR", "Computed", "Engine", "check_finite"]
 
+# Why the queue holds requests back while the statistics writes are behind (in the 503).
+WRITES_BEHIND = (
+    "the statistics writes of earlier requests are behind: no computation starts until they "
+    "catch up (ADV_STATS_MAX_BACKLOG)"
+)
+
 
 @dataclass
 class Computed(Generic[T]):
@@ -108,7 +114,7 @@ class Engine:
             on_held=self.metrics.inflight_requests.set,
             on_wait=self.metrics.queue_wait_seconds.observe,
             on_batch=self.metrics.batch_requests.observe,
-            paused=lambda: self.writer.behind,
+            paused=lambda: WRITES_BEHIND if self.writer.behind else None,
         )
         self.write_options = WriteOptions(compression=settings.stats_compression)
         self.writer = StatsWriter(

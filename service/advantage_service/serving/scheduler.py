@@ -151,7 +151,7 @@ class Scheduler:
         on_held: Callable[[int], None] | None = None,
         on_wait: Callable[[float], None] | None = None,
         on_batch: Callable[[int], None] | None = None,
-        paused: Callable[[], bool] | None = None,
+        paused: Callable[[], str | None] | None = None,
     ) -> None:
         self.workers = workers
         self.max_queue = max_queue
@@ -166,8 +166,8 @@ class Scheduler:
         self._on_held = on_held
         self._on_wait = on_wait
         self._on_batch = on_batch
-        # True while no computation may start (the statistics writes are behind): requests
-        # wait in the queue, up to its limits; call wake() when it turns False.
+        # Why no computation may start now (the statistics writes are behind), or None: requests
+        # wait in the queue, up to its limits; call wake() when it turns None.
         self._paused = paused
         self._held = 0  # tickets outstanding
         self._held_bytes = 0
@@ -280,9 +280,10 @@ class Scheduler:
                 return await asyncio.shield(job.future)
             self._drop(job)
             waited = time.monotonic() - ticket.admitted
+            paused = self._paused() if self._paused is not None else None
             raise self.overloaded(
                 f"the request waited {waited:.1f} s in the queue, its limit "
-                "(ADV_QUEUE_TIMEOUT_SECONDS)"
+                "(ADV_QUEUE_TIMEOUT_SECONDS)" + (f", while {paused}" if paused else "")
             ) from None
         except asyncio.CancelledError:
             self._drop(job)
@@ -362,13 +363,13 @@ class Scheduler:
         return batch
 
     def wake(self) -> None:
-        """Start what may start now (``paused`` turned False)."""
+        """Start what may start now (``paused`` turned None)."""
         self._dispatch()
 
     def _dispatch(self) -> None:
         """Start computations while workers are free, requests wait and nothing pauses."""
         while self._free > 0 and self._waiting > 0:
-            if self._paused is not None and self._paused():
+            if self._paused is not None and self._paused() is not None:
                 return
             head = self._next()
             if head is None:

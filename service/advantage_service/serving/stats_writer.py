@@ -89,6 +89,7 @@ class StatsWriter:
         self._waiting: list[Entry] = []
         self._backlog = 0  # accepted, not yet written (waiting or in the round being written)
         self._task: asyncio.Task[None] | None = None
+        self._accounted = 0  # requests of the round being written whose outcome is counted
         self.closing = False
 
     @property
@@ -106,7 +107,7 @@ class StatsWriter:
         written after now; the answer's ``recorded``. False (counted) when the store is known
         to be unreachable or the service is shutting down."""
         if self.closing or not session.store.writable:
-            self._outcome(REFUSED, 1)
+            self._count(REFUSED, 1)
             return False
         self._waiting.append((session, result))
         self._set_backlog(self._backlog + 1)
@@ -119,9 +120,14 @@ class StatsWriter:
         if self._on_backlog is not None:
             self._on_backlog(count)
 
-    def _outcome(self, outcome: str, requests: int) -> None:
+    def _count(self, outcome: str, requests: int) -> None:
         if requests and self._on_outcome is not None:
             self._on_outcome(outcome, requests)
+
+    def _outcome(self, outcome: str, requests: int) -> None:
+        """``requests`` of the round being written ended so."""
+        self._accounted += requests
+        self._count(outcome, requests)
 
     def _error(self, op: str) -> None:
         if self._on_error is not None:
@@ -131,15 +137,22 @@ class StatsWriter:
         """Write rounds while requests wait."""
         while self._waiting:
             entries, self._waiting = self._waiting, []
+            self._accounted = 0
             if self._on_round is not None:
                 self._on_round(len(entries))
             try:
                 await self._write_round(entries)
-            except asyncio.CancelledError:
-                self._outcome(LOST, len(entries) + len(self._waiting))
+            except asyncio.CancelledError:  # (shutting down, past its timeout)
+                self._count(LOST, len(entries) - self._accounted + len(self._waiting))
                 self._waiting = []
                 self._set_backlog(0)
+                if self.on_room is not None:
+                    self.on_room()
                 raise
+            except Exception:  # statistics must never take the service down
+                log.exception("a statistics write round of %d requests failed", len(entries))
+                self._error("record")
+                self._count(LOST, len(entries) - self._accounted)
             self._set_backlog(self._backlog - len(entries))
             if not self.behind and self.on_room is not None:
                 self.on_room()
@@ -168,8 +181,12 @@ class StatsWriter:
         out = []
         for (store, _), writes in by_namespace.items():
             unique = self._unique(writes)
-            if unique:
+            try:
                 out.append((store, unique, fold_writes(unique, self.options)))
+            except Exception:
+                log.exception("folding the statistics of %d requests failed", len(unique))
+                self._error("record")
+                self._outcome(LOST, len(unique))
         return out
 
     def _unique(self, writes: list[PendingWrites]) -> list[PendingWrites]:
