@@ -32,6 +32,12 @@ class Settings(BaseSettings):
         default="none",
         description="zstd: KTAE history records in Redis about 8-11x smaller, for CPU per request",
     )
+    stats_max_backlog: int = Field(
+        default=32,
+        ge=1,
+        description="requests whose statistics are accepted and not yet written; at it no "
+        "computation starts until the writes catch up (requests wait in the queue, then 503)",
+    )
     stats_ttl_seconds: int = Field(
         default=7 * 24 * 3600, gt=0, description="how long per-prompt history and statistics live"
     )

@@ -54,6 +54,7 @@ def test_unary_results_equal_http_and_in_process_for_every_preset(
     assert via_grpc["estimator"] == in_process["estimator"] == via_json["estimator"]
     summary = {k: v for k, v in via_grpc["summary"].items() if k != "compute_ms"}
     assert summary == {k: v for k, v in via_json["summary"].items() if k != "compute_ms"}
+    assert summary["recorded"] is True  # Summary.recorded: the service took its statistics
 
 
 def test_estimator_object_travels_as_the_same_json_as_http(service: Service) -> None:

@@ -52,6 +52,7 @@ def test_json_response_equals_in_process_api(server: Server, preset: str) -> Non
     }
     assert summary["device"] == "cpu"
     assert summary["history"] == "none"
+    assert summary["recorded"] is True and want["summary"]["recorded"] is None
 
 
 def arrow_rows_as_groups(table: Any) -> list[dict[str, Any]]:
@@ -83,6 +84,7 @@ def test_arrow_response_equals_in_process_api(server: Server, preset: str) -> No
     assert meta["request_id"] == request["request_id"]
     assert meta["estimator"] == want["estimator"]
     assert meta["summary"]["tokens"] == want["summary"]["tokens"]
+    assert meta["summary"]["recorded"] is True
     assert table.schema.field("advantages").type.value_type == "float"
     assert table.num_rows == sum(len(g["rollouts"]) for g in request["groups"])
     # Arrow always carries the scalar; the in-process answer has it because it was asked for.

@@ -536,3 +536,36 @@ async def test_a_write_redis_refuses_fails_alone_without_backoff(
     finally:
         await store.close()
         admin.close()
+
+
+async def test_a_coalesced_write_is_one_round_trip_and_a_refused_one_leaves_nothing(
+    redis_server: RedisServer,
+) -> None:
+    from advantage_service.estimators.state import WriteOptions
+    from advantage_service.serving.compute import compute_request
+    from advantage_service.serving.term_state import StateSession, fold_writes
+
+    store = RedisStatsStore(redis_server.url, connection_class=CountingConnection)
+    try:
+        await store.ping()
+        writes = []
+        for seed in range(6):
+            req = parse_request(body(seed, ["k0", "k1", f"x{seed}"]))
+            session = StateSession(store, req, torch.device("cpu"))
+            result = await asyncio.to_thread(compute_request, req, "cpu", session.context)
+            await session.settle()
+            writes.append(session.writes(result))
+        update = fold_writes(writes, WriteOptions())
+        CountingConnection.sends = 0
+        assert await store.record_many(NS, [f"id{i}" for i in range(6)], update) == []
+        assert CountingConnection.sends == 1, "six requests, one write"
+        before = pending(redis_server)
+        stats = await store.token_stats(NS, "key", 10**6)
+        # One id of the write was counted before: nothing applied, nothing claimed or staged.
+        assert await store.record_many(NS, ["new", "id3"], update) == ["id3"]
+        assert pending(redis_server) == before and before[1] == []
+        assert await store.token_stats(NS, "key", 10**6) == stats
+        sync = redis.Redis.from_url(redis_server.url)
+        assert not sync.exists("adv:{ns%3Awith%7Bodd%7Dchars}:claim:new")
+    finally:
+        await store.close()

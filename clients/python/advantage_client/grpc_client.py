@@ -174,6 +174,8 @@ def summary_dict(summary: pb.Summary) -> dict[str, Any]:
         "history": summary.history,
         # (0 from a server of an earlier release, which never merged: one request each)
         "batch_requests": summary.batch_requests or 1,
+        # (unset: nothing recorded, or a server of an earlier release)
+        "recorded": summary.recorded if summary.HasField("recorded") else None,
     }
 
 

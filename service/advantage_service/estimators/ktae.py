@@ -12,7 +12,7 @@ more rollout containing the token. Everything after the sort is elementwise or a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +22,14 @@ from ..batch import RolloutBatch, Span, repeat_runs
 from ..errors import RequestError
 from .baselines import group_sum
 from .fisher import fisher_two_sided_grouped, margin_grid
-from .ktae_history import SPACE, HistoryPrior, history_records, prompt_ids
+from .ktae_history import (
+    SPACE,
+    HistoryPrior,
+    HistoryVisit,
+    fold_history,
+    history_visits,
+    prompt_ids,
+)
 from .registry import Param, TermContext, TermOutput, register_term
 from .state import TermState, TermWrites, WriteOptions
 
@@ -590,10 +597,10 @@ def _writes(
         "key_sum": (token, state.score[scored].double()),
         "key_count": (token, torch.ones_like(token)),
     }
-    records: dict[str, bytes] = {}
+    records: dict[str, HistoryVisit] = {}
     if prior is not None and params["history"] != "none":
         current = torch.stack([tables.a, tables.b, tables.occ_c, tables.occ_w], dim=1)
-        records = history_records(
+        records = history_visits(
             prompt_ids(batch),
             state.totals,
             tables.group,
@@ -601,9 +608,12 @@ def _writes(
             current,
             prior,
             float(params["history_decay"]),
-            options.compression == "zstd",
         )
-    return TermWrites(records=records, columns=columns)
+    return TermWrites(records=dict(records), columns=columns)
+
+
+def _fold(visits: Sequence[HistoryVisit], options: WriteOptions) -> bytes:
+    return fold_history(visits, options.compression == "zstd")
 
 
 STATE: TermState[HistoryPrior] = TermState(
@@ -614,6 +624,7 @@ STATE: TermState[HistoryPrior] = TermState(
     decode=HistoryPrior.decode,
     select=_select,
     contributed=lambda prior: any(stored is not None for stored in prior.stored),
+    fold=_fold,
 )
 
 

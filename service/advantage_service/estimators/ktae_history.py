@@ -14,9 +14,12 @@ first time has H = 0, so its scores equal the no-history scores.
 Decay is eager: a visit decays every stored token of the prompt, those it does not contain too,
 and drops the rows whose a + b + occ_c + occ_w falls below 1e-3 (``PRUNE_BELOW``), so a prompt
 keeps the tokens of its last ~10 visits (at d = 0.5), not every token it ever saw. d = 0 forgets
-everything. A visit reads the record whole and writes it whole. Two replicas visiting one prompt
-at the same instant: the later write wins (one visit's counts are lost); visits of one prompt are
-normally far apart in training.
+everything. A visit reads the record whole and writes it whole. A replica's writer folds the
+visits of one prompt that wait for the same write round in their order (:func:`fold_history`:
+one write, as if they had been written one after the other, on top of what the first of them
+read). Two replicas visiting one prompt at the same instant, or a visit that read the record
+before an earlier round's write of it landed: the later write wins (one visit's counts are
+lost); visits of one prompt are normally far apart in training.
 
 The record (``ADVH``, little-endian; the store keeps it as opaque bytes under the key space
 ``history``)::
@@ -390,7 +393,20 @@ class HistoryPrior:
         return prior.masked_fill_(missing[:, None], 0.0)
 
 
-def history_records(
+@dataclass
+class HistoryVisit:
+    """What one visit of a prompt writes, before it is merged: ``stored`` the history it read
+    (None: none), its own counts ``totals`` float64 (4,), ``tokens`` int32 (M,) strictly
+    ascending and ``values`` float64 (M, 4), and the request's ``decay``."""
+
+    stored: PromptHistory | None
+    totals: np.ndarray
+    tokens: np.ndarray
+    values: np.ndarray
+    decay: float
+
+
+def history_visits(
     prompts: Sequence[str],
     totals: torch.Tensor,
     group: torch.Tensor,
@@ -398,9 +414,9 @@ def history_records(
     current: torch.Tensor,
     prior: HistoryPrior,
     decay: float,
-    compress: bool,
-) -> dict[str, bytes]:
-    """The records H' = d (H + current) of a batch's prompts, keyed by prompt id.
+) -> dict[str, HistoryVisit]:
+    """The visits of a batch's prompts, keyed by prompt id: each one's record is
+    H' = d (H + current) (:func:`fold_history`).
 
     ``totals``: float64 (G, 4) each group's own n_c, n_w, len_c, len_w; ``group``, ``token``:
     int64 (M,) this request's (group, token id) tables, ``current``: float64 (M, 4) their own
@@ -415,28 +431,39 @@ def history_records(
     totals_np = totals.double().cpu().numpy()
     token_mask = (1 << TOKEN_BITS) - 1
     return {
-        prompt: encode_history(
-            merge_history(
-                prior.stored[g],
-                totals_np[g],
-                keys_np[bounds[g] : bounds[g + 1]] & token_mask,
-                current_np[bounds[g] : bounds[g + 1]],
-                decay,
-            ),
-            compress,
+        prompt: HistoryVisit(
+            prior.stored[g],
+            totals_np[g],
+            keys_np[bounds[g] : bounds[g + 1]] & token_mask,
+            current_np[bounds[g] : bounds[g + 1]],
+            decay,
         )
         for g, prompt in enumerate(prompts)
     }
+
+
+def fold_history(visits: Sequence[HistoryVisit], compress: bool = False) -> bytes:
+    """The record several visits of one prompt leave, in their order: the first one's stored
+    history, then H' = d (H + current) per visit, as writing them one after the other would
+    (each merge rounds to float32 as a stored record does, so the bytes are the same). A later
+    visit's own read is not used: it is, or is older than, what the visits before it leave."""
+    history = visits[0].stored
+    for visit in visits:
+        history = merge_history(history, visit.totals, visit.tokens, visit.values, visit.decay)
+    assert history is not None
+    return encode_history(history, compress)
 
 
 __all__ = [
     "PRUNE_BELOW",
     "SPACE",
     "HistoryPrior",
+    "HistoryVisit",
     "PromptHistory",
     "decode_history",
     "encode_history",
-    "history_records",
+    "fold_history",
+    "history_visits",
     "is_compressed",
     "merge_history",
     "prompt_ids",

@@ -51,12 +51,14 @@ class TermWrites:
     """What one request writes for one term.
 
     ``records``: key -> record bytes, in the term's key space (written only when the term read,
-    and its read succeeded). ``columns``: vocabulary statistics column -> (token ids int64 (K,),
-    values (K,)); the values are summed per token id (repeated ids add up) into the request's
-    statistics, which the store adds to the namespace's.
+    and its read succeeded); for a term that declares :attr:`TermState.fold`, key -> the term's
+    own value of this visit, which ``fold`` turns into the bytes. ``columns``: vocabulary
+    statistics column -> (token ids int64 (K,), values (K,)); the values are summed per token id
+    (repeated ids add up) into the request's statistics, which the store adds to the
+    namespace's.
     """
 
-    records: dict[str, bytes] = field(default_factory=dict)
+    records: dict[str, Any] = field(default_factory=dict)
     columns: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
@@ -81,6 +83,14 @@ class TermState(Generic[P]):
     - ``select(state, span)``: the state of one request of a merged batch (``RolloutBatch.
       concat``; ``span`` its rollouts, groups and tokens there), as if it had been computed
       alone. A term without it is never computed merged with other requests.
+    - ``fold(visits, options)``: the record bytes that several visits of one key leave, in
+      their order, as writing them one after the other would (each visit applied on top of
+      what the one before it left, the first on top of what it read). The writer coalesces the
+      writes of many requests and writes each key once per round; ``visits`` are what
+      ``writes`` put under that key for each request of the round. A term with ``fold`` puts
+      its own visit values in :attr:`TermWrites.records`; a term without it puts the bytes,
+      and of several visits of a key in one round the last one's are written (as one write
+      after another would leave them).
     """
 
     writes: Callable[[RolloutBatch, Mapping[str, Any], Any, P | None, WriteOptions], TermWrites]
@@ -90,12 +100,22 @@ class TermState(Generic[P]):
     decode: Callable[[Sequence[bytes | None], torch.device], P] | None = None
     select: Callable[[Any, Span], Any] | None = None
     contributed: Callable[[P], bool] | None = None
+    fold: Callable[[Sequence[Any], WriteOptions], bytes] | None = None
 
     def __post_init__(self) -> None:
         if (self.space is None) != (self.keys is None) or (self.keys is None) != (
             self.decode is None
         ):
             raise ValueError("a term that reads records declares space, keys and decode together")
+
+    def record_bytes(self, visits: Sequence[Any], options: WriteOptions) -> bytes:
+        """The bytes ``visits`` (one key's, in order, at least one) leave in the store."""
+        if self.fold is not None:
+            return self.fold(visits, options)
+        last = visits[-1]
+        if not isinstance(last, bytes):
+            raise TypeError(f"a term without fold writes bytes records, not {type(last)}")
+        return last
 
     def read_keys(self, batch: RolloutBatch, params: Mapping[str, Any]) -> list[str]:
         """The keys this request reads (none for a term without records)."""

@@ -232,6 +232,27 @@ class Metrics:
             buckets=STATS_BUCKETS,
             registry=r,
         )
+        self.stats_requests_total = Counter(
+            "advantage_stats_requests_total",
+            "Answered requests by what became of their statistics: counted (written); "
+            "duplicate (their request id was counted before); lost (accepted, answered "
+            "recorded=true, then the store failed or the service stopped before the write); "
+            "refused (answered recorded=false: the store unreachable, or shutting down)",
+            ["outcome"],
+            registry=r,
+        )
+        self.stats_write_backlog = Gauge(
+            "advantage_stats_write_backlog",
+            "Requests whose statistics were accepted and are not yet written; at "
+            "ADV_STATS_MAX_BACKLOG no computation starts (pushback)",
+            registry=r,
+        )
+        self.stats_write_round_requests = Histogram(
+            "advantage_stats_write_round_requests",
+            "Requests whose statistics one write round coalesced",
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
         self.stats_store_up = Gauge(
             "advantage_stats_store_up", "1 when the stats store answered its last call", registry=r
         )

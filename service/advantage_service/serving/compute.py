@@ -68,7 +68,10 @@ def summarize(
     compute_ms: float,
     history: str = "none",
     batch_requests: int = 1,
+    recorded: bool | None = None,
 ) -> dict[str, Any]:
+    """The response's summary. ``recorded``: whether the service's writer accepted the
+    request's statistics (None: nothing is recorded, as in-process)."""
     batch = req.batch
     return {
         "tokens": batch.num_tokens,
@@ -79,6 +82,7 @@ def summarize(
         "compute_ms": round(compute_ms, 3),
         "history": history,
         "batch_requests": batch_requests,
+        "recorded": recorded,
     }
 
 

@@ -6,7 +6,8 @@ decodes one) and, optionally, a function that encodes the answer.
 
 Threads: decoding and encoding run on a pool of ``ADV_MAX_INFLIGHT`` codec threads, so a queued
 request's body is parsed while others compute; computations run on ``ADV_MAX_INFLIGHT`` compute
-workers, fed by the scheduler; statistics writes on one worker of their own, after the answer.
+workers, fed by the scheduler; statistics writes on one worker of their own, after the answer
+(coalesced in rounds; while they are behind, the scheduler starts no computation).
 """
 
 from __future__ import annotations
@@ -49,6 +50,12 @@ Decoder = Callable[[], ComputeRequest]
 Encoder = Callable[[ComputeRequest, AdvantageResult, dict[str, Any]], T]
 
 __all__ = ["UNKNOWN_ESTIMATOR", "Computed", "Engine", "check_finite"]
+
+# Why the queue holds requests back while the statistics writes are behind (in the 503).
+WRITES_BEHIND = (
+    "the statistics writes of earlier requests are behind: no computation starts until they "
+    "catch up (ADV_STATS_MAX_BACKLOG)"
+)
 
 
 @dataclass
@@ -107,12 +114,18 @@ class Engine:
             on_held=self.metrics.inflight_requests.set,
             on_wait=self.metrics.queue_wait_seconds.observe,
             on_batch=self.metrics.batch_requests.observe,
-        )
-        self.writer = StatsWriter(
-            4 * settings.max_inflight,
-            on_error=lambda op: self.metrics.stats_store_errors_total.labels(op).inc(),
+            paused=lambda: WRITES_BEHIND if self.writer.behind else None,
         )
         self.write_options = WriteOptions(compression=settings.stats_compression)
+        self.writer = StatsWriter(
+            self.write_options,
+            settings.stats_max_backlog,
+            on_outcome=lambda outcome, n: self.metrics.stats_requests_total.labels(outcome).inc(n),
+            on_error=lambda op: self.metrics.stats_store_errors_total.labels(op).inc(),
+            on_backlog=self.metrics.stats_write_backlog.set,
+            on_round=self.metrics.stats_write_round_requests.observe,
+            on_room=self.scheduler.wake,
+        )
         self.warm = False
         self.draining = False
         # Set when the listeners close on shutdown: transports refuse new calls (UNAVAILABLE).
@@ -172,13 +185,14 @@ class Engine:
             log.warning("AUTHENTICATION IS OFF: %s", self.auth.describe())
         self.auth.start()
 
-    async def settle_writes(self, timeout: float | None = None) -> set[asyncio.Task[None]]:
-        """Wait (up to ``timeout`` s) for the statistics writes scheduled so far; the ones still
-        running then."""
+    async def settle_writes(self, timeout: float | None = None) -> int:
+        """Wait (up to ``timeout`` s) for the statistics writes accepted so far; the number of
+        requests whose writes are still not done then."""
         return await self.writer.settle(timeout)
 
     async def flush(self, timeout: float | None = None) -> None:
-        """Wait (up to ``timeout`` s) for scheduled statistics writes, then close the store."""
+        """Accept no more statistics, wait (up to ``timeout`` s) for the accepted writes, then
+        close the store."""
         await self.auth.stop()
         await self.writer.flush(timeout)
         await self.store.close()
@@ -333,9 +347,11 @@ class Engine:
                 finally:
                     session.cancel()
                 assert done.result is not None
-                summary = summarize(req, self.device, done.seconds * 1000.0, history, done.shared)
+                recorded = self.writer.accept(session, done.result)
+                summary = summarize(
+                    req, self.device, done.seconds * 1000.0, history, done.shared, recorded
+                )
                 call.summary = summary
-                self.writer.schedule(session, done.result)
                 encoded = (
                     None
                     if encode is None

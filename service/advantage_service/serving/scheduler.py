@@ -12,6 +12,9 @@ It works the way Triton's dynamic batcher and Knative's queue proxy do:
   it is refused as overloaded); a request whose caller went away is dropped without computing.
 - **Fairness**: a free worker takes the next request round-robin across namespaces, so one
   job's many ranks cannot starve another team's trainer on the same replica.
+- **Pushback from the statistics writes**: while the writer is behind (``paused``), no
+  computation starts: requests wait, then the limits above answer 503, rather than the service
+  answering requests whose statistics it cannot write.
 - **Dynamic batching**: with the request it takes, a worker takes every other waiting request
   that may share its computation (``merging.merge_key``; namespaces may differ), up to
   ``ADV_MAX_BATCH_TOKENS`` tokens (0: never merge), and computes them as one batch.
@@ -148,6 +151,7 @@ class Scheduler:
         on_held: Callable[[int], None] | None = None,
         on_wait: Callable[[float], None] | None = None,
         on_batch: Callable[[int], None] | None = None,
+        paused: Callable[[], str | None] | None = None,
     ) -> None:
         self.workers = workers
         self.max_queue = max_queue
@@ -162,6 +166,9 @@ class Scheduler:
         self._on_held = on_held
         self._on_wait = on_wait
         self._on_batch = on_batch
+        # Why no computation may start now (the statistics writes are behind), or None: requests
+        # wait in the queue, up to its limits; call wake() when it turns None.
+        self._paused = paused
         self._held = 0  # tickets outstanding
         self._held_bytes = 0
         self._free = workers
@@ -273,9 +280,10 @@ class Scheduler:
                 return await asyncio.shield(job.future)
             self._drop(job)
             waited = time.monotonic() - ticket.admitted
+            paused = self._paused() if self._paused is not None else None
             raise self.overloaded(
                 f"the request waited {waited:.1f} s in the queue, its limit "
-                "(ADV_QUEUE_TIMEOUT_SECONDS)"
+                "(ADV_QUEUE_TIMEOUT_SECONDS)" + (f", while {paused}" if paused else "")
             ) from None
         except asyncio.CancelledError:
             self._drop(job)
@@ -354,9 +362,15 @@ class Scheduler:
                     break
         return batch
 
+    def wake(self) -> None:
+        """Start what may start now (``paused`` turned None)."""
+        self._dispatch()
+
     def _dispatch(self) -> None:
-        """Start computations while workers are free and requests wait."""
+        """Start computations while workers are free, requests wait and nothing pauses."""
         while self._free > 0 and self._waiting > 0:
+            if self._paused is not None and self._paused() is not None:
+                return
             head = self._next()
             if head is None:
                 return

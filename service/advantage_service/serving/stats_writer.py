@@ -1,11 +1,24 @@
 """The writes of the terms that keep state and of the vocabulary statistics, after the answer.
 
-Each computed request's writes (``StateSession.update``, then ``record``) run after its answer
-is sent, on one worker thread of their own (at lower priority: building them costs about as much
-CPU as computing the request, and must not slow the next request's computation), so they never
-delay an answer or take a compute worker. At most ``max_pending`` wait at once: past that the
-store is slower than the traffic, and a request's statistics are dropped (counted) rather than
-letting pending writes and their tensors grow without bound.
+What an answer promises (its summary's ``recorded``): ``true`` when the writer accepted the
+request's statistics. From then on they are written unless the store turns out to be unreachable
+or the process dies first, and both are counted (``advantage_stats_requests_total{outcome=
+"lost"}``, with the store's own errors). ``false`` only when the writer did not accept them: the
+store is known to be unreachable (``StatsStore.writable``) or the service is shutting down.
+
+Writes never wait for a place: the queue does. While the writer is behind (``max_backlog`` or
+more accepted requests not yet written) the scheduler starts no computation (``behind``), so
+requests wait in the queue and, past its limits, are answered 503 with a retry hint; the
+backlog is bounded by ``max_backlog`` plus what the computations already running hold.
+
+The writer works in rounds, on one worker thread of its own at lower priority (building the
+writes costs CPU that must not slow the next request's computation): a round takes every
+accepted request waiting, builds each one's writes, folds them per namespace (``fold_writes``:
+each record key written once, its visits folded in the order the requests were answered, the
+statistics summed) and hands each namespace's update to the store in one call that claims every
+request id of the round with it. When the store answers that some of those ids were counted
+before, the round writes again without their requests, so a resent request id is counted once.
+The busier the service, the more requests a round holds and the less each one costs.
 """
 
 from __future__ import annotations
@@ -19,12 +32,20 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from ..estimators import AdvantageResult
-from .term_state import StateSession
+from ..estimators.state import WriteOptions
+from ..stats import StatsStore, StatsUpdate
+from .term_state import PendingWrites, StateSession, fold_writes
 
 log = logging.getLogger("advantage_service.stats_writer")
 
 # Niceness of the statistics worker (and the torch threads it starts, which inherit it).
 STATS_NICENESS = 10
+
+# Outcomes of a request's statistics (advantage_stats_requests_total{outcome}).
+COUNTED = "counted"  # the store counted them
+DUPLICATE = "duplicate"  # the client's request id was counted before: not again
+LOST = "lost"  # accepted (recorded: true), then the store failed or the service stopped first
+REFUSED = "refused"  # not accepted (recorded: false): the store is unreachable, or shutting down
 
 
 def _lower_priority() -> None:
@@ -32,58 +53,212 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), STATS_NICENESS)
 
 
-class StatsWriter:
-    """Schedules and tracks the writes of computed requests. Use it from the event loop."""
+Entry = tuple[StateSession, AdvantageResult]
 
-    def __init__(self, max_pending: int, on_error: Callable[[str], None]) -> None:
-        self.max_pending = max_pending
+
+class StatsWriter:
+    """Accepts computed requests' writes and writes them in rounds. Use it from the event loop.
+
+    ``on_outcome(outcome, requests)``: requests whose statistics ended so; ``on_error(op)``: a
+    failed write (``record``); ``on_backlog(requests)``: the backlog changed; ``on_round
+    (requests)``: a round started with that many requests; ``on_room()``: the backlog fell
+    below ``max_backlog`` (the scheduler may start computations again).
+    """
+
+    def __init__(
+        self,
+        options: WriteOptions,
+        max_backlog: int,
+        *,
+        on_outcome: Callable[[str, int], None] | None = None,
+        on_error: Callable[[str], None] | None = None,
+        on_backlog: Callable[[int], None] | None = None,
+        on_round: Callable[[int], None] | None = None,
+        on_room: Callable[[], None] | None = None,
+    ) -> None:
+        self.options = options
+        self.max_backlog = max(1, max_backlog)
+        self._on_outcome = on_outcome
         self._on_error = on_error
+        self._on_backlog = on_backlog
+        self._on_round = on_round
+        self.on_room = on_room
         self._executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="advantage-stats", initializer=_lower_priority
         )
-        self._pending: set[asyncio.Task[None]] = set()
+        self._waiting: list[Entry] = []
+        self._backlog = 0  # accepted, not yet written (waiting or in the round being written)
+        self._task: asyncio.Task[None] | None = None
+        self._accounted = 0  # requests of the round being written whose outcome is counted
+        self.closing = False
 
     @property
-    def pending(self) -> int:
-        return len(self._pending)
+    def backlog(self) -> int:
+        """Requests accepted whose writes have not finished."""
+        return self._backlog
 
-    def schedule(self, session: StateSession, result: AdvantageResult) -> None:
-        """Write what ``session``'s request leaves (``result`` its computation), after now."""
-        if len(self._pending) >= self.max_pending:
-            self._on_error("record_dropped")
-            return
-        task = asyncio.get_running_loop().create_task(self._write(session, result))
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
+    @property
+    def behind(self) -> bool:
+        """True while the backlog is at ``max_backlog`` or more: start no computation."""
+        return self._backlog >= self.max_backlog
 
-    async def _write(self, session: StateSession, result: AdvantageResult) -> None:
+    def accept(self, session: StateSession, result: AdvantageResult) -> bool:
+        """Take the writes of ``session``'s request (``result`` its computation), to be
+        written after now; the answer's ``recorded``. False (counted) when the store is known
+        to be unreachable or the service is shutting down."""
+        if self.closing or not session.store.writable:
+            self._count(REFUSED, 1)
+            return False
+        self._waiting.append((session, result))
+        self._set_backlog(self._backlog + 1)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        return True
+
+    def _set_backlog(self, count: int) -> None:
+        self._backlog = count
+        if self._on_backlog is not None:
+            self._on_backlog(count)
+
+    def _count(self, outcome: str, requests: int) -> None:
+        if requests and self._on_outcome is not None:
+            self._on_outcome(outcome, requests)
+
+    def _outcome(self, outcome: str, requests: int) -> None:
+        """``requests`` of the round being written ended so."""
+        self._accounted += requests
+        self._count(outcome, requests)
+
+    def _error(self, op: str) -> None:
+        if self._on_error is not None:
+            self._on_error(op)
+
+    async def _run(self) -> None:
+        """Write rounds while requests wait."""
+        while self._waiting:
+            entries, self._waiting = self._waiting, []
+            self._accounted = 0
+            if self._on_round is not None:
+                self._on_round(len(entries))
+            try:
+                await self._write_round(entries)
+            except asyncio.CancelledError:  # (shutting down, past its timeout)
+                self._count(LOST, len(entries) - self._accounted + len(self._waiting))
+                self._waiting = []
+                self._set_backlog(0)
+                if self.on_room is not None:
+                    self.on_room()
+                raise
+            except Exception:  # statistics must never take the service down
+                log.exception("a statistics write round of %d requests failed", len(entries))
+                self._error("record")
+                self._count(LOST, len(entries) - self._accounted)
+            self._set_backlog(self._backlog - len(entries))
+            if not self.behind and self.on_room is not None:
+                self.on_room()
+
+    async def _write_round(self, entries: list[Entry]) -> None:
         loop = asyncio.get_running_loop()
-        try:
-            update = await loop.run_in_executor(self._executor, session.update, result)
-            await session.record(update)
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # statistics must never take the service down
-            log.exception("statistics write for request %s failed", session.req.request_id)
-            self._on_error("record")
+        built = await loop.run_in_executor(self._executor, self._build, entries)
+        for store, writes, update in built:
+            await self._commit(store, writes, update)
 
-    async def settle(self, timeout: float | None = None) -> set[asyncio.Task[None]]:
-        """Wait (up to ``timeout`` s) for the writes scheduled so far; the ones still running."""
-        pending = list(self._pending)
-        if not pending:
-            return set()
-        _, late = await asyncio.wait(pending, timeout=timeout)
-        return late
+    def _build(
+        self, entries: list[Entry]
+    ) -> list[tuple[StatsStore, list[PendingWrites], StatsUpdate]]:
+        """Each request's writes, folded per namespace (on the worker thread)."""
+        by_namespace: dict[tuple[StatsStore, str], list[PendingWrites]] = {}
+        for session, result in entries:
+            try:
+                write = session.writes(result)
+            except Exception:  # statistics must never take the service down
+                log.exception("statistics of request %s failed", session.req.request_id)
+                self._error("record")
+                self._outcome(LOST, 1)
+                continue
+            key = (session.store, write.namespace)
+            by_namespace.setdefault(key, []).append(write)
+        out = []
+        for (store, _), writes in by_namespace.items():
+            unique = self._unique(writes)
+            try:
+                out.append((store, unique, fold_writes(unique, self.options)))
+            except Exception:
+                log.exception("folding the statistics of %d requests failed", len(unique))
+                self._error("record")
+                self._outcome(LOST, len(unique))
+        return out
+
+    def _unique(self, writes: list[PendingWrites]) -> list[PendingWrites]:
+        """``writes`` without the repeats of a request id within the round (counted once)."""
+        seen: set[str] = set()
+        out = []
+        for write in writes:
+            if write.request_id is not None:
+                if write.request_id in seen:
+                    self._outcome(DUPLICATE, 1)
+                    continue
+                seen.add(write.request_id)
+            out.append(write)
+        return out
+
+    async def _commit(
+        self, store: StatsStore, writes: list[PendingWrites], update: StatsUpdate
+    ) -> None:
+        """Hand one namespace's folded ``update`` to the store; without the requests whose ids
+        were counted before, again, until it is written (each try leaves one out at least)."""
+        loop = asyncio.get_running_loop()
+        namespace = writes[0].namespace
+        while True:
+            ids = [w.request_id for w in writes if w.request_id is not None]
+            try:
+                claimed = await store.record_many(namespace, ids, update)
+            except Exception:  # (a store fault, not an outage: counted, the service goes on)
+                log.exception("statistics write of %d requests failed", len(writes))
+                self._error("record")
+                claimed = None
+            if claimed is None:
+                self._outcome(LOST, len(writes))
+                return
+            if not claimed:
+                self._outcome(COUNTED, len(writes))
+                return
+            counted_before = set(claimed)
+            rest = [w for w in writes if w.request_id not in counted_before]
+            self._outcome(DUPLICATE, len(writes) - len(rest))
+            if not rest or len(rest) == len(writes):
+                self._outcome(LOST, len(rest))  # (a store that answers ids it was not given)
+                return
+            writes = rest
+            update = await loop.run_in_executor(self._executor, fold_writes, writes, self.options)
+
+    async def settle(self, timeout: float | None = None) -> int:
+        """Wait (up to ``timeout`` s) until every accepted request is written; the number of
+        requests still not written then."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while self._task is not None and not self._task.done():
+            left = None if deadline is None else deadline - loop.time()
+            if left is not None and left <= 0:
+                break
+            await asyncio.wait({self._task}, timeout=left)
+        return self._backlog
 
     async def flush(self, timeout: float | None = None) -> None:
-        """Wait (up to ``timeout`` s) for the scheduled writes; cancel the ones still running."""
-        if self._pending:
-            log.info("flushing %d statistics writes", len(self._pending))
-        for task in await self.settle(timeout):
-            task.cancel()
+        """Shutting down: accept nothing more, wait (up to ``timeout`` s) for what was accepted,
+        then stop; what is still not written is counted lost."""
+        self.closing = True
+        if self._backlog:
+            log.info("flushing the statistics of %d requests", self._backlog)
+        left = await self.settle(timeout)
+        if left and self._task is not None:
+            log.warning("shutdown: the statistics of %d requests were not written", left)
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
 
 
-__all__ = ["StatsWriter"]
+__all__ = ["COUNTED", "DUPLICATE", "LOST", "REFUSED", "StatsWriter"]

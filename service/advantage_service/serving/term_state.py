@@ -11,16 +11,20 @@ Per request, a :class:`StateSession`:
 2. the request is computed with that context and answered;
 3. :meth:`~StateSession.settle` says what the read gave (the summary's ``history``: ``none``,
    ``applied`` or ``unavailable``);
-4. :meth:`~StateSession.update` (tensor work: run it on a worker) builds what the request writes:
-   each term's records (only where its read succeeded) and the vocabulary statistics (counted
-   for every request, plus the columns terms fill), and :meth:`~StateSession.record` hands it
-   to the store, after the answer.
+4. :meth:`~StateSession.writes` (tensor work: run it on a worker) builds what the request
+   writes: each term's records (only where its read succeeded; a term that folds gives its
+   visit values) and the vocabulary statistics (counted for every request, plus the columns
+   terms fill). After the answer the writer folds the writes of the requests that wait together
+   (:func:`fold_writes`: one record per key, the statistics summed) and hands them to the store
+   in one call per namespace. :meth:`~StateSession.update` and :meth:`~StateSession.record` are
+   the same for one request alone.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -31,7 +35,7 @@ from ..estimators import TERMS, AdvantageResult, TermContext
 from ..estimators.state import PendingRead, TermState, WriteOptions
 from ..stats import StatsStore, StatsUpdate, TokenStatsUpdate
 from ..stats.base import RecordKey
-from ..stats.blobs import COUNT_COLUMNS, INT32_MAX, TOKEN_COLUMNS
+from ..stats.blobs import COUNT_COLUMNS, INT32_MAX, TOKEN_COLUMNS, merge_token_stats
 from ..wire.request import ComputeRequest
 
 # Counted for every request; the other statistics columns are the terms' to fill.
@@ -61,6 +65,42 @@ def read_keys(req: ComputeRequest) -> dict[str, list[str]]:
 def reads_state(req: ComputeRequest) -> bool:
     """True when computing the request reads state from the store (history)."""
     return bool(read_keys(req))
+
+
+@dataclass
+class PendingWrites:
+    """What one request writes, before it is folded with other requests' writes.
+
+    ``request_id``: the client's id (None when the client sent none: no idempotency);
+    ``records``: (key space, key) -> what the term wrote for this visit (its visit value when
+    it folds, else the bytes); ``tokens``: the request's vocabulary statistics."""
+
+    namespace: str
+    request_id: str | None
+    records: dict[RecordKey, Any]
+    tokens: TokenStatsUpdate
+
+
+def _spaces() -> dict[str, TermState[Any]]:
+    """Key space -> the state of the term that owns it."""
+    return {
+        term.state.space: term.state
+        for term in TERMS.values()
+        if term.state is not None and term.state.space is not None
+    }
+
+
+def fold_writes(writes: Sequence[PendingWrites], options: WriteOptions) -> StatsUpdate:
+    """One update with what ``writes`` (in the order they were answered) would leave written
+    one after the other: each key's visits folded in order by its term (one record per key),
+    the vocabulary statistics summed. Tensor work: run it on a worker."""
+    visits: dict[RecordKey, list[Any]] = {}
+    for write in writes:
+        for key, visit in write.records.items():
+            visits.setdefault(key, []).append(visit)
+    spaces = _spaces()
+    records = {key: spaces[key[0]].record_bytes(seen, options) for key, seen in visits.items()}
+    return StatsUpdate(records=records, tokens=merge_token_stats([w.tokens for w in writes]))
 
 
 class StateSession:
@@ -147,10 +187,15 @@ class StateSession:
         return "empty"
 
     def update(self, result: AdvantageResult) -> StatsUpdate:
-        """What the request writes (call after :meth:`settle`): the records of the terms whose
-        read succeeded and the request's vocabulary statistics."""
+        """What the request alone writes (call after :meth:`settle`): the records of the terms
+        whose read succeeded and the request's vocabulary statistics."""
+        return fold_writes([self.writes(result)], self.options)
+
+    def writes(self, result: AdvantageResult) -> PendingWrites:
+        """What the request writes, to be folded with other requests' (call after
+        :meth:`settle`)."""
         batch = self.req.batch
-        records: dict[RecordKey, bytes] = {}
+        records: dict[RecordKey, Any] = {}
         columns: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for name, (state, params) in stateful_terms(self.req).items():
             prior = self._priors.get(name)
@@ -167,7 +212,13 @@ class StateSession:
                 ):
                     raise ValueError(f"term {name!r} wrote an undeclared column {column!r}")
                 columns.setdefault(column, []).append(values)
-        return StatsUpdate(records=records, tokens=token_statistics(batch, columns))
+        req = self.req
+        return PendingWrites(
+            namespace=req.namespace,
+            request_id=req.request_id if req.client_request_id else None,
+            records=records,
+            tokens=token_statistics(batch, columns),
+        )
 
     async def record(self, update: StatsUpdate) -> bool:
         """Hand ``update`` to the store (idempotent under the client's request id)."""
@@ -235,4 +286,12 @@ def token_statistics(
     return TokenStatsUpdate(rollouts=batch.num_rollouts, tokens=uniq.numpy(), **sums)
 
 
-__all__ = ["StateSession", "read_keys", "reads_state", "stateful_terms", "token_statistics"]
+__all__ = [
+    "PendingWrites",
+    "StateSession",
+    "fold_writes",
+    "read_keys",
+    "reads_state",
+    "stateful_terms",
+    "token_statistics",
+]

@@ -29,6 +29,11 @@ A request whose client sent ``request_id`` is counted at most once per namespace
 the store's first write claims the id, and writes of a request that did not claim it are skipped
 (records and statistics unchanged). The request itself is still computed and answered.
 
+The service's writer coalesces the writes of many requests into one update per namespace
+(:meth:`StatsStore.record_many`): it claims every request id of the update together with it, or
+none of them and nothing at all when one was already claimed (the writer then leaves those
+requests out and writes the rest), so each request is still counted exactly once.
+
 The order of calls per request (read, compute, answer, then write) has one owner:
 ``advantage_service.term_state.StateSession``.
 """
@@ -139,6 +144,24 @@ class StatsStore(Protocol):
         ``request_id``: the client's id (None: no idempotency). True when this call counted the
         request; False when it was a duplicate or the store is unreachable.
         """
+        ...
+
+    async def record_many(
+        self, namespace: str, request_ids: Sequence[str], update: StatsUpdate
+    ) -> list[str] | None:
+        """Apply ``update``, the combined writes of several requests, and claim every one of
+        their ``request_ids`` (those the clients sent), atomically.
+
+        ``[]``: applied and claimed. When some of ``request_ids`` were already claimed in
+        ``namespace``, nothing is applied or claimed and the answer lists those ids (the caller
+        writes again without their requests). None when the store is unreachable.
+        """
+        ...
+
+    @property
+    def writable(self) -> bool:
+        """False while a write would not even be attempted (the store is known to be
+        unreachable: Redis in its backoff after a failure)."""
         ...
 
     async def token_stats(self, namespace: str, order: str, limit: int) -> dict[str, Any] | None:

@@ -88,17 +88,29 @@ class MemoryStatsStore:
         entries = [self._records.get((namespace, key)) for key in keys]
         return [e[1] if e is not None and e[0] > now else None for e in entries]
 
+    @property
+    def writable(self) -> bool:
+        return True
+
     async def record(self, namespace: str, request_id: str | None, update: StatsUpdate) -> bool:
+        ids = [] if request_id is None else [request_id]
+        return await self.record_many(namespace, ids, update) == []
+
+    async def record_many(
+        self, namespace: str, request_ids: Sequence[str], update: StatsUpdate
+    ) -> list[str] | None:
         now = self._now()
         self._sweep(now)
-        if request_id is not None:
-            key = (namespace, request_id)
-            if self._requests.get(key, 0.0) > now:
-                return False
+        ids = list(dict.fromkeys(request_ids))
+        claimed = [rid for rid in ids if self._requests.get((namespace, rid), 0.0) > now]
+        if claimed:
+            return claimed
+        for rid in ids:
+            key = (namespace, rid)
             self._requests.pop(key, None)
             self._requests[key] = now + self.ttl_seconds
-            while len(self._requests) > self.max_request_ids:
-                del self._requests[next(iter(self._requests))]
+        while len(self._requests) > self.max_request_ids:
+            del self._requests[next(iter(self._requests))]
         expires = now + self.ttl_seconds
         for key, record in update.records.items():
             self._drop_record((namespace, key))
@@ -111,7 +123,7 @@ class MemoryStatsStore:
         self._tokens[namespace] = (expires, merge_token_stats([table, update.tokens]))
         while len(self._tokens) > self.max_namespaces:
             del self._tokens[next(iter(self._tokens))]
-        return True
+        return []
 
     def _drop_record(self, key: tuple[str, RecordKey]) -> None:
         entry = self._records.pop(key, None)

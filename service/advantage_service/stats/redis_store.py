@@ -23,12 +23,15 @@ Every write sets the key's TTL; a write also refreshes ``tokstats``, so a namesp
 expire ``ttl_seconds`` after its last write.
 
 Round trips: a request that reads records makes exactly two, one pipeline of ``GET`` (one per
-key) to read and one to write; a request without reads one (the write). The write pipeline stages
-the new records and the statistics delta, then one script claims the request id
-(``SET NX EX``) and, only if the claim is new, moves the staged records into place, so a
-duplicate request counts nothing, a request whose writes never reached Redis is not marked as
-counted, and a pipeline resent after a broken connection (same claim) applies nothing twice.
-Redis work per request is the transfer of the records plus O(prompts) key operations.
+key) to read and one to write; a request without reads one (the write). Under load the service's
+writer coalesces the writes of many requests of a namespace into one (:meth:`record_many`): one
+write round trip for all of them. The write pipeline stages the new records and the statistics
+delta, then one script checks the claims of every request id of the write and, only if none was
+claimed before, claims them all (``SET EX``) and moves the staged records into place, so a
+duplicate request counts nothing (a write with one answers which ids were claimed, and applies
+nothing), a request whose writes never reached Redis is not marked as counted, and a pipeline
+resent after a broken connection (same claim) applies nothing twice. Redis work per write is
+the transfer of the records plus O(prompts + request ids) key operations.
 
 Compaction: the write script answers the number of pending deltas, and when there are
 ``compact_after`` or more it also tries the namespace's lock, so exactly one replica compacts
@@ -104,28 +107,51 @@ COMPACT_ROUNDS = 8
 # Arguments longer than this go to the socket as their own buffer, not copied into the command.
 INLINE_ARG_BYTES = 1 << 16
 
-# KEYS: 1 claim, 2 tokdelta, 3 tokstats, 4 toklock, 5 staged delta, then pairs (staged record,
-# record). ARGV: 1 claim, 2 claim TTL, 3 TTL, 4 compact after, 5 lock value, 6 lock ms.
-# Answers {counted, pending deltas, 1 when this caller now holds the compaction lock}.
+# KEYS: 1 tokdelta, 2 tokstats, 3 toklock, 4 staged delta, 5 the write's own claim (used when it
+# claims no request id), then ARGV[7] request id claims, then pairs (staged record, record).
+# ARGV: 1 claim, 2 claim TTL, 3 TTL, 4 compact after, 5 lock value, 6 lock ms, 7 request ids,
+# 8 TTL of the write's own claim. Answers {counted, pending deltas, 1 when this caller now holds
+# the compaction lock}, then, when not counted, the (1-based) positions of the request ids
+# already claimed: nothing is claimed or applied then.
 COMMIT_WRITE = b"""
-if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
-  for i = 6, #KEYS, 2 do redis.call('DEL', KEYS[i]) end
-  redis.call('DEL', KEYS[5])
-  if redis.call('GET', KEYS[1]) == ARGV[1] then return {1, 0, 0} end
-  return {0, 0, 0}
+local ids = tonumber(ARGV[7])
+local first = 6 + ids
+local function discard()
+  for i = first, #KEYS, 2 do redis.call('DEL', KEYS[i]) end
+  redis.call('DEL', KEYS[4])
 end
-for i = 6, #KEYS, 2 do
+-- A resent pipeline that was applied already finds its own claim in place.
+local own = KEYS[5]
+if ids > 0 then own = KEYS[6] end
+if redis.call('GET', own) == ARGV[1] then
+  discard()
+  return {1, 0, 0}
+end
+if ids == 0 then
+  redis.call('SET', KEYS[5], ARGV[1], 'EX', ARGV[8])
+else
+  local claimed = {0, 0, 0}
+  for i = 6, first - 1 do
+    if redis.call('EXISTS', KEYS[i]) == 1 then claimed[#claimed + 1] = i - 5 end
+  end
+  if #claimed > 3 then
+    discard()
+    return claimed
+  end
+  for i = 6, first - 1 do redis.call('SET', KEYS[i], ARGV[1], 'EX', ARGV[2]) end
+end
+for i = first, #KEYS, 2 do
   if redis.call('EXISTS', KEYS[i]) == 1 then
     redis.call('RENAME', KEYS[i], KEYS[i + 1])
     redis.call('EXPIRE', KEYS[i + 1], ARGV[3])
   end
 end
-redis.call('LMOVE', KEYS[5], KEYS[2], 'LEFT', 'RIGHT')
-redis.call('DEL', KEYS[5])
+redis.call('LMOVE', KEYS[4], KEYS[1], 'LEFT', 'RIGHT')
+redis.call('DEL', KEYS[4])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
-redis.call('EXPIRE', KEYS[3], ARGV[3])
-local pending = redis.call('LLEN', KEYS[2])
-if pending >= tonumber(ARGV[4]) and redis.call('SET', KEYS[4], ARGV[5], 'NX', 'PX', ARGV[6]) then
+local pending = redis.call('LLEN', KEYS[1])
+if pending >= tonumber(ARGV[4]) and redis.call('SET', KEYS[3], ARGV[5], 'NX', 'PX', ARGV[6]) then
   return {1, pending, 1}
 end
 return {1, pending, 0}
@@ -331,29 +357,39 @@ class RedisStatsStore:
 
     # ---- writes ----------------------------------------------------------------------------
 
+    @property
+    def writable(self) -> bool:
+        return time.monotonic() >= self._retry_at
+
     async def record(self, namespace: str, request_id: str | None, update: StatsUpdate) -> bool:
+        ids = [] if request_id is None else [request_id]
+        return await self.record_many(namespace, ids, update) == []
+
+    async def record_many(
+        self, namespace: str, request_ids: Sequence[str], update: StatsUpdate
+    ) -> list[str] | None:
         if self._skipping("record"):
-            return False
+            return None
+        ids = list(dict.fromkeys(request_ids))
         lock = self.new_id()
-        commands = await asyncio.to_thread(self._writes, namespace, request_id, update, lock)
+        commands = await asyncio.to_thread(self._writes, namespace, ids, update, lock)
         try:
             replies = await self._call("record", lambda: self._execute(self._writer, commands))
         except _Unavailable:
-            return False
-        counted, _pending, compact = replies[-1]
+            return None
+        counted, _pending, compact, *claimed = replies[-1]
         if compact:
             await self.compact(namespace, lock)
-        return bool(counted)
+        if counted:
+            return []
+        return [ids[int(i) - 1] for i in claimed]
 
     def _writes(
-        self, namespace: str, request_id: str | None, update: StatsUpdate, lock: str
+        self, namespace: str, request_ids: Sequence[str], update: StatsUpdate, lock: str
     ) -> list[list[bytes]]:
-        """The write pipeline: stage the records and the delta, then commit."""
+        """The write pipeline: stage the records and the delta, then commit (claiming every
+        one of ``request_ids``, or, without any, a claim of the write's own)."""
         claim = self.new_id()
-        if request_id is not None:
-            claim_key, claim_ttl = self.request_key(namespace, request_id), self.ttl_seconds
-        else:  # no idempotency asked for: a private claim that only guards against resends
-            claim_key, claim_ttl = f"{self._ns(namespace)}:write:{claim}", ANONYMOUS_CLAIM_TTL
         stage_ms = b"%d" % min(STAGE_MS, 1000 * self.ttl_seconds)
         staged_delta = self.stage_key(namespace, claim, "d").encode()
         commands = [
@@ -366,15 +402,18 @@ class RedisStatsStore:
             commands.append(_command(b"SET", staged, record, b"PX", stage_ms))
             pairs += [staged, self.record_key(namespace, key).encode()]
         keys = [
-            claim_key.encode(),
             self.delta_key(namespace).encode(),
             self.compacted_key(namespace).encode(),
             self.lock_key(namespace).encode(),
             staged_delta,
+            # (no idempotency asked for: a private claim that only guards against resends)
+            f"{self._ns(namespace)}:write:{claim}".encode(),
+            *(self.request_key(namespace, rid).encode() for rid in request_ids),
             *pairs,
         ]
-        args = [claim.encode(), b"%d" % claim_ttl, b"%d" % self.ttl_seconds]
+        args = [claim.encode(), b"%d" % self.ttl_seconds, b"%d" % self.ttl_seconds]
         args += [b"%d" % self.compact_after, lock.encode(), b"%d" % self.lock_ms]
+        args += [b"%d" % len(request_ids), b"%d" % ANONYMOUS_CLAIM_TTL]
         commands.append(_command(b"EVAL", COMMIT_WRITE, b"%d" % len(keys), *keys, *args))
         return commands
 

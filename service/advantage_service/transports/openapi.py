@@ -138,6 +138,12 @@ class Summary(BaseModel):
         description="requests computed together in this computation (dynamic batching; 1: "
         "alone); compute_ms is the shared computation's time"
     )
+    recorded: bool | None = Field(
+        description="true: the service accepted the request's statistics (history, vocabulary "
+        "statistics), written after the answer; they are lost only if the stats store becomes "
+        "unreachable or the process dies first, both counted in metrics. false: not accepted "
+        "(the store is unreachable, or the service is shutting down). null: nothing is recorded"
+    )
 
 
 RolloutOut = create_model(  # type: ignore[call-overload]

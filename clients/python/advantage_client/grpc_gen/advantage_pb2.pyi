@@ -84,7 +84,7 @@ class ComputeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., options: _Optional[_Union[ComputeOptions, _Mapping]] = ..., group_ids: _Optional[_Iterable[str]] = ..., group_index: _Optional[_Union[Tensor, _Mapping]] = ..., offsets: _Optional[_Union[Tensor, _Mapping]] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ..., rewards: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., teacher_logprobs: _Optional[_Mapping[str, Tensor]] = ..., entropy: _Optional[_Union[Tensor, _Mapping]] = ..., sum_pi_squared: _Optional[_Union[Tensor, _Mapping]] = ..., is_weights: _Optional[_Union[Tensor, _Mapping]] = ..., returns: _Optional[_Union[Tensor, _Mapping]] = ..., prompt_keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Summary(_message.Message):
-    __slots__ = ("tokens", "rollouts", "groups", "zero_signal_groups", "device", "compute_ms", "history", "batch_requests")
+    __slots__ = ("tokens", "rollouts", "groups", "zero_signal_groups", "device", "compute_ms", "history", "batch_requests", "recorded")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class Summary(_message.Message):
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     BATCH_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RECORDED_FIELD_NUMBER: _ClassVar[int]
     tokens: int
     rollouts: int
     groups: int
@@ -101,7 +102,8 @@ class Summary(_message.Message):
     compute_ms: float
     history: str
     batch_requests: int
-    def __init__(self, tokens: _Optional[int] = ..., rollouts: _Optional[int] = ..., groups: _Optional[int] = ..., zero_signal_groups: _Optional[int] = ..., device: _Optional[str] = ..., compute_ms: _Optional[float] = ..., history: _Optional[str] = ..., batch_requests: _Optional[int] = ...) -> None: ...
+    recorded: bool
+    def __init__(self, tokens: _Optional[int] = ..., rollouts: _Optional[int] = ..., groups: _Optional[int] = ..., zero_signal_groups: _Optional[int] = ..., device: _Optional[str] = ..., compute_ms: _Optional[float] = ..., history: _Optional[str] = ..., batch_requests: _Optional[int] = ..., recorded: _Optional[bool] = ...) -> None: ...
 
 class ComputeResponse(_message.Message):
     __slots__ = ("request_id", "namespace", "estimator_json", "group_ids", "group_index", "offsets", "advantages", "scalars", "diagnostics", "summary")

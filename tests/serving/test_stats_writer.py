@@ -1,0 +1,279 @@
+"""The statistics writes after the answer, through the engine: what ``summary.recorded``
+promises, the pushback when the writes are behind, coalesced rounds and their idempotency, and
+an unreachable store.
+
+The seam is the store: a real in-memory store whose writes the test holds back (the writer is
+then behind, as with a slow store), one whose writes report it unreachable, and a Redis store on
+a port nothing listens on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+from advantage_service.config import Settings
+from advantage_service.errors import Overloaded
+from advantage_service.observability.metrics import Metrics
+from advantage_service.serving.compute import compute_request
+from advantage_service.serving.engine import Computed, Engine
+from advantage_service.stats import MemoryStatsStore, RedisStatsStore, StatsStore, StatsUpdate
+from advantage_service.wire.request import parse_request
+from process_support import free_port
+from prometheus_client.parser import text_string_to_metric_families
+
+NS = "writes"
+ROLLOUTS = 4
+
+
+class HeldStore(MemoryStatsStore):
+    """An in-memory store whose writes wait until the test lets them go (``release``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+        self.writes: list[list[str]] = []  # the request ids of each write, in order
+
+    async def record_many(
+        self, namespace: str, request_ids: Sequence[str], update: StatsUpdate
+    ) -> list[str] | None:
+        self.writes.append(list(request_ids))
+        await self.release.wait()
+        return await super().record_many(namespace, request_ids, update)
+
+
+class VanishingStore(MemoryStatsStore):
+    """Writable when asked, unreachable when written to (the store failed after the answer)."""
+
+    async def record_many(
+        self, namespace: str, request_ids: Sequence[str], update: StatsUpdate
+    ) -> list[str] | None:
+        return None
+
+
+def body(seed: int, *, request_id: str | None = None, history: bool = True) -> dict[str, Any]:
+    """A small request over two prompts of a small vocabulary (prompts recur across seeds)."""
+    rng = np.random.default_rng(seed)
+    groups = [
+        {
+            "id": f"p{prompt}",
+            "rollouts": [
+                {"tokens": rng.integers(0, 30, size=6).tolist(), "reward": float(r % 2)}
+                for r in range(ROLLOUTS // 2)
+            ],
+        }
+        for prompt in (seed % 3, 3 + seed % 2)
+    ]
+    ktae: dict[str, Any] = {"history": "prompt"} if history else {}
+    out: dict[str, Any] = {
+        "namespace": NS,
+        "estimator": {"outcome": "grpo", "ktae": ktae},
+        "groups": groups,
+    }
+    if request_id is not None:
+        out["request_id"] = request_id
+    return out
+
+
+class Counting:
+    """The engine's compute seam, counting the computations that start."""
+
+    def __init__(self) -> None:
+        self.started = 0
+
+    def __call__(self, *args: Any) -> Any:
+        self.started += 1
+        return compute_request(*args)
+
+
+def engine_with(
+    store: StatsStore, metrics: Metrics | None = None, **overrides: Any
+) -> tuple[Engine, Counting]:
+    counting = Counting()
+    metrics = metrics if metrics is not None else Metrics(process=False)
+    engine = Engine(Settings(device="cpu", **overrides), metrics, store=store, compute=counting)
+    return engine, counting
+
+
+def outcomes(engine: Engine) -> dict[str, float]:
+    """advantage_stats_requests_total by outcome."""
+    text = engine.metrics.render().decode()
+    return {
+        s.labels["outcome"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "advantage_stats_requests_total"
+    }
+
+
+def store_errors(engine: Engine) -> dict[str, float]:
+    text = engine.metrics.render().decode()
+    return {
+        s.labels["op"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "advantage_stats_store_errors_total"
+    }
+
+
+async def rollouts_counted(store: StatsStore) -> int:
+    stats = await store.token_stats(NS, "occurrences", 1)
+    assert stats is not None
+    return int(stats["rollouts_counted"])
+
+
+async def compute(engine: Engine, seed: int, **options: Any) -> Computed[Any]:
+    return await engine.compute(parse_request(body(seed, **options)), "test")
+
+
+def test_with_the_writes_held_back_requests_wait_then_get_503_never_recorded_false() -> None:
+    async def scenario() -> None:
+        store = HeldStore()
+        engine, counting = engine_with(
+            store, max_inflight=1, stats_max_backlog=2, queue_timeout_seconds=0.6, max_queue=5
+        )
+        try:
+            # Two answers fill the backlog (the first one's write is held in the store).
+            first = [await compute(engine, seed) for seed in (1, 2)]
+            assert [c.summary["recorded"] for c in first] == [True, True]
+            assert engine.writer.backlog == 2 and counting.started == 2
+
+            # Behind: the next requests wait in the queue (no computation starts), then 503.
+            started = time.monotonic()
+            waiting = [asyncio.ensure_future(compute(engine, seed)) for seed in range(3, 8)]
+            await asyncio.sleep(0.1)
+            # The queue is full (ADV_MAX_QUEUE 5: all waiting), so one more is refused at once.
+            with pytest.raises(Overloaded):
+                await compute(engine, 99)
+            outcomes_ = await asyncio.gather(*waiting, return_exceptions=True)
+            waited = time.monotonic() - started
+            assert all(isinstance(o, Overloaded) for o in outcomes_), outcomes_
+            refused = [o for o in outcomes_ if isinstance(o, Overloaded)]
+            assert all(o.retry_after_ms > 0 for o in refused)
+            assert "statistics writes" in str(refused[0])
+            assert waited >= 0.55, "they waited for the writer before the 503"
+            assert counting.started == 2, "no computation started while the writes were behind"
+            assert outcomes(engine).get("refused", 0) == 0
+
+            # The store catches up: both accepted requests are counted, and requests are
+            # computed and recorded again.
+            store.release.set()
+            assert await engine.settle_writes(10) == 0
+            assert await rollouts_counted(store) == 2 * ROLLOUTS
+            again = await compute(engine, 8)
+            assert again.summary["recorded"] is True
+            assert await engine.settle_writes(10) == 0
+            assert await rollouts_counted(store) == 3 * ROLLOUTS
+            assert outcomes(engine) == {"counted": 3.0}
+        finally:
+            engine.close()
+
+    asyncio.run(scenario())
+
+
+def test_requests_answered_while_a_write_is_held_are_coalesced_into_one_round() -> None:
+    async def scenario() -> None:
+        store = HeldStore()
+        engine, _ = engine_with(store, stats_max_backlog=64)
+        try:
+            answers = [await compute(engine, seed, request_id=f"r{seed}") for seed in range(6)]
+            assert all(a.summary["recorded"] for a in answers)
+            store.release.set()
+            assert await engine.settle_writes(10) == 0
+            # The first write held the rest back: they went to the store as one write.
+            assert store.writes == [["r0"], [f"r{seed}" for seed in range(1, 6)]]
+            assert await rollouts_counted(store) == 6 * ROLLOUTS
+        finally:
+            engine.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_request_id_is_counted_once_inside_a_coalesced_round_and_across_rounds() -> None:
+    async def scenario() -> None:
+        store = HeldStore()
+        engine, _ = engine_with(store, stats_max_backlog=64)
+        try:
+            await compute(engine, 0, request_id="early")  # its write is held: round one
+            # Round two: "early" again (counted in round one), "twice" twice, "once".
+            for seed, rid in [(1, "twice"), (2, "early"), (3, "twice"), (4, "once")]:
+                assert (await compute(engine, seed, request_id=rid)).summary["recorded"]
+            # And one without an id: no idempotency asked for, always counted.
+            await compute(engine, 5)
+            store.release.set()
+            assert await engine.settle_writes(10) == 0
+            # early (round one), twice, once and the one without an id.
+            assert await rollouts_counted(store) == 4 * ROLLOUTS
+            assert outcomes(engine) == {"counted": 4.0, "duplicate": 2.0}
+            # Round two was written once more without "early", which the store refused.
+            assert store.writes[1] == ["twice", "early", "once"]
+            assert store.writes[2] == ["twice", "once"]
+        finally:
+            engine.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_unreachable_redis_answers_recorded_false_and_counts_it() -> None:
+    async def scenario() -> None:
+        # Nothing listens on the port: every call fails at once, then the store backs off.
+        metrics = Metrics(process=False)
+        store = RedisStatsStore(
+            f"redis://127.0.0.1:{free_port()}/0",
+            backoff_initial=30.0,
+            backoff_max=30.0,
+            on_error=lambda op: metrics.stats_store_errors_total.labels(op).inc(),
+        )
+        engine, _ = engine_with(store, metrics)
+        try:
+            with_history = await compute(engine, 1)
+            assert with_history.summary["history"] == "unavailable"
+            assert with_history.summary["recorded"] is False
+            plain = await compute(engine, 2, history=False)
+            assert plain.summary["recorded"] is False
+            assert outcomes(engine) == {"refused": 2.0}
+            assert store_errors(engine).get("read_history", 0) >= 1
+        finally:
+            await store.close()
+            engine.close()
+
+    asyncio.run(scenario())
+
+
+def test_statistics_lost_after_the_answer_are_counted_lost() -> None:
+    async def scenario() -> None:
+        engine, _ = engine_with(VanishingStore())
+        try:
+            assert (await compute(engine, 1)).summary["recorded"] is True
+            assert await engine.settle_writes(10) == 0
+            assert outcomes(engine) == {"lost": 1.0}
+        finally:
+            engine.close()
+
+    asyncio.run(scenario())
+
+
+def test_shutting_down_answers_recorded_false_and_counts_what_it_could_not_write() -> None:
+    async def scenario() -> None:
+        store = HeldStore()
+        engine, _ = engine_with(store)
+        try:
+            assert (await compute(engine, 1)).summary["recorded"] is True
+            await engine.writer.flush(timeout=0.2)  # the held write never finishes
+            late = await compute(engine, 2)
+            assert late.summary["recorded"] is False
+            assert outcomes(engine) == {"lost": 1.0, "refused": 1.0}
+        finally:
+            engine.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_in_process_api_records_nothing() -> None:
+    from advantage_service import compute as compute_in_process
+
+    assert compute_in_process(body(1), device="cpu")["summary"]["recorded"] is None
