@@ -30,7 +30,7 @@ from ..config import Settings
 from ..errors import LimitExceeded, Overloaded, RequestError
 from ..estimators import AdvantageResult
 from ..serving.accounting import Call
-from ..serving.auth import CHALLENGE, Principal, unauthenticated
+from ..serving.auth import CHALLENGE, Principal
 from ..serving.engine import Engine
 from ..version import __version__
 from ..viewer.routes import mount_viewer
@@ -287,12 +287,10 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         return RedirectResponse("/viewer")
 
     def authenticate(request: Request, call: Call) -> Principal:
-        """The caller's principal from ``Authorization: Bearer`` (a 401 otherwise), kept on
-        ``call`` for its accounting."""
-        values = request.headers.getlist("authorization")
-        if len(values) > 1:  # (a team token and a wildcard one: which is meant is not ours to pick)
-            raise unauthenticated("the request has more than one Authorization header")
-        call.principal = engine.auth.authenticate(values[0] if values else None)
+        """The caller's principal from ``Authorization: Bearer`` (a 401 otherwise, and for more
+        than one such header: the viewer's routes make the same call), kept on ``call`` for its
+        accounting."""
+        call.principal = engine.auth.authenticate(request.headers.getlist("authorization"))
         return call.principal
 
     @app.exception_handler(RequestError)

@@ -163,9 +163,11 @@ def mount_viewer(app: FastAPI, settings: Settings, engine: Engine) -> Viewer:
     app.mount("/viewer/static", StaticFiles(directory=str(STATIC)), name="viewer-static")
 
     def authorize(request: Request, namespace: str | None = None) -> None:
+        """The API's authentication, the same call (every Authorization header: more than one
+        is a 401), then the namespace's authorisation (403)."""
         with engine.call(VIEWER_TRANSPORT, count=False) as call:
             call.principal = principal = engine.auth.authenticate(
-                request.headers.get("authorization")
+                request.headers.getlist("authorization")
             )
             if namespace is not None:
                 call.namespace = namespace
