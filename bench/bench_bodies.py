@@ -1,21 +1,29 @@
 """What large bodies cost a real service: time to the answer and the growth of its peak RSS
 (VmHWM), as a multiple of the body's bytes, for bodies at and over the limits.
 
-    python bench/bench_bodies.py [--cases refused_by_tokens,refused_by_bytes,at_the_limit]
+    python bench/bench_bodies.py [--cases refused_by_tokens,refused_by_bytes,at_the_limit,...]
 
 A fresh service process per case (on its defaults: ADV_MAX_BODY_BYTES 256 MiB,
 ADV_MAX_REQUEST_TOKENS 8,388,608), its VmHWM read before and after one request:
 
 - ``refused_by_tokens``: 240 MB of JSON holding 120 M token ids (under the body limit, 14x over
   the token limit): refused 413 from the arrays' commas, before any number is parsed;
-- ``refused_by_bytes``: a body 10x the body limit (2.56 GB) declared by Content-Length: refused
+- ``refused_by_bytes``: a body 10x the body limit (2.68 GB) declared by Content-Length: refused
   413 at once, the rest of the body read and dropped so the client gets the answer;
+- ``refused_chunked``: the same 2.68 GB sent chunked, without Content-Length: refused 413 as
+  soon as the bytes received pass the limit;
+- ``read_at_the_limit``: 256 MiB (the limit) of bytes that are no Arrow stream, declared by
+  Content-Length: read whole, then refused 422 by the decoder at its first bytes, so the growth
+  is what reading the body costs;
 - ``at_the_limit``: 8 M tokens with log-probs and a teacher condition in ~215 MB of JSON, GRPO:
   accepted and computed (the growth includes what the computation itself needs: the batch's
-  tensors and the answer, about 0.25 GB here).
+  tensors and the answer, about 0.25 GB here);
+- ``viewer_by_bytes`` and ``viewer_chunked``: 300 MB to ``POST /viewer/api/diagnostics``, with
+  and without Content-Length (the viewer's routes take at most 2 MiB).
 
 The goals (the hardening issue): a refused body costs at most 2x its bytes and is answered in
-under 1 s per 100 MB; an accepted one at most 4x its bytes beyond what its computation needs.
+under 1 s per 100 MB; an accepted one at most 4x its bytes beyond what its computation needs;
+over HTTP, reading a body costs at most 2x its bytes + 16 MiB with the decoders.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -43,19 +52,35 @@ def vm_hwm(pid: int) -> int:
     raise RuntimeError("no VmHWM")
 
 
-def post(url: str, chunks: list[bytes], length: int) -> tuple[int, float]:
+def post(
+    url: str,
+    chunks: list[bytes],
+    length: int,
+    *,
+    path: str = "/v1/advantages",
+    content_type: str = "application/json",
+    chunked: bool = False,
+) -> tuple[int, float]:
     """POST the chunks (``length`` bytes in all) over a raw socket, all sent before the answer
-    is read, as most clients do; (status, seconds to the answer)."""
+    is read, as most clients do (``chunked``: with Transfer-Encoding: chunked instead of
+    Content-Length); (status, seconds to the answer)."""
     host, port = url.removeprefix("http://").split(":")
+    framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {length}"
     head = (
-        f"POST /v1/advantages HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {length}\r\nConnection: close\r\n\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: {content_type}\r\n"
+        f"{framing}\r\nConnection: close\r\n\r\n"
     ).encode()
     started = time.perf_counter()
     with socket.create_connection((host, int(port)), timeout=600) as sock:
         sock.sendall(head)
         for chunk in chunks:
+            if chunked:
+                sock.sendall(b"%x\r\n" % len(chunk))
             sock.sendall(chunk)
+            if chunked:
+                sock.sendall(b"\r\n")
+        if chunked:
+            sock.sendall(b"0\r\n\r\n")
         data = b""
         while chunk := sock.recv(1 << 20):
             data += chunk
@@ -88,20 +113,28 @@ def at_the_limit(count: int) -> list[bytes]:
 
 
 def run(case: str) -> dict[str, float | int | str]:
+    options: dict[str, Any] = {}
+    if case == "refused_by_tokens":
+        chunks = tokens_only(120_000_000)
+    elif case in ("refused_by_bytes", "refused_chunked"):
+        chunks = [b" " * (64 * 2**20)] * 40  # 10x the 256 MiB limit
+        options["chunked"] = case == "refused_chunked"
+    elif case == "read_at_the_limit":
+        chunks = [b"\x00" * (64 * 2**20)] * 4
+        options["content_type"] = "application/vnd.apache.arrow.stream"
+    elif case in ("viewer_by_bytes", "viewer_chunked"):
+        chunks = [b" " * (50 * MB)] * 6
+        options.update(path="/viewer/api/diagnostics", chunked=case == "viewer_chunked")
+    elif case == "at_the_limit":
+        chunks = at_the_limit(8_000_000)
+    else:
+        raise SystemExit(f"unknown case {case!r}")
+    length = sum(map(len, chunks))
     with tempfile.TemporaryDirectory(prefix="bench-bodies-") as tmp:
         proc, url, _, _ = start_service(Path(tmp), {})
         try:
             before = vm_hwm(proc.pid)
-            if case == "refused_by_tokens":
-                chunks = tokens_only(120_000_000)
-                length = sum(map(len, chunks))
-            elif case == "refused_by_bytes":
-                length = 10 * 256 * 2**20
-                chunks = [b" " * (64 * 2**20)] * (length // (64 * 2**20))
-            else:
-                chunks = at_the_limit(8_000_000)
-                length = sum(map(len, chunks))
-            status, seconds = post(url, chunks, length)
+            status, seconds = post(url, chunks, length, **options)
             growth = vm_hwm(proc.pid) - before
         finally:
             proc.terminate()

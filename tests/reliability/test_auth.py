@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -367,3 +369,163 @@ def test_two_credentials_on_one_call_are_refused_whatever_their_order(shared: Se
         f"{shared.url}/v1/advantages", json=body, headers=bearer("token-admin"), timeout=30
     )
     assert ok.status_code == 200
+
+
+# ---- one rule on every route, and streams across reloads ---------------------------------------
+
+VIEWER_ROUTES: list[tuple[str, str, dict[str, Any] | None]] = [
+    ("GET", "/viewer/api/recent?namespace=team-a", None),
+    ("GET", "/viewer/api/requests/r-1?namespace=team-a", None),
+    ("POST", "/viewer/api/diagnostics", {"estimator": "grpo"}),
+    ("POST", "/viewer/api/token-text", {"ids": [1, 2]}),
+]
+
+
+@pytest.mark.parametrize(("method", "route", "body"), VIEWER_ROUTES)
+def test_two_credentials_are_refused_on_the_viewers_routes_as_on_the_api(
+    shared: Service, method: str, route: str, body: dict[str, Any] | None
+) -> None:
+    """The viewer's routes make the API's call: a team token and a wildcard token together
+    are a 401 whatever their order (the viewer used to take the first one)."""
+    for pair in (("token-team-a", "token-admin"), ("token-admin", "token-team-a")):
+        with httpx.Client(base_url=shared.url, timeout=30) as client:
+            raw = client.build_request(
+                method,
+                route,
+                json=body,
+                headers=[("authorization", f"Bearer {t}") for t in pair],
+            )
+            answer = client.send(raw)
+        assert answer.status_code == 401, (pair, answer.text)
+        assert answer.headers["www-authenticate"].startswith("Bearer")
+        error = answer.json()["error"]
+        assert error["code"] == "unauthenticated" and "more than one" in error["message"]
+    # Either token alone is accepted (a kept request that is absent is a 404, not a 401).
+    alone = shared.http.request(method, route, json=body, headers=bearer("token-admin"))
+    assert alone.status_code in (200, 404), alone.text
+
+
+def test_two_credentials_end_a_stream_unauthenticated(shared: Service) -> None:
+    messages = [pb.StreamRequest(options=options_message(namespace="team-a", estimator="grpo"))]
+    with shared.channel() as channel, pytest.raises(grpc.RpcError) as info:
+        list(
+            pb_grpc.AdvantageServiceStub(channel).StreamCompute(
+                iter(messages),
+                metadata=[("authorization", "Bearer token-team-a")] * 2,
+                timeout=30,
+            )
+        )
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+class OpenStream:
+    """A StreamCompute call whose messages the test sends one group at a time."""
+
+    def __init__(self, stub: pb_grpc.AdvantageServiceStub, token: str, namespace: str) -> None:
+        self.feed: queue.Queue[pb.StreamRequest | None] = queue.Queue()
+        self.feed.put(
+            pb.StreamRequest(options=options_message(namespace=namespace, estimator="grpo"))
+        )
+        self.responses = stub.StreamCompute(
+            iter(self.feed.get, None), metadata=metadata(token), timeout=60
+        )
+
+    def send_group(self, group_id: str) -> None:
+        rollouts = [{"tokens": [5, 6, 7], "reward": 1.0}, {"tokens": [5, 8], "reward": 0.0}]
+        for rollout in rollouts:
+            message = rollout_message({"group_id": group_id, "group_size": 2, **rollout})
+            self.feed.put(pb.StreamRequest(rollout=message))
+
+    def result(self) -> str:
+        response = next(self.responses)
+        assert response.WhichOneof("kind") == "result", response
+        return str(response.result.group_id)
+
+    def end(self) -> grpc.StatusCode:
+        """How the call ends: its status once no response is left (none may be)."""
+        try:
+            extra = list(self.responses)
+        except grpc.RpcError as exc:
+            return exc.code()
+        assert not extra, extra
+        return grpc.StatusCode.OK
+
+    def close(self) -> None:
+        self.feed.put(None)
+
+
+def computed(service: Service) -> tuple[float, float]:
+    """(rollouts computed, gRPC calls answered 200) so far, from the metrics."""
+    samples = service.metrics()
+    ok = sum(
+        value
+        for (name, labels), value in samples.items()
+        if name == "advantage_requests_total"
+        and dict(labels).get("transport") == "grpc"
+        and dict(labels).get("code") == "200"
+    )
+    return samples[("advantage_rollouts_total", ())], ok
+
+
+def test_an_open_stream_ends_when_a_reload_revokes_its_token_or_its_namespace(
+    service_factory: Callable[..., Service], tmp_path: Path
+) -> None:
+    """A token removed from the file ends its open streams UNAUTHENTICATED (one that lost the
+    stream's namespace: PERMISSION_DENIED) within a bounded time of the reload, also while the
+    client sends nothing; a group completed after the reload is neither answered nor counted.
+    A stream whose token is still allowed goes on."""
+    path = write_tokens(
+        tmp_path / "tokens.json",
+        {
+            "token-admin": ["*"],
+            "token-revoked": ["team-a"],
+            "token-narrowed": ["team-a", "team-b"],
+            "token-kept": ["team-a"],
+        },
+    )
+    service = service_factory(auth_tokens_file=path, auth_reload_seconds=0.2)
+    with service.channel() as channel:
+        stub = pb_grpc.AdvantageServiceStub(channel)
+        idle = OpenStream(stub, "token-revoked", "team-a")
+        busy = OpenStream(stub, "token-revoked", "team-a")
+        narrowed = OpenStream(stub, "token-narrowed", "team-b")
+        kept = OpenStream(stub, "token-kept", "team-a")
+        streams = (idle, busy, narrowed, kept)
+        try:
+            for stream in streams:
+                stream.send_group("before")
+                assert stream.result() == "before"
+            before = computed(service)
+            assert before == (8.0, 4.0)
+
+            write_tokens(
+                path, {"token-admin": ["*"], "token-narrowed": ["team-a"], "token-kept": ["team-a"]}
+            )
+            rewritten = time.monotonic()
+            # The reload is in force once HTTP refuses the token (a listing: counts nothing).
+            poll(
+                lambda: (
+                    service.http.get("/v1/estimators", headers=bearer("token-revoked")).status_code
+                    == 401
+                ),
+                30,
+                "the reload",
+            )
+            busy.send_group("after")  # completed after the revocation
+            assert idle.end() == grpc.StatusCode.UNAUTHENTICATED
+            assert busy.end() == grpc.StatusCode.UNAUTHENTICATED
+            assert narrowed.end() == grpc.StatusCode.PERMISSION_DENIED
+            assert time.monotonic() - rewritten < 15
+
+            kept.send_group("after")
+            assert kept.result() == "after"
+            kept.close()
+            assert kept.end() == grpc.StatusCode.OK
+        finally:
+            for stream in streams:
+                stream.close()
+    # Only the kept stream's second group was computed after the reload.
+    assert computed(service) == (before[0] + 2, before[1] + 1)
+    # Each stream ended by the reload is counted once, as its end's status.
+    ends = [line["status"] for line in service.access_lines() if line["transport"] == "grpc"]
+    assert sorted(status for status in ends if status != 200) == [401, 401, 403]

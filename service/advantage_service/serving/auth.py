@@ -14,6 +14,12 @@ changes it is read again. A Secret update swaps a symlink (``..data``) rather th
 file, so the poll stats the path through its symlinks each time. A file that does not parse on
 reload keeps the previous tokens (logged and counted); one that does not parse at start is a
 startup error. Without a tokens file the service is open: every request may use every namespace.
+
+One rule for every transport: :meth:`Authenticator.authenticate` takes every credential a call
+carries (all its ``Authorization`` headers, the API's and the viewer's routes alike, or all its
+``authorization`` metadata entries), and more than one is a 401 whichever they are. A call that
+outlives a reload (a gRPC stream) asks :meth:`Authenticator.current` what its token allows now,
+woken by :meth:`Authenticator.reloaded`.
 """
 
 from __future__ import annotations
@@ -25,8 +31,8 @@ import hmac
 import json
 import logging
 import os
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +70,9 @@ class Principal:
     # A short name for logs: "anonymous" (open service) or "token-<n>" (its position in the
     # file), never the token itself.
     name: str
+    # The token's SHA-256 digest (None: anonymous), so that a call that outlives a reload can
+    # ask what the token allows now (Authenticator.current). Never printed.
+    digest: bytes | None = field(default=None, repr=False, compare=False)
 
     def allows(self, namespace: str) -> bool:
         return self.namespaces is None or namespace in self.namespaces
@@ -117,7 +126,8 @@ class TokenTable:
                     f'names (1 to 128 characters) or ["{ALL_NAMESPACES}"]'
                 )
             allowed = None if ALL_NAMESPACES in namespaces else frozenset(namespaces)
-            entries.append((digest(token), Principal(allowed, f"token-{n}")))
+            key = digest(token)
+            entries.append((key, Principal(allowed, f"token-{n}", key)))
         return cls(tuple(entries))
 
     @classmethod
@@ -135,7 +145,10 @@ class TokenTable:
 
     def lookup(self, token: str) -> Principal | None:
         """The principal of ``token``: every digest is compared, in constant time each."""
-        presented = digest(token)
+        return self.lookup_digest(digest(token))
+
+    def lookup_digest(self, presented: bytes) -> Principal | None:
+        """The principal of the token whose digest is ``presented`` (as :meth:`lookup`)."""
         found: Principal | None = None
         for stored, principal in self.entries:
             if hmac.compare_digest(stored, presented) and found is None:
@@ -187,6 +200,11 @@ class Authenticator:
         self._table: TokenTable | None = None
         self._signature: tuple[str, int, int, int] | None = None
         self._task: asyncio.Task[None] | None = None
+        # Counts the reloads that put new tokens in force (bumped after the table is swapped,
+        # on the poll's thread): a call that saw another value asks current() again.
+        self.generation = 0
+        # Set (and replaced) on the event loop after each such reload: reloaded() waits on it.
+        self._reload_event: asyncio.Event | None = None
         if self.path is not None:
             # At start a bad file is fatal: the service must not come up open by mistake.
             self._signature = _file_signature(self.path)
@@ -201,15 +219,49 @@ class Authenticator:
     def token_count(self) -> int:
         return len(self._table.entries) if self._table is not None else 0
 
-    def authenticate(self, authorization: str | None) -> Principal:
-        """The principal of an ``Authorization`` value; raises a 401 :class:`AuthError`."""
+    def authenticate(self, credentials: Sequence[str]) -> Principal:
+        """The principal of a call's credentials: every value of its ``Authorization`` headers
+        (HTTP: the API and the viewer) or its ``authorization`` metadata entries (gRPC), as
+        received. Raises a 401 :class:`AuthError` for more than one, open service or not (a
+        team token and a wildcard one: which is meant is not ours to pick, and their order is
+        the client's or a proxy's), and, with a tokens file, for none, another scheme or a
+        token not in the file."""
+        if isinstance(credentials, str | bytes):  # one value, not the list of them: a bug
+            raise TypeError("authenticate() takes every credential of the call, as a sequence")
+        if len(credentials) > 1:
+            raise unauthenticated(
+                f"the call carries more than one credential ({len(credentials)} Authorization "
+                "headers or authorization metadata entries); send exactly one"
+            )
         table = self._table
         if table is None:
             return ANONYMOUS
-        principal = table.lookup(bearer_token(authorization))
+        principal = table.lookup(bearer_token(credentials[0] if credentials else None))
         if principal is None:
             raise unauthenticated("the bearer token is not valid")
         return principal
+
+    def current(self, principal: Principal) -> Principal | None:
+        """What ``principal``'s token allows under the tokens in force now (its namespaces may
+        have changed); None once the token is no longer in the file. Open service: unchanged."""
+        table = self._table
+        if table is None:
+            return principal
+        return table.lookup_digest(principal.digest) if principal.digest is not None else None
+
+    async def reloaded(self) -> None:
+        """Return after the next reload that puts new tokens in force (on the event loop).
+
+        No reload is missed by a caller that checks :meth:`current` and then awaits this without
+        an ``await`` in between: the tokens are swapped before the event is set, on the loop."""
+        if self._reload_event is None:
+            self._reload_event = asyncio.Event()
+        await self._reload_event.wait()
+
+    def _announce(self) -> None:
+        event, self._reload_event = self._reload_event, None
+        if event is not None:
+            event.set()
 
     def describe(self) -> str:
         if self.path is None:
@@ -234,6 +286,7 @@ class Authenticator:
             self._on_reload("error")
             return False
         self._table = table
+        self.generation += 1
         self._on_reload("ok")
         self._on_tokens(len(table.entries))
         log.info("tokens file reloaded: %d tokens", len(table.entries))
@@ -244,7 +297,8 @@ class Authenticator:
             await asyncio.sleep(self.reload_seconds)
             # A stat and, rarely, a small read: cheap enough for the event loop, but a slow
             # volume must not stall it.
-            await asyncio.to_thread(self.reload_if_changed)
+            if await asyncio.to_thread(self.reload_if_changed):
+                self._announce()
 
     def start(self) -> None:
         """Start polling the file on the running event loop (no-op without a file)."""

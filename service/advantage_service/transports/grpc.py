@@ -31,7 +31,7 @@ from grpc_reflection.v1alpha import reflection
 from ..config import Settings
 from ..errors import Overloaded, RequestError
 from ..serving.accounting import Call
-from ..serving.auth import Principal, unauthenticated
+from ..serving.auth import Principal
 from ..serving.engine import Engine
 from .grpc_codec import (
     INTERNAL_MESSAGE,
@@ -91,8 +91,9 @@ class AdvantageServicer(pb_grpc.AdvantageServiceServicer):
 
     async def _authenticate(self, context: grpc.aio.ServicerContext, call: Call) -> Principal:
         """The caller's principal from the ``authorization: Bearer ...`` metadata (kept on
-        ``call``); raises UNAUTHENTICATED otherwise. Ends the call with UNAVAILABLE once the
-        service is closing for shutdown: the client retries elsewhere."""
+        ``call``); raises UNAUTHENTICATED otherwise, and for more than one such entry (the
+        HTTP routes make the same call). Ends the call with UNAVAILABLE once the service is
+        closing for shutdown: the client retries elsewhere."""
         if self.engine.closing:
             await abort(context, SHUTTING_DOWN)
         values = [
@@ -100,9 +101,7 @@ class AdvantageServicer(pb_grpc.AdvantageServiceServicer):
             for key, value in context.invocation_metadata() or ()
             if key == "authorization"
         ]
-        if len(values) > 1:  # ambiguous credentials: refused, not resolved by their order
-            raise unauthenticated("the call has more than one authorization metadata entry")
-        call.principal = self.engine.auth.authenticate(values[0] if values else None)
+        call.principal = self.engine.auth.authenticate(values)
         return call.principal
 
     async def Compute(
@@ -155,7 +154,7 @@ class AdvantageServicer(pb_grpc.AdvantageServiceServicer):
         metrics = self.engine.metrics
         self.open_streams += 1
         metrics.stream_open.inc()
-        reader = asyncio.create_task(session.read(request_iterator))
+        session.start(request_iterator)
         try:
             while not isinstance(item := await session.out.get(), StreamEnd):
                 yield item
@@ -165,7 +164,6 @@ class AdvantageServicer(pb_grpc.AdvantageServiceServicer):
             if item.error is not None:
                 await abort(context, item.error)
         finally:
-            reader.cancel()
             session.release()
             self.open_streams -= 1
             metrics.stream_open.dec()

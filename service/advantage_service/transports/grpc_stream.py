@@ -2,7 +2,13 @@
 as its last rollout is in (one engine request, so its numbers are those of the group computed
 alone). Per stream it bounds the incomplete groups and the tokens they hold, and the responses
 outstanding (computing or not yet written): when that many are out it stops reading, so gRPC
-flow control holds the client back instead of the server buffering without end."""
+flow control holds the client back instead of the server buffering without end.
+
+A stream outlives reloads of the tokens file: at each reload (and before each message read
+after one) it asks what its token allows now. Revoked, the stream ends UNAUTHENTICATED (a token
+that lost the stream's namespace: PERMISSION_DENIED) once the groups already computing are
+answered; nothing read after the reload is computed or counted. A stream whose client has
+half-closed before the reload finishes what it was sent."""
 
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ from ..batch import TOKEN_INPUTS, RolloutBatch
 from ..config import Settings
 from ..errors import LimitExceeded, RequestError
 from ..estimators import AdvantageResult
-from ..serving.auth import Principal
+from ..serving.auth import AuthError, Principal, unauthenticated
 from ..serving.engine import Engine
 from ..wire import jsonio
 from ..wire.request import ComputeRequest, RequestOptions, batch_from_groups, parse_options
@@ -217,6 +223,75 @@ class StreamSession:
         self.out: asyncio.Queue[pb.StreamResponse | StreamEnd] = asyncio.Queue()
         self.outstanding = asyncio.Semaphore(self.limits.max_outstanding)
         self.tasks: set[asyncio.Task[None]] = set()
+        self.reader: asyncio.Task[None] | None = None
+        self.watcher: asyncio.Task[None] | None = None
+        # The tokens' reload generation the principal was last checked at (-1: check before
+        # the first message, in case a reload came between the call's authentication and now).
+        self.checked_generation = -1
+        # Set once the stream's end is decided (a StreamEnd is, or is about to be, queued).
+        self.ending = False
+
+    def start(self, requests: AsyncIterator[pb.StreamRequest]) -> None:
+        """Read the client's messages, and with a tokens file watch its reloads, on tasks of
+        their own (:meth:`release` cancels them)."""
+        self.reader = asyncio.create_task(self.read(requests))
+        if self.engine.auth.enabled:
+            self.watcher = asyncio.create_task(self.watch_token())
+
+    # ---- the token, across reloads ----------------------------------------------------------
+
+    def token_error(self) -> AuthError | None:
+        """What ends the stream under the tokens in force now: its token no longer in the file
+        (401), or no longer allowing the stream's namespace (403); None while it is allowed
+        (the principal then takes the token's namespaces as they are now)."""
+        auth = self.engine.auth
+        self.checked_generation = auth.generation
+        principal = auth.current(self.principal)
+        if principal is None:
+            return unauthenticated(
+                "the bearer token was revoked (it is no longer in the tokens file): the stream "
+                "ends, and nothing sent after the revocation is computed"
+            )
+        self.principal = principal
+        namespace = self.template.namespace if self.template is not None else None
+        if namespace is not None and not principal.allows(namespace):
+            return AuthError(
+                "permission_denied",
+                f"the token no longer allows namespace {namespace!r}: the stream ends, and "
+                "nothing sent after the change is computed",
+                status=403,
+                field="namespace",
+            )
+        return None
+
+    def _check_token(self) -> None:
+        """Before a message is used: raise :meth:`token_error`'s error when the tokens were
+        reloaded since the last check (a generation compare otherwise: nothing to look up)."""
+        if self.engine.auth.generation != self.checked_generation:
+            error = self.token_error()
+            if error is not None:
+                raise error
+
+    async def watch_token(self) -> None:
+        """End the stream when a reload revokes its token, also while the client sends nothing
+        (the reader is stopped: nothing it would read after the reload is computed)."""
+        while (error := self.token_error()) is None:
+            # (No await between the check and this wait: no reload can be missed.)
+            await self.engine.auth.reloaded()
+        if self.ending:  # the reader ends the stream already (or the client half-closed)
+            return
+        if self.reader is not None:
+            self.reader.cancel()
+        await self.end(error)
+
+    async def end(self, error: RequestError) -> None:
+        """End the stream with ``error`` once the groups already computing are answered (they
+        were read before it; their answers are written first), counting it once."""
+        self.ending = True
+        if self.tasks:
+            await asyncio.wait(set(self.tasks))
+        self._reject(error)
+        self.out.put_nowait(StreamEnd(error))
 
     # ---- reading ----------------------------------------------------------------------------
 
@@ -225,6 +300,7 @@ class StreamSession:
         try:
             first = True
             async for message in requests:
+                self._check_token()  # a reload since the last message: is the token still good?
                 if isinstance(message, Malformed):
                     raise message.error()
                 kind = message.WhichOneof("kind")
@@ -247,13 +323,18 @@ class StreamSession:
                         field="kind",
                     )
                 first = False
+            self.ending = True
             await self._finish()
+        except AuthError as exc:  # revoked mid-stream, or its namespace not allowed
+            await self.end(exc)
         except RequestError as exc:
+            self.ending = True
             self._reject(exc)
             self.out.put_nowait(StreamEnd(exc))
         except asyncio.CancelledError:
             raise
         except Exception:
+            self.ending = True
             log.exception("internal error reading a stream")
             self.out.put_nowait(StreamEnd(internal=True))
 
@@ -451,6 +532,9 @@ class StreamSession:
 
     def release(self) -> None:
         """Free everything the stream holds (on any exit, cancellation included)."""
+        for helper in (self.reader, self.watcher):
+            if helper is not None:
+                helper.cancel()
         for task in list(self.tasks):
             task.cancel()
         for group in list(self.pending.values()):

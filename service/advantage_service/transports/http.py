@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -30,8 +31,9 @@ from ..config import Settings
 from ..errors import LimitExceeded, Overloaded, RequestError
 from ..estimators import AdvantageResult
 from ..serving.accounting import Call
-from ..serving.auth import CHALLENGE, Principal, unauthenticated
+from ..serving.auth import CHALLENGE, Principal
 from ..serving.engine import Engine
+from ..serving.scheduler import Ticket
 from ..version import __version__
 from ..viewer.routes import mount_viewer
 from ..wire import jsonio
@@ -125,6 +127,21 @@ def decode_json(body: bytes, limits: jsonio.BodyLimits | None = None) -> Compute
     return parse_request(obj)
 
 
+def releasing(
+    decode: Callable[[bytes], ComputeRequest], body: bytes
+) -> Callable[[], ComputeRequest]:
+    """``decode(body)`` as the engine's decoder, letting the body go once it is decoded: the
+    engine holds its decoder until the answer, and a JSON body is not needed after decoding,
+    so the computation does not run with the body still resident. (A decoded Arrow batch
+    views the body's buffers, which then stay as long as the batch: no copy, no extra.)"""
+    held = [body]
+
+    def decoder() -> ComputeRequest:
+        return decode(held.pop())
+
+    return decoder
+
+
 def encode_json(req: ComputeRequest, result: AdvantageResult, summary: dict[str, Any]) -> bytes:
     """The JSON response of :func:`response.build_response`, serialised by orjson.
 
@@ -135,31 +152,60 @@ def encode_json(req: ComputeRequest, result: AdvantageResult, summary: dict[str,
     return jsonio.dumps_bytes(build_response(req, result, summary))
 
 
-async def read_body(
-    request: Request, limit: int, timeout: float, hold: Callable[[int], None] | None = None
-) -> bytes:
-    """The request body, refusing more than ``limit`` bytes (413) and slow senders (408).
-    ``hold(n)`` is told the bytes received so far (the queue's byte budget: it may refuse)."""
+def declared_length(
+    request: Request, limit: int, setting: str = "ADV_MAX_BODY_BYTES"
+) -> int | None:
+    """The body's Content-Length (None without one); a 413 when it is over ``limit``."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    length = int(declared) if declared is not None and declared.isdigit() else None
+    if length is not None and length > limit:
         raise LimitExceeded(
-            f"the body has {int(declared)} bytes; the limit is {limit} (ADV_MAX_BODY_BYTES)",
-            field="body",
+            f"the body has {length} bytes; the limit is {limit} ({setting})", field="body"
         )
-    chunks: list[bytes] = []
-    size = 0
+    return length
+
+
+async def read_body(
+    request: Request,
+    limit: int,
+    timeout: float,
+    hold: Callable[[int], None] | None = None,
+    *,
+    setting: str = "ADV_MAX_BODY_BYTES",
+) -> bytes:
+    """The request body in one buffer, refusing more than ``limit`` bytes (413, naming
+    ``setting``) and slow senders (408). ``hold(n)`` is told the bytes received so far (the
+    queue's byte budget: it may refuse).
+
+    With Content-Length, a body over ``limit`` is refused before a byte is read; otherwise one
+    buffer of that size is allocated (zeroed by calloc: its pages become resident only as
+    bytes arrive) and each received message is copied into it, so the body costs its own size
+    (chunks kept in a list and joined cost twice that at the join). Without Content-Length
+    (chunked), the buffer grows as messages arrive, by an eighth at least each time (glibc
+    moves a large block by remapping its pages, not by copying them), and a message that would
+    take it past ``limit`` is refused before it is copied. The buffer is an ``io.BytesIO`` over
+    a ``bytes`` object it owns alone, so it is written in place, and ``getvalue()`` hands that
+    same object over without a copy: decoders get immutable ``bytes``. A refused body's buffer
+    is freed before the error is answered. Sets ``request.state.body_read`` once it is whole.
+    """
+    length = declared_length(request, limit, setting)
+    # (bytes(n) passed straight in: the BytesIO holds the only reference, so it writes in place)
+    buffer = io.BytesIO(bytes(length)) if length else io.BytesIO()
+    received = 0
     try:
         async with asyncio.timeout(timeout):
             async for chunk in request.stream():
-                chunks.append(chunk)
-                size += len(chunk)
-                if size > limit:
+                received += len(chunk)
+                if received > limit:
                     raise LimitExceeded(
-                        f"the body is over the limit of {limit} bytes (ADV_MAX_BODY_BYTES)",
-                        field="body",
+                        f"the body is over the limit of {limit} bytes ({setting})", field="body"
                     )
+                buffer.write(chunk)
                 if hold is not None:
-                    hold(size)
+                    hold(received)
+        if received != length:  # chunked (or, which the server prevents, short of its length)
+            buffer.truncate(received)
+        body = buffer.getvalue()
     except TimeoutError as exc:
         raise RequestError(
             "body_timeout",
@@ -167,7 +213,10 @@ async def read_body(
             field="body",
             status=408,
         ) from exc
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    finally:
+        buffer.close()  # frees a refused body's buffer now (the traceback keeps this frame)
+    request.state.body_read = True
+    return body
 
 
 async def discard_body(request: Request, max_bytes: int, max_seconds: float) -> int:
@@ -188,6 +237,13 @@ async def discard_body(request: Request, max_bytes: int, max_seconds: float) -> 
 
 
 # ---- the application ----------------------------------------------------------------------------
+
+
+def _declares_body(request: Request) -> bool:
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        return declared.strip() not in ("", "0")
+    return "transfer-encoding" in request.headers
 
 
 def _error_response(
@@ -269,7 +325,27 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.state.settings = settings
     app.add_middleware(CloseWhenDraining, engine=engine)
     app.mount(DOCS_ASSETS, StaticFiles(directory=str(swagger_ui_path)), name="docs-assets")
-    app.state.viewer = viewer = mount_viewer(app, settings, engine)
+
+    async def receive_body(
+        request: Request, limit: int, setting: str = "ADV_MAX_BODY_BYTES"
+    ) -> tuple[Ticket, bytes]:
+        """A place in the queue, then the body (:func:`read_body`, at most ``limit`` bytes):
+        the admission of every route that reads a body (the API's and the viewer's). A body
+        over ``limit`` by its Content-Length is a 413 before it takes a place; the place is
+        taken before the body is read, for the bytes Content-Length declares, so an overloaded
+        service answers 503 without buffering what it refuses. The caller releases the ticket
+        (``with ticket:``) once it has answered."""
+        ticket = engine.admit(declared_length(request, limit, setting) or 0)
+        try:
+            body = await read_body(
+                request, limit, settings.body_timeout, ticket.hold, setting=setting
+            )
+        except BaseException:
+            ticket.release()
+            raise
+        return ticket, body
+
+    app.state.viewer = viewer = mount_viewer(app, settings, engine, receive_body)
 
     @app.get("/docs", include_in_schema=False)
     async def docs() -> Response:
@@ -287,12 +363,10 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         return RedirectResponse("/viewer")
 
     def authenticate(request: Request, call: Call) -> Principal:
-        """The caller's principal from ``Authorization: Bearer`` (a 401 otherwise), kept on
-        ``call`` for its accounting."""
-        values = request.headers.getlist("authorization")
-        if len(values) > 1:  # (a team token and a wildcard one: which is meant is not ours to pick)
-            raise unauthenticated("the request has more than one Authorization header")
-        call.principal = engine.auth.authenticate(values[0] if values else None)
+        """The caller's principal from ``Authorization: Bearer`` (a 401 otherwise, and for more
+        than one such header: the viewer's routes make the same call), kept on ``call`` for its
+        accounting."""
+        call.principal = engine.auth.authenticate(request.headers.getlist("authorization"))
         return call.principal
 
     @app.exception_handler(RequestError)
@@ -300,9 +374,20 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         headers = {"WWW-Authenticate": CHALLENGE} if exc.status == 401 else {}
         if isinstance(exc, Overloaded):
             headers = {"Retry-After": str(exc.retry_after_seconds)}
-        if getattr(request.state, "close_connection", False):
+        if _declares_body(request) and not getattr(request.state, "body_read", False):
+            # Refused before its body was read whole (401, 413 by Content-Length or over the
+            # limit, 503, 408), on any route that takes one: a client still sending must get
+            # this answer, not a reset, so the rest is discarded (bounded) and the connection
+            # closed. (Every route reads its body through read_body, which marks it read.)
+            await discard_body(request, DISCARD_MAX_BYTES, DISCARD_MAX_SECONDS)
             headers["Connection"] = "close"
         return _error_response(exc.status, exc.to_dict(), headers)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        # The client went away mid-body (on the viewer's POST routes; the API's route accounts
+        # for it as 499 itself): no one reads an answer, and it is no fault of the service.
+        return Response(status_code=400)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
@@ -330,40 +415,25 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         tags=["advantages"],
     )
     async def advantages(request: Request) -> Response:
-        try:
-            return await compute_advantages(request)
-        except RequestError:
-            if not getattr(request.state, "body_read", False):
-                # Refused before its body was read (401, 413 by Content-Length, 503): a client
-                # still sending must get this answer, not a reset; discard the rest, bounded.
-                await discard_body(request, DISCARD_MAX_BYTES, DISCARD_MAX_SECONDS)
-                request.state.close_connection = True
-            raise
-
-    async def compute_advantages(request: Request) -> Response:
         with engine.call("http") as call:
             # Before admission: a client without a valid token takes no place and sends no body.
             principal = authenticate(request, call)
             fmt = request_format(request.headers.get("content-type"))
             call.transport = transport = f"http_{fmt}"
             arrow_out = wants_arrow(request.headers.get("accept"))
-            declared = request.headers.get("content-length") or ""
-            expected = min(int(declared), settings.max_body_bytes) if declared.isdigit() else 0
-            # Admission before the body: an overloaded service does not buffer what it refuses.
-            with engine.admit(expected) as ticket:
-                try:
-                    body = await read_body(
-                        request, settings.max_body_bytes, settings.body_timeout, ticket.hold
-                    )
-                except ClientDisconnect:
-                    call.finish(499, "client_disconnected")
-                    return Response(status_code=400)
-                request.state.body_read = True
-                decode: Callable[[], ComputeRequest] = (
-                    partial(arrow.decode_request, body)
+            try:
+                ticket, body = await receive_body(request, settings.max_body_bytes)
+            except ClientDisconnect:
+                call.finish(499, "client_disconnected")
+                return Response(status_code=400)
+            with ticket:
+                decode = releasing(
+                    arrow.decode_request
                     if fmt == "arrow"
-                    else partial(decode_json, body, engine.body_limits)
+                    else partial(decode_json, limits=engine.body_limits),
+                    body,
                 )
+                del body  # (the decoder holds it until it has decoded, then lets it go)
                 encode = arrow.encode_response if arrow_out else encode_json
                 computed = await engine.compute(
                     decode, transport, encode=encode, ticket=ticket, principal=principal, call=call

@@ -14,15 +14,21 @@ token; the routes here add what the API does not have:
   unreachable).
 - ``POST /viewer/api/token-text``: token ids as text through ``ADV_TOKENIZER``.
 
-Every route answers at once: the page holds no connection open after it has loaded.
+Every route answers at once: the page holds no connection open after it has loaded. Every
+route authenticates as the API does (the same call: two ``Authorization`` headers are a 401),
+and the two POST routes are admitted and read their body as the API does (the transport's
+``receive_body``: a place in the queue before the body, 503 when it is full; 413 over the
+body limit, from Content-Length before a byte is read), within ``MAX_VIEWER_BODY_BYTES``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -32,10 +38,11 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from ..config import Settings
-from ..errors import RequestError
+from ..errors import LimitExceeded, RequestError
 from ..estimators import resolve_estimator
 from ..estimators.pipeline import estimator_diagnostics
 from ..serving.engine import Computed, Engine
+from ..serving.scheduler import Ticket
 from ..wire import jsonio
 from ..wire.response import build_response
 from .keep import (
@@ -56,6 +63,16 @@ CSP = (
     "connect-src 'self'; form-action 'none'; frame-ancestors 'none'; base-uri 'none'"
 )
 MAX_TEXT_IDS = 100_000
+# The most a body of the page's POST routes may hold (ADV_MAX_BODY_BYTES when that is lower):
+# MAX_TEXT_IDS ids of 19 digits fit (the page sends 50,000 at a time), an estimator much less.
+# Small, so that parsing any body accepted costs a few MiB, not the API's body limit many times.
+MAX_VIEWER_BODY_BYTES = 2 * 2**20
+VIEWER_BODY_SETTING = "the viewer's routes take at most 2 MiB, or ADV_MAX_BODY_BYTES if lower"
+# Parsing costs up to ~70 bytes a value (an empty list, a short string, and its slot: 2 MiB of
+# "[],[]..." would take 64 MiB), so the values a body may hold are bounded by its commas before
+# it is parsed (nesting without commas is bounded by the parser's depth limit, 1024).
+MAX_DIAGNOSTICS_COMMAS = 4096  # an estimator object: dozens
+MAX_TOKEN_TEXT_COMMAS = MAX_TEXT_IDS + 64
 VIEWER_TRANSPORT = "http_viewer"
 # Keeping writes to Redis waiting at once, at most; past that a request is not kept (counted).
 MAX_PENDING_KEEPS = 64
@@ -98,6 +115,10 @@ class TokenText:
 
 
 # ---- the routes ---------------------------------------------------------------------------------
+
+# The transport's admission and body reader (transports/http.py), the one the API uses:
+# (request, limit, the limit's name for the 413) -> (the place in the queue, the body).
+ReceiveBody = Callable[[Request, int, str], Awaitable[tuple[Ticket, bytes]]]
 
 
 class Viewer:
@@ -156,20 +177,48 @@ class Viewer:
         await self.store.close()
 
 
-def mount_viewer(app: FastAPI, settings: Settings, engine: Engine) -> Viewer:
-    """Serve the page at ``/viewer`` (its files at ``/viewer/static``) and its routes."""
+def mount_viewer(
+    app: FastAPI, settings: Settings, engine: Engine, receive_body: ReceiveBody
+) -> Viewer:
+    """Serve the page at ``/viewer`` (its files at ``/viewer/static``) and its routes; the POST
+    routes are admitted and read their body through ``receive_body``, as the API's route."""
     viewer = Viewer(settings, engine)
+    body_limit = min(settings.max_body_bytes, MAX_VIEWER_BODY_BYTES)
     router = APIRouter(include_in_schema=False)
     app.mount("/viewer/static", StaticFiles(directory=str(STATIC)), name="viewer-static")
 
     def authorize(request: Request, namespace: str | None = None) -> None:
+        """The API's authentication, the same call (every Authorization header: more than one
+        is a 401), then the namespace's authorisation (403)."""
         with engine.call(VIEWER_TRANSPORT, count=False) as call:
             call.principal = principal = engine.auth.authenticate(
-                request.headers.get("authorization")
+                request.headers.getlist("authorization")
             )
             if namespace is not None:
                 call.namespace = namespace
                 principal.authorize(namespace)
+
+    @contextlib.asynccontextmanager
+    async def admitted_json(request: Request, max_commas: int) -> AsyncIterator[Any]:
+        """The body of a POST route, parsed, inside its place in the API's queue: authenticated
+        first (without a valid token no place is taken and no body read), then admitted, then
+        read, its commas counted (at most ``max_commas``: a 413 before parsing); the place is
+        held until the route has answered."""
+        authorize(request)
+        ticket, body = await receive_body(request, body_limit, VIEWER_BODY_SETTING)
+        with ticket:
+            if body.count(b",") > max_commas:
+                raise LimitExceeded(
+                    f"the body holds more than {max_commas + 1} values; this route of the "
+                    "viewer takes no more",
+                    field="body",
+                )
+            try:
+                parsed = orjson.loads(body or b"{}")
+            except orjson.JSONDecodeError as exc:
+                raise RequestError("invalid_json", f"the body is not JSON: {exc}") from exc
+            del body  # parsed: the bytes are not needed while the route answers
+            yield parsed
 
     def unavailable() -> RequestError:
         return RequestError(
@@ -199,15 +248,11 @@ def mount_viewer(app: FastAPI, settings: Settings, engine: Engine) -> Viewer:
 
     @router.post("/viewer/api/diagnostics")
     async def diagnostics(request: Request) -> dict[str, Any]:
-        authorize(request)
-        try:
-            body = orjson.loads(await request.body() or b"{}")
-        except orjson.JSONDecodeError as exc:
-            raise RequestError("invalid_json", f"the body is not JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise RequestError("invalid_type", "the body must be a JSON object")
-        spec = resolve_estimator(body.get("estimator"))
-        return {"estimator": spec.to_dict(), "diagnostics": list(estimator_diagnostics(spec))}
+        async with admitted_json(request, MAX_DIAGNOSTICS_COMMAS) as body:
+            if not isinstance(body, dict):
+                raise RequestError("invalid_type", "the body must be a JSON object")
+            spec = resolve_estimator(body.get("estimator"))
+            return {"estimator": spec.to_dict(), "diagnostics": list(estimator_diagnostics(spec))}
 
     @router.get("/viewer/api/recent")
     async def recent(
@@ -249,24 +294,20 @@ def mount_viewer(app: FastAPI, settings: Settings, engine: Engine) -> Viewer:
 
     @router.post("/viewer/api/token-text")
     async def token_text(request: Request) -> JSONResponse:
-        authorize(request)
-        try:
-            body = orjson.loads(await request.body() or b"{}")
-        except orjson.JSONDecodeError as exc:
-            raise RequestError("invalid_json", f"the body is not JSON: {exc}") from exc
-        ids = body.get("ids") if isinstance(body, dict) else None
-        if not isinstance(ids, list) or not all(
-            isinstance(i, int) and not isinstance(i, bool) for i in ids
-        ):
-            raise RequestError("invalid_type", "ids must be a list of integers", field="ids")
-        if len(ids) > MAX_TEXT_IDS:
-            raise RequestError(
-                "limit_exceeded", f"at most {MAX_TEXT_IDS} ids", field="ids", status=413
-            )
-        if viewer.token_text is None:
-            return JSONResponse({"texts": None})
-        texts = await asyncio.to_thread(viewer.token_text.texts, ids)
-        return JSONResponse({"texts": texts})
+        async with admitted_json(request, MAX_TOKEN_TEXT_COMMAS) as body:
+            ids = body.get("ids") if isinstance(body, dict) else None
+            if isinstance(ids, list) and len(ids) > MAX_TEXT_IDS:
+                raise RequestError(
+                    "limit_exceeded", f"at most {MAX_TEXT_IDS} ids", field="ids", status=413
+                )
+            if not isinstance(ids, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in ids
+            ):
+                raise RequestError("invalid_type", "ids must be a list of integers", field="ids")
+            if viewer.token_text is None:
+                return JSONResponse({"texts": None})
+            texts = await asyncio.to_thread(viewer.token_text.texts, ids)
+            return JSONResponse({"texts": texts})
 
     app.include_router(router)
     return viewer
