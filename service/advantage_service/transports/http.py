@@ -267,6 +267,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     )
     app.state.engine = engine
     app.state.settings = settings
+    arrow_limits = arrow.ArrowLimits.from_settings(settings)
     app.add_middleware(CloseWhenDraining, engine=engine)
     app.mount(DOCS_ASSETS, StaticFiles(directory=str(swagger_ui_path)), name="docs-assets")
     app.state.viewer = viewer = mount_viewer(app, settings, engine)
@@ -360,7 +361,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
                     return Response(status_code=400)
                 request.state.body_read = True
                 decode: Callable[[], ComputeRequest] = (
-                    partial(arrow.decode_request, body)
+                    partial(arrow.decode_request, body, arrow_limits)
                     if fmt == "arrow"
                     else partial(decode_json, body, engine.body_limits)
                 )
