@@ -256,10 +256,17 @@ def read_table(body: bytes | bytearray | memoryview, limits: ArrowLimits | None 
     if layout.big_endian:
         raise _invalid("the stream is big-endian; send it little-endian (pyarrow's default)")
     try:
-        reader = pa.ipc.open_stream(pa.BufferReader(pa.py_buffer(body)))
+        # (never byte-swapped as read, whatever the schema says: big-endian is refused above,
+        # and swapping reads buffers by their unvalidated offsets)
+        options = pa.ipc.IpcReadOptions(ensure_native_endian=False)
+        reader = pa.ipc.open_stream(pa.BufferReader(pa.py_buffer(body)), options=options)
     except (pa.ArrowException, OSError, ValueError, TypeError, IndexError) as exc:
         raise _invalid(f"the body is not an Arrow IPC stream: {_short(exc)}") from exc
     with reader:
+        try:  # names are bytes in the stream (pyarrow decodes them when asked)
+            reader.schema.names  # noqa: B018
+        except UnicodeDecodeError as exc:
+            raise _invalid("a column name of the schema is not UTF-8") from exc
         plan = _plan(reader.schema)
         _check_layout(layout, plan, limits)
         batches: list[pa.RecordBatch] = []

@@ -255,8 +255,8 @@ def scan(
         index = len(messages)
         if index > max_messages:  # the schema, then at most max_messages batches
             raise IpcLimit(
-                f"the stream has more than {max_messages} record and dictionary batches; "
-                "write fewer, larger batches",
+                f"the stream has more than {max_messages} record and dictionary batches "
+                "(ADV_MAX_ARROW_BATCHES); write fewer, larger batches",
                 "record_batches",
             )
         start, meta_start, meta_end = pos, pos + 8, pos + 8 + length
