@@ -154,14 +154,6 @@ class _Table:
             raise IpcError(f"{self.fb.where}: a vector of its metadata runs past its end")
         return count, first
 
-    def string_length(self, pos: int) -> int:
-        """The length of the string whose offset is stored at ``pos`` (checked to fit)."""
-        start = pos + self.fb.u32(pos)
-        length = self.fb.u32(start)
-        if not start + 4 + length <= self.fb.end:
-            raise IpcError(f"{self.fb.where}: a string of its metadata runs past its end")
-        return length
-
 
 @dataclass(frozen=True)
 class BatchLayout:
@@ -204,7 +196,6 @@ class Message:
     dictionary_id: int = 0
     is_delta: bool = False
     metadata_keys: int = 0  # a schema's custom_metadata entries
-    metadata_bytes: int = 0  # their keys' and values' bytes
 
     @property
     def name(self) -> str:
@@ -230,8 +221,9 @@ def scan(
     Raises :class:`IpcError` for anything malformed or over a bound: the stream cut short or
     followed by other bytes, a message before the schema or a second schema, a tensor message,
     a schema message over ``max_schema_bytes`` or with more than ``max_metadata_keys`` metadata
-    entries, more than ``max_messages`` messages after the schema, and (see :func:`_batch`) any
-    buffer outside its message's body.
+    entries, more than ``max_messages`` messages after the schema (raised as
+    :class:`IpcLimit`). Each batch's nodes and buffers are left for the codec to check against
+    its schema (:func:`check_buffers`).
     """
     data = memoryview(body).cast("B")
     size = len(data)
@@ -300,8 +292,14 @@ def scan(
                     "schema",
                 )
             big_endian = header.scalar(0, "i16") == 1  # Endianness.Big
-            keys, key_bytes = _metadata_size(header, max_metadata_keys)
-            message = replace(message, metadata_keys=keys, metadata_bytes=key_bytes)
+            keys, _ = header.vector(2, 4)  # custom_metadata: [KeyValue]
+            if keys > max_metadata_keys:
+                raise IpcLimit(
+                    f"the schema metadata has {keys} entries; the limit is {max_metadata_keys} "
+                    "(the request's options go in advantage.request)",
+                    "metadata",
+                )
+            message = replace(message, metadata_keys=keys)
         elif kind == RECORD_BATCH:
             message = replace(message, batch=_batch(header, name))
         else:
@@ -323,26 +321,6 @@ def scan(
             f"the body has {size - pos} bytes after the Arrow IPC stream's end-of-stream marker"
         )
     return StreamLayout(messages, pos, big_endian)
-
-
-def _metadata_size(schema: _Table, max_keys: int) -> tuple[int, int]:
-    """(entries, bytes of keys and values) of the schema's custom metadata."""
-    count, first = schema.vector(2, 4)
-    if count > max_keys:
-        raise IpcLimit(
-            f"the schema metadata has {count} entries; the limit is {max_keys} "
-            "(the request's options go in advantage.request)",
-            "metadata",
-        )
-    total = 0
-    for i in range(count):
-        slot = first + 4 * i
-        entry = schema.fb.table(slot + schema.fb.u32(slot))
-        for field in (0, 1):
-            pos = entry.field(field)
-            if pos is not None:
-                total += entry.string_length(pos)
-    return count, total
 
 
 def _batch(table: _Table, name: str) -> BatchLayout:
