@@ -24,3 +24,13 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     server.start()
     yield server
     server.stop()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Long fuzzing runs (marker ``fuzz_long``) run only when selected: ``-m fuzz_long``."""
+    if "fuzz_long" in (config.getoption("markexpr", "") or ""):
+        return
+    skip = pytest.mark.skip(reason="a long fuzzing run: select it with -m fuzz_long")
+    for item in items:
+        if "fuzz_long" in item.keywords:
+            item.add_marker(skip)

@@ -89,6 +89,13 @@ class Settings(BaseSettings):
         description="rollouts in one request (counted before the body's numbers are parsed); "
         "above it the answer is 413",
     )
+    max_arrow_batches: int = Field(
+        default=1024,
+        ge=1,
+        description="record and dictionary batches in one Arrow request body; above it the "
+        "answer is 413 (each batch costs the decoder a few KB of objects however few rows it "
+        "holds: send few, large batches)",
+    )
     max_group_size: int = Field(
         default=1024, ge=1, description="rollouts in one group; above it the answer is 413"
     )

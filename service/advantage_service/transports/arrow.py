@@ -19,19 +19,27 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from advantage_client.errors import AdvantageError
-from advantage_client.flat import group_prompt_keys, prompt_ids
+from advantage_client.flat import (
+    MAX_CONDITION_NAME_LENGTH,
+    MAX_GROUP_ID_LENGTH,
+    group_prompt_keys,
+    prompt_ids,
+)
 
 from ..batch import TOKEN_INPUTS, RolloutBatch
-from ..errors import RequestError
+from ..config import Settings
+from ..errors import LimitExceeded, RequestError
 from ..estimators import AdvantageResult
 from ..wire import jsonio
 from ..wire.request import ComputeRequest, parse_options
+from . import arrow_ipc
 
 MEDIA_TYPE = "application/vnd.apache.arrow.stream"
 REQUEST_METADATA = b"advantage.request"
@@ -54,32 +62,265 @@ def _invalid(message: str, field: str | None = None, **where: Any) -> RequestErr
 
 # ---- request ------------------------------------------------------------------------------------
 
+# What an Arrow request may declare, beyond the service's settings (docs/http.md, "Arrow"). The
+# schema message carries the column names and types and the request's options (a few hundred
+# bytes in practice); pyarrow turns it into objects several times its size, so it is bounded
+# before pyarrow reads it.
+MAX_SCHEMA_BYTES = 1024 * 1024
+MAX_METADATA_KEYS = 64
+# Every array of every batch (a column, a list column's values, a dictionary) costs pyarrow
+# about 0.5-1 KB of objects however few values it holds, ~10x the bytes it takes in the stream:
+# 32768 arrays are at most ~16 MiB.
+MAX_ARRAYS = 32768
+# Integers a float64 holds exactly: a reward beyond would be computed as another number.
+MAX_EXACT_INTEGER = 2**53
 
-# The IPC stream's end-of-stream marker: continuation 0xFFFFFFFF, then a zero length.
-END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+
+@dataclass(frozen=True)
+class ArrowLimits:
+    """What one Arrow request body may hold, checked from the stream's metadata before any
+    buffer is read: the service's ``ADV_MAX_REQUEST_TOKENS``, ``ADV_MAX_REQUEST_ROLLOUTS`` and
+    ``ADV_MAX_ARROW_BATCHES``."""
+
+    max_tokens: int = Settings.model_fields["max_request_tokens"].default
+    max_rollouts: int = Settings.model_fields["max_request_rollouts"].default
+    max_batches: int = Settings.model_fields["max_arrow_batches"].default
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ArrowLimits:
+        return cls(
+            max_tokens=settings.max_request_tokens,
+            max_rollouts=settings.max_request_rollouts,
+            max_batches=settings.max_arrow_batches,
+        )
 
 
-def read_table(body: bytes | bytearray | memoryview) -> pa.Table:
-    """The IPC stream as one table; anything unreadable is a 422 ``invalid_arrow``, and so is a
-    stream cut before its end-of-stream marker or followed by other bytes (a truncated upload
-    must not be computed as if it were whole)."""
-    source = pa.BufferReader(pa.py_buffer(body))
+def _echo(name: str) -> str:
+    """A client's name as an error may repeat it: bounded, so an error stays an error."""
+    return repr(name) if len(name) <= 64 else repr(name[:64]) + f"... ({len(name)} characters)"
+
+
+@dataclass(frozen=True)
+class _Column:
+    """How a column of the schema is laid out in each record batch."""
+
+    name: str
+    kind: str  # "group_id", "reward", "list" or "null" (an optional column sent all null)
+    nodes: int
+    buffers: int
+    dictionary: bool = False
+
+
+def _plan(schema: pa.Schema) -> list[_Column]:
+    """The request's columns, checked from the schema alone (before any batch is read): known
+    names, no duplicates, the types the codec reads, teacher condition names within the JSON
+    limit."""
+    names = schema.names
+    if len(set(names)) != len(names):
+        duplicate = next(n for n in names if names.count(n) > 1)
+        raise _invalid(f"column {_echo(duplicate)} appears twice", field=duplicate[:64])
+    for name in names:
+        if name in REQUIRED_COLUMNS or name in TOKEN_INPUTS or name == PROMPT_KEY_COLUMN:
+            continue
+        if not name.startswith(TEACHER_PREFIX) or name == TEACHER_PREFIX:
+            raise RequestError(
+                "unknown_field",
+                f"unknown column {_echo(name)}; known: "
+                f"{[*REQUIRED_COLUMNS, PROMPT_KEY_COLUMN, *TOKEN_INPUTS]} and teacher.<condition>",
+                field=name[:64],
+            )
+        condition = name[len(TEACHER_PREFIX) :]
+        if len(condition) > MAX_CONDITION_NAME_LENGTH:
+            # (not echoed: it is too long to be a name)
+            raise LimitExceeded(
+                f"a teacher condition name (column teacher.<condition>) has {len(condition)} "
+                f"characters; the limit is {MAX_CONDITION_NAME_LENGTH}",
+                field="teacher_logprobs",
+            )
+    for name in REQUIRED_COLUMNS:
+        if name not in names:
+            raise _invalid(f"the table has no {name} column", field=name)
+    return [_plan_column(field) for field in schema]
+
+
+def _plan_column(field: pa.Field) -> _Column:
+    name, kind = field.name, field.type
+    if name == "group_id":
+        dictionary = pa.types.is_dictionary(kind)
+        values = kind.value_type if dictionary else kind
+        if not (pa.types.is_string(values) or pa.types.is_large_string(values)):
+            raise _invalid(f"group_id must be utf8, got {kind}", field="group_id")
+        return _Column(name, "group_id", 1, 2 if dictionary else 3, dictionary)
+    if name == PROMPT_KEY_COLUMN:
+        # Plain utf8 only: the layout check knows one dictionary column, group_id's.
+        if pa.types.is_null(kind):
+            return _Column(name, "null", 1, 0)
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise _invalid(
+                f"prompt_key must be a utf8 column (not dictionary-encoded), got {kind}",
+                field=PROMPT_KEY_COLUMN,
+            )
+        return _Column(name, "prompt_key", 1, 3)
+    if name == "reward":
+        if not (pa.types.is_floating(kind) or pa.types.is_integer(kind)):
+            raise RequestError(
+                "invalid_type", f"reward must be a number column, got {kind}", field="reward"
+            )
+        return _Column(name, "reward", 1, 2)
+    if pa.types.is_null(kind):
+        if name == "tokens":
+            raise RequestError("invalid_type", "tokens must be a list of token ids", field=name)
+        return _Column(name, "null", 1, 0)
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
+        raise _invalid(f"{name} must be a list column, got {kind}", field=name)
+    value_type = kind.value_type
+    integer = name == "tokens"
+    if not (pa.types.is_integer(value_type) or (not integer and pa.types.is_floating(value_type))):
+        want = "integers" if integer else "numbers"
+        raise RequestError("invalid_type", f"{name} must hold {want}, got {value_type}", field=name)
+    return _Column(name, "list", 2, 4)
+
+
+def _check_layout(layout: arrow_ipc.StreamLayout, plan: list[_Column], limits: ArrowLimits) -> None:
+    """Every batch laid out as the schema says, with its buffers inside its body, uncompressed,
+    and the stream's rows, tokens and arrays within the limits: all from the metadata, before
+    pyarrow reads a batch."""
+    nodes = sum(c.nodes for c in plan)
+    buffers = sum(c.buffers for c in plan)
+    tokens_node = 0
+    for column in plan:
+        if column.name == "tokens":
+            break
+        tokens_node += column.nodes
+    dictionary = next((c for c in plan if c.dictionary), None)
+    rows = tokens = arrays = 0
+    for message in layout.messages[1:]:
+        batch = message.batch
+        assert batch is not None  # scan() gives every batch message its layout
+        if batch.compressed:
+            raise _invalid(
+                f"{message.name} is compressed; the service reads uncompressed streams only "
+                "(write them with IpcWriteOptions(compression=None), pyarrow's default)"
+            )
+        if message.kind == arrow_ipc.DICTIONARY_BATCH:
+            if dictionary is None:
+                raise _invalid(f"{message.name}: no column of the schema is dictionary-encoded")
+            if message.is_delta:
+                raise _invalid(
+                    f"{message.name} is a delta dictionary; write dictionaries whole "
+                    "(pyarrow's default, emit_dictionary_deltas=False)",
+                    field="group_id",
+                )
+            want_nodes, want_buffers = 1, 3
+        else:
+            want_nodes, want_buffers = nodes, buffers
+        if (batch.node_count, batch.buffer_count, batch.variadic_counts) != (
+            want_nodes,
+            want_buffers,
+            0,
+        ):
+            raise _invalid(
+                f"{message.name} has {batch.node_count} arrays and {batch.buffer_count} buffers "
+                f"where its schema has {want_nodes} and {want_buffers}"
+            )
+        try:
+            arrow_ipc.check_buffers(batch, message.name, message.body_end - message.body_start)
+        except arrow_ipc.IpcError as exc:
+            raise _invalid(str(exc)) from exc
+        arrays += want_nodes
+        if message.kind == arrow_ipc.RECORD_BATCH:
+            rows += batch.length
+            tokens += max(0, batch.node(tokens_node + 1)[0])
+    if rows > limits.max_rollouts:
+        raise LimitExceeded(
+            f"the request has {rows} rollouts; the limit is {limits.max_rollouts} "
+            "(ADV_MAX_REQUEST_ROLLOUTS): split the batch",
+            field="rollouts",
+        )
+    if tokens > limits.max_tokens:
+        raise LimitExceeded(
+            f"the request has {tokens} tokens; the limit is {limits.max_tokens} "
+            "(ADV_MAX_REQUEST_TOKENS): split the batch",
+            field="tokens",
+        )
+    if arrays > MAX_ARRAYS:
+        raise LimitExceeded(
+            f"the stream has {len(layout.messages) - 1} batches of {arrays} arrays in all; the "
+            f"limit is {MAX_ARRAYS} arrays: write fewer, larger batches",
+            field="record_batches",
+        )
+
+
+def read_table(body: bytes | bytearray | memoryview, limits: ArrowLimits | None = None) -> pa.Table:
+    """The IPC stream as one table, every batch laid out as its schema says and within
+    ``limits`` (checked from the messages' metadata before pyarrow reads a batch), then every
+    column validated in full (offsets, UTF-8, dictionary indices and the dictionaries
+    themselves) before any value is read. Anything unreadable or invalid is a 422
+    ``invalid_arrow`` naming the column where one is to blame, and so is a stream cut before
+    its end-of-stream marker or followed by other bytes (a truncated upload must not be
+    computed as if it were whole); a stream over a limit is a 413 ``limit_exceeded``."""
+    limits = limits or ArrowLimits()
     try:
-        with pa.ipc.open_stream(source) as reader:
-            table = reader.read_all()
+        layout = arrow_ipc.scan(
+            body,
+            max_messages=limits.max_batches,
+            max_schema_bytes=MAX_SCHEMA_BYTES,
+            max_metadata_keys=MAX_METADATA_KEYS,
+        )
+    except arrow_ipc.IpcLimit as exc:
+        raise LimitExceeded(str(exc), field=exc.field) from exc
+    except arrow_ipc.IpcError as exc:
+        raise _invalid(f"the body is not a valid Arrow IPC stream: {exc}") from exc
+    if layout.big_endian:
+        raise _invalid("the stream is big-endian; send it little-endian (pyarrow's default)")
+    try:
+        # (never byte-swapped as read, whatever the schema says: big-endian is refused above,
+        # and swapping reads buffers by their unvalidated offsets)
+        options = pa.ipc.IpcReadOptions(ensure_native_endian=False)
+        reader = pa.ipc.open_stream(pa.BufferReader(pa.py_buffer(body)), options=options)
     except (pa.ArrowException, OSError, ValueError, TypeError, IndexError) as exc:
-        raise _invalid(f"the body is not an Arrow IPC stream: {exc}") from exc
-    end = source.tell()
-    if bytes(memoryview(body)[max(0, end - len(END_OF_STREAM)) : end]) != END_OF_STREAM:
-        raise _invalid(
-            "the Arrow IPC stream ends without its end-of-stream marker: the body is cut short"
-        )
-    if end != len(body):
-        raise _invalid(
-            f"the body has {len(body) - end} bytes after the Arrow IPC stream's end-of-stream "
-            "marker"
-        )
-    return table
+        raise _invalid(f"the body is not an Arrow IPC stream: {_short(exc)}") from exc
+    with reader:
+        try:  # names are bytes in the stream (pyarrow decodes them when asked)
+            reader.schema.names  # noqa: B018
+        except UnicodeDecodeError as exc:
+            raise _invalid("a column name of the schema is not UTF-8") from exc
+        plan = _plan(reader.schema)
+        _check_layout(layout, plan, limits)
+        batches: list[pa.RecordBatch] = []
+        while True:
+            try:
+                batch = reader.read_next_batch()
+            except StopIteration:
+                break
+            except (pa.ArrowException, OSError, ValueError, TypeError, IndexError) as exc:
+                raise _invalid(f"the body is not an Arrow IPC stream: {_short(exc)}") from exc
+            _validate(batch, len(batches))
+            batches.append(batch)
+        return pa.Table.from_batches(batches, reader.schema)
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc)
+    return text if len(text) <= 300 else text[:300] + "..."
+
+
+def _validate(batch: pa.RecordBatch, index: int) -> None:
+    """Every column of ``batch`` validated in full (a dictionary column's dictionary too)
+    before any of its values is read: offsets in order and inside their data, UTF-8, indices
+    inside their dictionary, child arrays as long as their offsets say."""
+    for name, column in zip(batch.schema.names, batch.columns, strict=True):
+        try:
+            column.validate(full=True)
+        except pa.ArrowException as exc:
+            raise _invalid(
+                f"column {_echo(name)} of record batch {index} is not valid Arrow: {_short(exc)}",
+                field=name[:64],
+            ) from exc
+    try:
+        batch.validate()  # every column as long as the batch
+    except pa.ArrowException as exc:
+        raise _invalid(f"record batch {index} is not valid Arrow: {_short(exc)}") from exc
 
 
 def request_options(schema: pa.Schema) -> dict[str, Any]:
@@ -104,9 +345,12 @@ def request_options(schema: pa.Schema) -> dict[str, Any]:
     return options
 
 
-def decode_request(body: bytes | bytearray | memoryview) -> ComputeRequest:
-    """An Arrow IPC request body as a validated :class:`ComputeRequest`."""
-    table = read_table(body)
+def decode_request(
+    body: bytes | bytearray | memoryview, limits: ArrowLimits | None = None
+) -> ComputeRequest:
+    """An Arrow IPC request body as a validated :class:`ComputeRequest` (see
+    :func:`read_table` for what is checked before any value is read)."""
+    table = read_table(body, limits)
     metadata = request_options(table.schema)
     options = parse_options(metadata)
     if metadata.get("groups") is not None:
@@ -116,7 +360,7 @@ def decode_request(body: bytes | bytearray | memoryview) -> ComputeRequest:
             "contain groups",
             field="groups",
         )
-    return options.with_batch(batch_from_table(table, options.vocab_size))
+    return options.with_batch(_batch_from_valid(table, options.vocab_size))
 
 
 class _Rows:
@@ -145,39 +389,96 @@ def _first(mask: pa.Array | np.ndarray) -> int:
 
 
 def _group_column(table: pa.Table) -> tuple[list[str], np.ndarray]:
-    column = _column(table, "group_id")
-    kind = column.type
-    if pa.types.is_dictionary(kind):
-        kind = kind.value_type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise _invalid(f"group_id must be utf8, got {column.type}", field="group_id")
-    if column.null_count:
-        row = _first(column.is_null())
-        raise RequestError("invalid_type", f"group_id of row {row} is null", field="group_id")
-    # dictionary_encode numbers distinct values in order of first appearance.
-    encoded = pc.dictionary_encode(column.cast(pa.string()))
-    group_ids = encoded.dictionary.to_pylist()
-    group_index = encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
-    return group_ids, group_index
+    """(group ids in order of first appearance, each row's group number).
+
+    Works from each batch's distinct ids (a dictionary's entries the rows use, or a plain
+    column's distinct values): never one string per row, so a dictionary of one long id
+    referenced by every row costs its bytes once. Ids are checked against the JSON limit
+    before they become Python strings."""
+    entries: list[pa.Array] = []
+    codes: list[np.ndarray] = []
+    row0 = base = 0
+    for chunk in table.column("group_id").chunks:
+        if pa.types.is_dictionary(chunk.type):
+            indices, dictionary = chunk.indices, chunk.dictionary
+        else:
+            encoded = pc.dictionary_encode(chunk)
+            indices, dictionary = encoded.indices, encoded.dictionary
+        if indices.null_count:
+            row = row0 + _first(indices.is_null())
+            raise RequestError("invalid_type", f"group_id of row {row} is null", field="group_id")
+        index = indices.to_numpy(zero_copy_only=False).astype(np.int64)
+        used, inverse = np.unique(index, return_inverse=True)
+        picked = dictionary.take(pa.array(used))
+        if picked.null_count:
+            entry = _first(picked.is_null())
+            row = row0 + int(np.flatnonzero(inverse == entry)[0])
+            raise RequestError("invalid_type", f"group_id of row {row} is null", field="group_id")
+        entries.append(picked)
+        codes.append(inverse.reshape(-1) + base)
+        base += len(picked)
+        row0 += len(chunk)
+    if not entries:
+        return [], np.zeros(0, np.int64)
+    distinct = pc.dictionary_encode(pa.concat_arrays(entries))
+    row_codes = distinct.indices.to_numpy(zero_copy_only=False).astype(np.int64)[
+        np.concatenate(codes)
+    ]
+    lengths = pc.utf8_length(distinct.dictionary).to_numpy(zero_copy_only=False)
+    too_long = np.flatnonzero(lengths > MAX_GROUP_ID_LENGTH)
+    if too_long.size:
+        entry = int(too_long[0])
+        row = int(np.flatnonzero(row_codes == entry)[0])
+        # (not echoed: it is too long to be an id)
+        raise LimitExceeded(
+            f"group_id of row {row} has {int(lengths[entry])} characters; the limit is "
+            f"{MAX_GROUP_ID_LENGTH}",
+            field="group_id",
+        )
+    # Number groups by first appearance.
+    present, first = np.unique(row_codes, return_index=True)
+    order = present[np.argsort(first)]
+    rank = np.empty(len(distinct.dictionary), np.int64)
+    rank[order] = np.arange(len(order))
+    return distinct.dictionary.take(pa.array(order)).to_pylist(), rank[row_codes]
+
+
+def _rewards(table: pa.Table, rows: _Rows) -> np.ndarray:
+    reward = _column(table, "reward")
+    if reward.null_count:
+        row = _first(reward.is_null())
+        raise RequestError("invalid_type", "reward is null", field="reward", **rows.where(row))
+    if pa.types.is_int64(reward.type) or pa.types.is_uint64(reward.type):
+        values = reward.to_numpy(zero_copy_only=False)
+        inexact = values > MAX_EXACT_INTEGER
+        if pa.types.is_int64(reward.type):
+            inexact |= values < -MAX_EXACT_INTEGER
+        if inexact.any():
+            row = _first(inexact)
+            raise RequestError(
+                "out_of_range",
+                f"reward {int(values[row])} is an integer a float64 cannot hold exactly "
+                f"(beyond +-2^53); send it as a float",
+                field="reward",
+                **rows.where(row),
+            )
+    return reward.cast(pa.float64()).to_numpy(zero_copy_only=False)
 
 
 def _list_column(
     table: pa.Table, name: str, rows: _Rows, integer: bool
 ) -> tuple[np.ndarray, np.ndarray] | None:
-    """(offsets int64 (B+1,) from 0, values (N,)) of a list column; None when every row is null.
+    """(offsets int64 (B+1,) from 0, values (N,)) of a validated list column; None when it is
+    all null (or of the null type).
 
     A null row (given for some rollouts, not this one) and a null value are request errors.
+    The first offset need not be 0 (a slice of a longer array): only the values between the
+    first and the last offset are read.
     """
     column = _column(table, name)
-    if column.null_count == len(column) and len(column):
+    if pa.types.is_null(column.type) or (column.null_count == len(column) and len(column)):
         return None
-    if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
-        raise _invalid(f"{name} must be a list column, got {column.type}", field=name)
     value_type = column.type.value_type
-    numeric = pa.types.is_integer(value_type) or (not integer and pa.types.is_floating(value_type))
-    if not numeric:
-        want = "integers" if integer else "numbers"
-        raise RequestError("invalid_type", f"{name} must hold {want}, got {value_type}", field=name)
     if column.null_count:
         row = _first(column.is_null())
         raise RequestError(
@@ -213,38 +514,21 @@ def _list_column(
 
 
 def batch_from_table(table: pa.Table, vocab_size: int | None = None) -> RolloutBatch:
-    """The request table as a validated flat batch (errors name group, rollout and column)."""
-    names = table.column_names
-    if len(set(names)) != len(names):
-        duplicate = next(n for n in names if names.count(n) > 1)
-        raise _invalid(f"column {duplicate!r} appears twice", field=duplicate)
-    for name in names:
-        if name in REQUIRED_COLUMNS or name in TOKEN_INPUTS or name == PROMPT_KEY_COLUMN:
-            continue
-        if not name.startswith(TEACHER_PREFIX) or name == TEACHER_PREFIX:
-            raise RequestError(
-                "unknown_field",
-                f"unknown column {name!r}; known: "
-                f"{[*REQUIRED_COLUMNS, PROMPT_KEY_COLUMN, *TOKEN_INPUTS]} and "
-                "teacher.<condition>",
-                field=name,
-            )
-    for name in REQUIRED_COLUMNS:
-        if name not in names:
-            raise _invalid(f"the table has no {name} column", field=name)
+    """The request table as a validated flat batch (errors name group, rollout and column);
+    the table is validated in full first, as a decoded stream is."""
+    _plan(table.schema)
+    for index, batch in enumerate(table.to_batches()):
+        _validate(batch, index)
+    return _batch_from_valid(table, vocab_size)
 
+
+def _batch_from_valid(table: pa.Table, vocab_size: int | None) -> RolloutBatch:
+    """:func:`batch_from_table` of a table whose schema passed :func:`_plan` and whose every
+    batch passed :func:`_validate`."""
+    names = table.column_names
     group_ids, group_index = _group_column(table)
     rows = _Rows(group_ids, group_index)
-
-    reward = _column(table, "reward")
-    if not (pa.types.is_floating(reward.type) or pa.types.is_integer(reward.type)):
-        raise RequestError(
-            "invalid_type", f"reward must be a number column, got {reward.type}", field="reward"
-        )
-    if reward.null_count:
-        row = _first(reward.is_null())
-        raise RequestError("invalid_type", "reward is null", field="reward", **rows.where(row))
-    rewards = reward.cast(pa.float64()).to_numpy(zero_copy_only=False)
+    rewards = _rewards(table, rows)
 
     tokens = _list_column(table, "tokens", rows, integer=True)
     if tokens is None:
@@ -299,9 +583,18 @@ def _prompt_ids(table: pa.Table, group_ids: list[str], group_index: np.ndarray) 
     if PROMPT_KEY_COLUMN not in table.column_names:
         return None
     column = _column(table, PROMPT_KEY_COLUMN)
-    kind = column.type.value_type if pa.types.is_dictionary(column.type) else column.type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)):
-        raise _invalid(f"prompt_key must be utf8, got {column.type}", field=PROMPT_KEY_COLUMN)
+    if pa.types.is_null(column.type):
+        return None
+    # (lengths from the offsets, before any key becomes a Python string)
+    lengths = pc.utf8_length(column).to_numpy(zero_copy_only=False)
+    too_long = np.flatnonzero(np.nan_to_num(lengths.astype(np.float64)) > MAX_GROUP_ID_LENGTH)
+    if too_long.size:
+        row = int(too_long[0])
+        raise LimitExceeded(
+            f"prompt_key of row {row} has {int(lengths[row])} characters; the limit is "
+            f"{MAX_GROUP_ID_LENGTH}",
+            field=PROMPT_KEY_COLUMN,
+        )
     try:
         keys = group_prompt_keys(column.cast(pa.string()).to_pylist(), group_ids, group_index)
     except AdvantageError as exc:

@@ -323,6 +323,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     )
     app.state.engine = engine
     app.state.settings = settings
+    arrow_limits = arrow.ArrowLimits.from_settings(settings)
     app.add_middleware(CloseWhenDraining, engine=engine)
     app.mount(DOCS_ASSETS, StaticFiles(directory=str(swagger_ui_path)), name="docs-assets")
 
@@ -428,7 +429,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
                 return Response(status_code=400)
             with ticket:
                 decode = releasing(
-                    arrow.decode_request
+                    partial(arrow.decode_request, limits=arrow_limits)
                     if fmt == "arrow"
                     else partial(decode_json, limits=engine.body_limits),
                     body,
