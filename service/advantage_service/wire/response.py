@@ -33,11 +33,15 @@ def build_response(
     rows = [
         dict(zip(columns, values, strict=True)) for values in zip(*columns.values(), strict=True)
     ]
+    # Rollouts in group order: the rows of a group need not be adjacent (an Arrow table, a
+    # padded batch), and within a group they keep the order they came in.
+    group_index = batch.group_index.cpu().numpy()
+    order = np.argsort(group_index, kind="stable")
     sizes = batch.group_sizes.cpu().tolist()
     groups = []
     start = 0
     for gid, size in zip(batch.group_ids, sizes, strict=True):
-        groups.append({"id": gid, "rollouts": rows[start : start + size]})
+        groups.append({"id": gid, "rollouts": [rows[i] for i in order[start : start + size]]})
         start += size
     return {
         "request_id": req.request_id,
