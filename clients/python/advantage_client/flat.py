@@ -103,6 +103,8 @@ EXACT_INTEGER_LIMIT = 2**53
 # Token ids at or above this cannot be a vocabulary's (the batch holds them as int32).
 TOKEN_ID_LIMIT = 2**31
 MAX_CONDITION_NAME_LENGTH = 64
+# Distinct teacher_logprobs conditions in a request (every rollout gives the same ones).
+MAX_TEACHER_CONDITIONS = 64
 
 
 def _too_long(what: str, length: int, limit: int, field: str, **where: Any) -> AdvantageError:
@@ -279,9 +281,7 @@ def flatten_groups(groups: Any) -> FlatGroups:
         if len(gid) > MAX_GROUP_ID_LENGTH:  # (not echoed: it is too long to be an id)
             raise _too_long(f"groups[{g}].id", len(gid), MAX_GROUP_ID_LENGTH, "id")
         if not gid:  # (as on gRPC streams, which key groups by id: every transport alike)
-            raise _error(
-                "invalid_value", f"groups[{g}].id must be a non-empty string", field="id"
-            )
+            raise _error("invalid_value", f"groups[{g}].id must be a non-empty string", field="id")
         extra = set(group) - {"id", "rollouts"}
         if extra:
             raise _error(
@@ -396,6 +396,14 @@ def flatten_groups(groups: Any) -> FlatGroups:
                         **where(r),
                     )
             teacher_names.update(teacher)
+            if len(teacher_names) > MAX_TEACHER_CONDITIONS:
+                raise _error(
+                    "limit_exceeded",
+                    f"the request has more than {MAX_TEACHER_CONDITIONS} teacher_logprobs "
+                    "conditions",
+                    field="teacher_logprobs",
+                    **where(r),
+                )
 
     # (1-D arrays: len is their size)
     lengths = [len(t) for t in token_lists]

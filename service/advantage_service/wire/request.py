@@ -29,10 +29,10 @@ DEFAULT_NAMESPACE = "default"
 # names are the registry's (the longest preset, parameter or diagnostic name is 21 characters).
 MAX_REQUEST_ID_LENGTH = 256
 MAX_NAMESPACE_LENGTH = 128
-# (Group ids, 256, and teacher condition names, 64: advantage_client.flat's MAX_GROUP_ID_LENGTH
-# and MAX_CONDITION_NAME_LENGTH, which the client's builder checks too.)
+# (Group ids, 256, teacher condition names, 64, and 64 distinct conditions in a request:
+# advantage_client.flat's MAX_GROUP_ID_LENGTH, MAX_CONDITION_NAME_LENGTH and
+# MAX_TEACHER_CONDITIONS, which the client's builder checks too.)
 MAX_NAME_LENGTH = 64  # estimator, preset, outcome, term and parameter names and string values
-MAX_TEACHER_CONDITIONS = 64  # distinct teacher_logprobs conditions in a request
 MAX_RETURN_NAMES = 64  # entries of `return` (there are fewer diagnostics than that)
 MAX_IGNORE_TOKEN_IDS = 65_536
 MAX_ESTIMATOR_JSON_BYTES = 16_384  # the estimator value as JSON text (gRPC's estimator_json)
