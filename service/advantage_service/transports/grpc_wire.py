@@ -320,9 +320,8 @@ def _check_teacher(data: bytes, start: int, stop: int, teachers: dict[bytes, _Te
                 )
             key = data[a:b]
         elif number == MAP_VALUE and kind == LEN:
-            value = _Tensor()  # (a map entry's value is replaced, not merged)
-            value.merge(data, a, b)
-    teachers[key] = value
+            value.merge(data, a, b)  # (within an entry a message field merges ...)
+    teachers[key] = value  # (... and an entry replaces one of the same key)
     if len(teachers) > MAX_TEACHER_CONDITIONS:
         raise LimitExceeded(
             f"the request has more than {MAX_TEACHER_CONDITIONS} teacher_logprobs conditions",
