@@ -54,7 +54,7 @@ def dumps(obj: Any) -> str:
     return dumps_bytes(obj).decode()
 
 
-def loads(text: str | bytes) -> Any:
+def loads(text: str | bytes | bytearray) -> Any:
     """Parse request JSON; malformed text raises RequestError (code ``invalid_json``)."""
     try:
         return json.loads(text)
@@ -177,7 +177,9 @@ class _Scan:
         self.body = body
         self.limits = limits
         self.nonce = nonce
-        self.out = bytearray()
+        self.out = bytearray()  # the skeleton: the body up to ``copied``, markers for arrays
+        self.copied = 0
+        self.view = memoryview(body)
         self.over = False  # over the token or rollout limit: counting to the end
         self.spans = array("q")
         self.stack: list[_Frame] = []
@@ -196,18 +198,21 @@ class _Scan:
 
     # ---- the scan --------------------------------------------------------------------------
 
-    def run(self) -> bytes:
+    def run(self) -> bytearray:
         body, search, stack = self.body, _TOKEN.search, self.stack
-        view = memoryview(body)
         strict = self.limits is not None
+        known = self.keys
         pos, size = 0, len(body)
-        while True:  # (the hot loop of a large request: keys and brackets inline)
+        while True:  # (the hot loop of a request of many rollouts: their tokens inline)
             match = search(body, pos)
             start = size if match is None else match.start()
-            if start > pos:
-                if strict and stack and (self.region is not None or stack[-1].role in _COUNTED):
-                    self._gap(pos, start)
-                self.out += view[pos:start]
+            if (
+                start > pos
+                and strict
+                and stack
+                and (self.region is not None or stack[-1].role in _COUNTED)
+            ):
+                self._gap(pos, start)
             if match is None:
                 break
             if self.root_done:
@@ -215,23 +220,40 @@ class _Scan:
                     raise RequestError(
                         "invalid_json", "request body is not valid JSON: extra data after it"
                     )
-                self.out += view[start:]
                 break
             pos = match.end()
             kind = match.lastindex
+            frame = stack[-1] if stack else None
             if kind == 3:  # a string with its colon: a key
-                self._key(stack[-1] if stack else None, match.group(2), start)
-                self.out += view[start:pos]
+                key = known.get(match.group(2))
+                if (
+                    key is not None
+                    and frame is not None
+                    and frame.role == _ROLLOUT
+                    and (frame.keys < MAX_FIELDS)
+                ):  # (a key seen before, checked then: nothing to check for a rollout)
+                    frame.key = key
+                    frame.keys += 1
+                else:
+                    self._key(frame, match.group(2), start)
+            elif (
+                kind == 1
+                and frame is not None
+                and frame.role == _ROLLOUT
+                and (frame.key in _PER_TOKEN_FIELDS)
+            ):
+                self._per_token(frame.key, start, pos)
             elif kind == 6:
-                self._close(start)
-                self.out += view[start:pos]
+                if frame is not None and frame.role == _ROLLOUT:
+                    stack.pop()  # (a rollout's end: nothing to count)
+                else:
+                    self._close(start)
             else:
                 pos = self._token(match, kind)
-            if self.over:  # (sure to be refused: nothing more is kept)
-                self.out.clear()
         if self.over:
             self._refuse_counts()
-        return bytes(self.out)
+        self.out += self.view[self.copied :]
+        return self.out
 
     def _gap(self, start: int, end: int) -> None:
         """Punctuation and scalars between two tokens: commas of the arrays that are counted,
@@ -260,17 +282,14 @@ class _Scan:
             colon = blank.end() if blank is not None else end
             is_key = colon < len(self.body) and self.body[colon] == ord(":")
             self._too_long(parent, is_key, None, start)
-            self.out += self.body[start:end]
             return end
         role, field = self._expect(parent)
         if kind == 2:
             self._value_string(role, match.group(2), start)
-            self.out += self.body[start:end]
         elif kind == 1:
             self._numbers(role, field, start, end)
         else:
             self._open(role, field, start, end)
-            self.out += self.body[start:end]
         if self.region is not None:
             self._check_region(end)
         return end
@@ -347,8 +366,8 @@ class _Scan:
         key = self.keys.get(raw)
         if key is None:
             key = _decode_key(raw)
-            if len(self.keys) < 256:  # (the same few keys repeat in every rollout)
-                self.keys[raw] = key
+            if len(self.keys) < 256 and key is not None and len(key) <= MAX_NAME_LENGTH:
+                self.keys[raw] = key  # (the same few keys repeat in every rollout)
         if frame is None:
             return  # (a key outside any object: json says where)
         frame.key = key
@@ -400,21 +419,7 @@ class _Scan:
         """An array of numbers only: a rollout's per-token values become a marker."""
         body, limits = self.body, self.limits
         if role == _PER_TOKEN:
-            if limits is not None:
-                count = _count(body, start, end)
-                name = field or "tokens"
-                if name == "tokens":
-                    self.tokens += count
-                    if self.tokens > limits.max_tokens:
-                        self._count_to_the_end()
-                else:  # (one value per token: more than the token limit is never right)
-                    total = self.values.get(name, 0) + count
-                    self.values[name] = total
-                    if total > limits.max_tokens:
-                        self._count_to_the_end()
-            if not self.over:
-                self.spans.extend((start, end))
-                self.out += b'"%s%d"' % (self.nonce, len(self.spans) // 2 - 1)
+            self._per_token(field, start, end)
             return
         if limits is not None:
             if role == _IGNORE:
@@ -430,7 +435,27 @@ class _Scan:
                 # (a list of numbers where the schema has none: groups, rollouts, a reward...)
                 self.unexpected += end - start
                 self._check_unexpected(field, end - start)
-        self.out += body[start:end]
+
+    def _per_token(self, field: str | None, start: int, end: int) -> None:
+        """A rollout's per-token array of numbers: counted, and a marker in the skeleton."""
+        body, limits = self.body, self.limits
+        if limits is not None:
+            count = _count(body, start, end)
+            name = field or "tokens"
+            if name == "tokens":
+                self.tokens += count
+                if self.tokens > limits.max_tokens:
+                    self._count_to_the_end()
+            else:  # (one value per token: more than the token limit is never right)
+                total = self.values.get(name, 0) + count
+                self.values[name] = total
+                if total > limits.max_tokens:
+                    self._count_to_the_end()
+        if not self.over:  # (over a limit: sure to be refused, nothing more is kept)
+            self.spans.extend((start, end))
+            self.out += self.view[self.copied : start]
+            self.out += b'"%s%d"' % (self.nonce, len(self.spans) // 2 - 1)
+            self.copied = end
 
     # ---- limits ------------------------------------------------------------------------------
 
