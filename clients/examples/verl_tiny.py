@@ -24,7 +24,6 @@ import uuid
 import numpy as np
 import ray
 import torch
-
 from advantage_client.integrations import verl as adv_verl
 
 WORDS = ["pad", "eos", "a", "b", "c", "d", "e", "f", "g", "h", "find", "x", "y", "z"]
@@ -122,7 +121,9 @@ def main() -> None:
         trainer = Trainer.remote(args.seed)
         for step in range(args.steps):
             stats = ray.get(trainer.step.remote(f"adv_{args.estimator}"))
-            print(f"step {step}: reward {stats['reward']:.3f} loss {stats['loss']:+.4f}", flush=True)
+            print(
+                f"step {step}: reward {stats['reward']:.3f} loss {stats['loss']:+.4f}", flush=True
+            )
     finally:
         ray.shutdown()
 

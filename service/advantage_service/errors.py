@@ -8,7 +8,37 @@ UNAUTHENTICATED, PERMISSION_DENIED, UNAVAILABLE, DEADLINE_EXCEEDED) without look
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any
+
+# How much of a value a client sent an error message repeats (``shown``), and the longest an
+# error's message, group id and field may be whatever built them: an error carries a megabyte
+# name back to no one (over gRPC, trailing metadata that long would turn INVALID_ARGUMENT into
+# RESOURCE_EXHAUSTED; over HTTP it would be a megabyte of answer).
+ECHO_CHARS = 64
+MAX_MESSAGE_CHARS = 1024
+MAX_LOCATOR_CHARS = 256  # group_id and field: the longest id a request may carry
+
+
+def shown(value: Any, limit: int = ECHO_CHARS) -> str:
+    """``repr(value)`` for an error message, at most about ``limit`` characters: long strings
+    and containers are abbreviated (reprlib), never rendered whole first."""
+    if isinstance(value, str | bytes) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value)} characters)"
+    text = _REPR.repr(value)
+    return text if len(text) <= 2 * limit else f"{text[: 2 * limit]}..."
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = ECHO_CHARS
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 8
+_REPR.maxlevel = 3
+
+
+def _bounded(text: str | None, limit: int) -> str | None:
+    if text is None or len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
 
 
 class RequestError(ValueError):
@@ -28,12 +58,13 @@ class RequestError(ValueError):
         field: str | None = None,
         status: int = 422,
     ) -> None:
+        message = _bounded(message, MAX_MESSAGE_CHARS) or ""
         super().__init__(message)
         self.code = code
         self.message = message
-        self.group_id = group_id
+        self.group_id = _bounded(group_id, MAX_LOCATOR_CHARS)
         self.rollout_index = rollout_index
-        self.field = field
+        self.field = _bounded(field, MAX_LOCATOR_CHARS)
         self.status = status
 
     def to_dict(self) -> dict[str, Any]:

@@ -89,6 +89,8 @@ def test_the_decode_is_json_loads_with_the_rollouts_arrays_as_numpy(
     text = json.dumps(body, indent=indent).encode()
     got = loads_request(text)
     same(got, json.loads(text))
+    # Within the limits, the bounded scan refuses nothing and gives the same.
+    same(loads_request(text, BodyLimits(max_tokens=10**6, max_rollouts=100)), json.loads(text))
     assert isinstance(got["ignore_token_ids"], list)  # arrays outside rollouts stay lists
     for rollout in got["groups"][0]["rollouts"]:
         # Token ids reach the builder as numpy arrays (json's lists only past int64).

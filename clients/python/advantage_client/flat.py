@@ -105,9 +105,14 @@ class FlatGroups:
 # back): group ids and teacher condition names.
 MAX_GROUP_ID_LENGTH = 256
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+# Integers a float64 holds exactly: a larger integer reward would be silently rounded (JSON
+# carries it exactly), so it is refused on every transport.
+EXACT_INTEGER_LIMIT = 2**53
 # Token ids at or above this cannot be a vocabulary's (the batch holds them as int32).
 TOKEN_ID_LIMIT = 2**31
 MAX_CONDITION_NAME_LENGTH = 64
+# Distinct teacher_logprobs conditions in a request (every rollout gives the same ones).
+MAX_TEACHER_CONDITIONS = 64
 
 
 def prompt_ids(group_ids: Sequence[str], keys: Sequence[str | None] | None) -> list[str] | None:
@@ -335,13 +340,15 @@ def flatten_groups(groups: Any) -> FlatGroups:
             )
         if len(gid) > MAX_GROUP_ID_LENGTH:  # (not echoed: it is too long to be an id)
             raise _too_long(f"groups[{g}].id", len(gid), MAX_GROUP_ID_LENGTH, "id")
+        if not gid:  # (as on gRPC streams, which key groups by id: every transport alike)
+            raise _error("invalid_value", f"groups[{g}].id must be a non-empty string", field="id")
         extra = set(group) - {"id", "prompt_key", "rollouts"}
         if extra:
             raise _error(
                 "unknown_field",
-                f"group has unknown fields {sorted(extra)}",
+                f"group has unknown fields {sorted(map(str, extra))!r:.120}",
                 group_id=gid,
-                field=sorted(extra)[0],
+                field=sorted(map(str, extra))[0],
             )
         members = group.get("rollouts")
         if not _sequence(members) or not members:
@@ -378,10 +385,11 @@ def flatten_groups(groups: Any) -> FlatGroups:
     for r, rollout in enumerate(rollouts):
         extra = set(rollout) - set(ROLLOUT_FIELDS)
         if extra:
+            names = sorted(map(str, extra))
             raise _error(
                 "unknown_field",
-                f"rollout has unknown fields {sorted(extra)}; known: {list(ROLLOUT_FIELDS)}",
-                field=sorted(extra)[0],
+                f"rollout has unknown fields {names!r:.120}; known: {list(ROLLOUT_FIELDS)}",
+                field=names[0],
                 **where(r),
             )
         tokens = rollout.get("tokens")
@@ -395,7 +403,7 @@ def flatten_groups(groups: Any) -> FlatGroups:
         if not is_number(reward):
             raise _error(
                 "invalid_type",
-                f"reward must be a number, got {reward!r}",
+                f"reward must be a number, got {reward!r:.80}",
                 field="reward",
                 **where(r),
             )
@@ -403,6 +411,14 @@ def flatten_groups(groups: Any) -> FlatGroups:
             raise _error(
                 "invalid_value",
                 "reward is out of range; it must be finite",
+                field="reward",
+                **where(r),
+            )
+        if _is_integer(reward) and abs(int(reward)) > EXACT_INTEGER_LIMIT:
+            raise _error(
+                "invalid_value",
+                "reward is an integer beyond 2**53 (9007199254740992), which a float64 cannot "
+                "hold exactly; send it as a float",
                 field="reward",
                 **where(r),
             )
@@ -445,6 +461,14 @@ def flatten_groups(groups: Any) -> FlatGroups:
                         **where(r),
                     )
             teacher_names.update(teacher)
+            if len(teacher_names) > MAX_TEACHER_CONDITIONS:
+                raise _error(
+                    "limit_exceeded",
+                    f"the request has more than {MAX_TEACHER_CONDITIONS} teacher_logprobs "
+                    "conditions",
+                    field="teacher_logprobs",
+                    **where(r),
+                )
 
     # (1-D arrays: len is their size)
     lengths = [len(t) for t in token_lists]

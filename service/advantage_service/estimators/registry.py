@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..batch import RolloutBatch
-from ..errors import RequestError
+from ..errors import RequestError, shown
 from .state import PendingRead, TermState
 
 
@@ -43,25 +43,27 @@ class Param:
             if not isinstance(value, bool):
                 raise RequestError(
                     "invalid_parameter",
-                    f"{where} must be true or false, got {value!r}",
+                    f"{where} must be true or false, got {shown(value)}",
                     field=where,
                 )
             return value
         if self.kind is str:
             if not isinstance(value, str):
                 raise RequestError(
-                    "invalid_parameter", f"{where} must be a string, got {value!r}", field=where
+                    "invalid_parameter",
+                    f"{where} must be a string, got {shown(value)}",
+                    field=where,
                 )
             if self.choices is not None and value not in self.choices:
                 raise RequestError(
                     "out_of_range",
-                    f"{where} must be one of {list(self.choices)}, got {value!r}",
+                    f"{where} must be one of {list(self.choices)}, got {shown(value)}",
                     field=where,
                 )
             return value
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise RequestError(
-                "invalid_parameter", f"{where} must be a number, got {value!r}", field=where
+                "invalid_parameter", f"{where} must be a number, got {shown(value)}", field=where
             )
         try:
             number = float(value)
@@ -69,7 +71,7 @@ class Param:
             number = math.inf
         if not math.isfinite(number):
             raise RequestError(
-                "out_of_range", f"{where} must be finite, got {value!r}", field=where
+                "out_of_range", f"{where} must be finite, got {shown(value)}", field=where
             )
         if self.minimum is not None and (
             number < self.minimum or (self.exclusive_minimum and number == self.minimum)
@@ -77,12 +79,14 @@ class Param:
             bound = ">" if self.exclusive_minimum else ">="
             raise RequestError(
                 "out_of_range",
-                f"{where} must be {bound} {self.minimum:g}, got {value!r}",
+                f"{where} must be {bound} {self.minimum:g}, got {shown(value)}",
                 field=where,
             )
         if self.maximum is not None and number > self.maximum:
             raise RequestError(
-                "out_of_range", f"{where} must be <= {self.maximum:g}, got {value!r}", field=where
+                "out_of_range",
+                f"{where} must be <= {self.maximum:g}, got {shown(value)}",
+                field=where,
             )
         return number
 
@@ -112,7 +116,7 @@ def resolve_params(
         if name not in known and name not in skip:
             raise RequestError(
                 "unknown_parameter",
-                f"{where} has no parameter {name!r}; known: {sorted(known) or 'none'}",
+                f"{where} has no parameter {shown(name)}; known: {sorted(known) or 'none'}",
                 field=f"{where}.{name}",
             )
     return {

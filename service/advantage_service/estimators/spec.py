@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import RequestError
+from ..errors import RequestError, shown
 from .registry import OUTCOMES, TERMS, Param, resolve_params
 
 DEFAULT_PRESET = "grpo"
@@ -74,7 +74,7 @@ def resolve_estimator(spec: str | Mapping[str, Any] | EstimatorSpec | None) -> E
         if spec not in table:
             raise RequestError(
                 "unknown_estimator",
-                f"unknown estimator {spec!r}; presets: {sorted(table)}",
+                f"unknown estimator {shown(spec)}; presets: {sorted(table)}",
                 field="estimator",
             )
         spec = table[spec]
@@ -87,7 +87,7 @@ def resolve_estimator(spec: str | Mapping[str, Any] | EstimatorSpec | None) -> E
         if key not in allowed:
             raise RequestError(
                 "unknown_parameter",
-                f"estimator has no field {key!r}; known: {sorted(allowed)}",
+                f"estimator has no field {shown(key)}; known: {sorted(allowed)}",
                 field=f"estimator.{key}",
             )
     outcome_spec = spec.get("outcome", DEFAULT_PRESET)
@@ -103,7 +103,7 @@ def resolve_estimator(spec: str | Mapping[str, Any] | EstimatorSpec | None) -> E
     if name not in OUTCOMES:
         raise RequestError(
             "unknown_estimator",
-            f"unknown outcome baseline {name!r}; known: {sorted(OUTCOMES)}",
+            f"unknown outcome baseline {shown(name)}; known: {sorted(OUTCOMES)}",
             field="estimator.outcome.name",
         )
     outcome = OUTCOMES[name]

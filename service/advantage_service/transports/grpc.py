@@ -40,12 +40,13 @@ from .grpc_codec import (
     TRANSPORT,
     Malformed,
     abort,
-    decode_compute_request,
+    decode_compute_message,
     encode_compute_response,
     estimators_message,
     lenient,
 )
 from .grpc_stream import StreamEnd, StreamLimits, StreamSession
+from .grpc_wire import MessageLimits
 
 log = logging.getLogger("advantage_service.grpc")
 
@@ -55,11 +56,13 @@ STREAM_RETRY_MS = 1000
 
 def add_servicer(servicer: AdvantageServicer, server: grpc.aio.Server) -> None:
     """Register the servicer as the generated ``add_AdvantageServiceServicer_to_server`` does,
-    with deserializers that let a corrupt message be answered INVALID_ARGUMENT."""
+    with deserializers that let a corrupt message be answered INVALID_ARGUMENT. ``Compute``
+    takes the message's bytes: it checks them against the limits before protobuf parses them
+    (grpc_wire), on a codec thread."""
     handlers = {
         "Compute": grpc.unary_unary_rpc_method_handler(
             servicer.Compute,
-            request_deserializer=lenient(pb.ComputeRequest.FromString),
+            request_deserializer=None,
             response_serializer=pb.ComputeResponse.SerializeToString,
         ),
         "StreamCompute": grpc.stream_stream_rpc_method_handler(
@@ -88,6 +91,11 @@ class AdvantageServicer(pb_grpc.AdvantageServiceServicer):
         self.limits = limits if limits is not None else StreamLimits.from_settings(settings)
         self._estimators = estimators_message()
         self.open_streams = 0
+        self.message_limits = MessageLimits(
+            max_tokens=settings.max_request_tokens,
+            max_rollouts=settings.max_request_rollouts,
+            max_group_size=settings.max_group_size,
+        )
 
     async def _authenticate(self, context: grpc.aio.ServicerContext, call: Call) -> Principal:
         """The caller's principal from the ``authorization: Bearer ...`` metadata (kept on
@@ -105,15 +113,13 @@ class AdvantageServicer(pb_grpc.AdvantageServiceServicer):
         return call.principal
 
     async def Compute(
-        self, request: pb.ComputeRequest, context: grpc.aio.ServicerContext
+        self, request: bytes, context: grpc.aio.ServicerContext
     ) -> pb.ComputeResponse:
         try:
             with self.engine.call(TRANSPORT) as call:
                 principal = await self._authenticate(context, call)
-                if isinstance(request, Malformed):
-                    raise request.error()
                 computed = await self.engine.compute(
-                    partial(decode_compute_request, request),
+                    partial(decode_compute_message, request, self.message_limits),
                     TRANSPORT,
                     encode=encode_compute_response,
                     principal=principal,

@@ -20,7 +20,14 @@ from ..errors import LimitExceeded, Overloaded, RequestError
 from ..estimators import AdvantageResult
 from ..wire import jsonio
 from ..wire.listing import estimator_listing
-from ..wire.request import ComputeRequest, parse_options
+from ..wire.request import (
+    MAX_ESTIMATOR_JSON_BYTES,
+    MAX_IGNORE_TOKEN_IDS,
+    MAX_RETURN_NAMES,
+    ComputeRequest,
+    parse_options,
+)
+from .grpc_wire import MessageLimits, check_compute_request, malformed
 from .openapi import EstimatorListing
 
 TRANSPORT = "grpc"
@@ -41,6 +48,12 @@ FIELD_KEY = "advantage-field-bin"
 RETRY_AFTER_KEY = "retry-after"
 RETRY_AFTER_MS_KEY = "retry-after-ms"
 INTERNAL_MESSAGE = "internal error; see the service log"
+# The longest status message sent, in UTF-8 bytes: grpc-message is percent-encoded (a byte
+# outside printable ASCII takes 3), and with the trailing metadata it must stay well under
+# the 8 KiB of headers a client accepts, or the client sees RESOURCE_EXHAUSTED instead.
+MAX_STATUS_BYTES = 1024
+# Integers a float64 (and so the batch's float rewards) holds exactly.
+EXACT_INTEGER_LIMIT = 2**53
 SHUTTING_DOWN = RequestError(
     "shutting_down", "the service is shutting down; retry on another replica", status=503
 )
@@ -93,7 +106,28 @@ def write_tensor(values: np.ndarray) -> pb.Tensor:
 
 
 def options_object(options: pb.ComputeOptions, request_id: str = "") -> dict[str, Any]:
-    """The wire options as the HTTP JSON request's top-level fields (without ``groups``)."""
+    """The wire options as the HTTP JSON request's top-level fields (without ``groups``), the
+    sizes of its lists and of its estimator JSON checked before they are expanded."""
+    if len(options.estimator_json) > MAX_ESTIMATOR_JSON_BYTES:
+        raise RequestError(  # (grpc_wire's answer to the same)
+            "invalid_parameter",
+            f"estimator_json has {len(options.estimator_json)} characters; an estimator is at "
+            f"most {MAX_ESTIMATOR_JSON_BYTES}",
+            field="estimator_json",
+        )
+    if len(options.ignore_token_ids) > MAX_IGNORE_TOKEN_IDS:
+        raise LimitExceeded(
+            f"ignore_token_ids has {len(options.ignore_token_ids)} ids; the limit is "
+            f"{MAX_IGNORE_TOKEN_IDS}",
+            field="ignore_token_ids",
+        )
+    if len(options.returns) > MAX_RETURN_NAMES:
+        raise RequestError(
+            "invalid_parameter",
+            f"returns lists {len(options.returns)} names; at most {MAX_RETURN_NAMES} may be "
+            "asked for",
+            field="return",
+        )
     obj: dict[str, Any] = {}
     if request_id:
         obj["request_id"] = request_id
@@ -127,15 +161,32 @@ def _required(message: Any, name: str) -> pb.Tensor:
     return tensor
 
 
+def decode_compute_message(data: bytes, limits: MessageLimits) -> ComputeRequest:
+    """A unary request's wire bytes as a validated :class:`ComputeRequest`: checked against
+    ``limits`` from the bytes (grpc_wire), then parsed and decoded. Fields unknown to this
+    version are skipped and not kept (protobuf's parse holds them in the message, which is
+    dropped once decoded; nothing of them reaches the request or the answer)."""
+    check_compute_request(data, limits)
+    try:
+        request = pb.ComputeRequest.FromString(data)
+    except DecodeError as exc:
+        raise malformed(str(exc)) from exc
+    return decode_compute_request(request)
+
+
 def decode_compute_request(request: pb.ComputeRequest) -> ComputeRequest:
     """A unary request as a validated :class:`ComputeRequest` (the JSON contract's checks)."""
     options = parse_options(options_object(request.options, request.request_id))
+    group_ids = list(request.group_ids)
+    group_index = read_tensor(_required(request, "group_index"), "group_index", integer=True)
+    rewards = read_tensor(_required(request, "rewards"), "rewards", integer=False)
+    _check_integer_rewards(rewards, group_ids, group_index)
     batch = RolloutBatch.from_flat(
         tokens=read_tensor(_required(request, "tokens"), "tokens", integer=True),
         offsets=read_tensor(_required(request, "offsets"), "offsets", integer=True),
-        group_ids=list(request.group_ids),
-        group_index=read_tensor(_required(request, "group_index"), "group_index", integer=True),
-        rewards=read_tensor(_required(request, "rewards"), "rewards", integer=False),
+        group_ids=group_ids,
+        group_index=group_index,
+        rewards=rewards,
         teacher_logprobs={
             name: read_tensor(values, f"teacher_logprobs.{name}", integer=False)
             for name, values in sorted(request.teacher_logprobs.items())
@@ -171,6 +222,33 @@ def _prompt_ids(request: pb.ComputeRequest) -> list[str] | None:
     except AdvantageError as exc:
         raise LimitExceeded(exc.message, group_id=exc.group_id, field="prompt_keys") from exc
     return prompt_ids(group_ids, [key or None for key in keys])
+
+
+def _check_integer_rewards(
+    rewards: np.ndarray, group_ids: list[str], group_index: np.ndarray
+) -> None:
+    """Integer rewards (an int64 tensor) beyond 2**53 would be rounded: refused, as JSON
+    refuses them, naming the group and rollout."""
+    if rewards.dtype.kind != "i" or not rewards.size:
+        return
+    beyond = np.flatnonzero((rewards > EXACT_INTEGER_LIMIT) | (rewards < -EXACT_INTEGER_LIMIT))
+    if not beyond.size:
+        return
+    i = int(beyond[0])
+    where: dict[str, Any] = {}
+    if i < group_index.size and 0 <= int(group_index[i]) < len(group_ids):
+        g = int(group_index[i])
+        where = {
+            "group_id": group_ids[g],
+            "rollout_index": int(np.count_nonzero(group_index[:i] == g)),
+        }
+    raise RequestError(
+        "invalid_value",
+        "reward is an integer beyond 2**53 (9007199254740992), which a float64 cannot hold "
+        "exactly; send it as a float",
+        field="reward",
+        **where,
+    )
 
 
 def summary_message(summary: Mapping[str, Any]) -> pb.Summary:
@@ -263,9 +341,19 @@ def error_message(exc: RequestError) -> pb.Error:
     return error
 
 
+def status_message(message: str) -> str:
+    """``message`` cut to :data:`MAX_STATUS_BYTES` of UTF-8 (on a character boundary)."""
+    data = message.encode()
+    if len(data) <= MAX_STATUS_BYTES:
+        return message
+    return data[:MAX_STATUS_BYTES].decode(errors="ignore") + "... (cut)"
+
+
 async def abort(context: grpc.aio.ServicerContext, exc: RequestError) -> None:
     """End the call with the error's status, message and trailing metadata (raises)."""
-    await context.abort(status_code(exc), exc.message, trailing_metadata=error_metadata(exc))
+    await context.abort(
+        status_code(exc), status_message(exc.message), trailing_metadata=error_metadata(exc)
+    )
 
 
 # ---- messages that do not parse ----------------------------------------------------------------

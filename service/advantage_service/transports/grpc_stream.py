@@ -24,6 +24,11 @@ from functools import partial
 from typing import Any
 
 import numpy as np
+from advantage_client.flat import (
+    MAX_CONDITION_NAME_LENGTH,
+    MAX_GROUP_ID_LENGTH,
+    MAX_TEACHER_CONDITIONS,
+)
 from advantage_client.grpc_gen import advantage_pb2 as pb
 
 from ..batch import TOKEN_INPUTS, RolloutBatch
@@ -33,7 +38,12 @@ from ..estimators import AdvantageResult
 from ..serving.auth import AuthError, Principal, unauthenticated
 from ..serving.engine import Engine
 from ..wire import jsonio
-from ..wire.request import ComputeRequest, RequestOptions, batch_from_groups, parse_options
+from ..wire.request import (
+    ComputeRequest,
+    RequestOptions,
+    batch_from_groups,
+    parse_options,
+)
 from .grpc_codec import (
     INTERNAL_MESSAGE,
     TRANSPORT,
@@ -119,14 +129,52 @@ class _Group:
         return batch_from_groups([group], vocab_size)
 
 
-def decode_rollout(rollout: pb.Rollout, rollout_index: int) -> _Rollout:
-    """A stream rollout's arrays, checked against its own token count."""
+def check_names(rollout: pb.Rollout, rollout_index: int) -> None:
+    """The rollout's id and teacher condition names: the lengths of the JSON contract, and at
+    most MAX_TEACHER_CONDITIONS conditions (413, nothing echoed)."""
+    where: dict[str, Any] = {"group_id": rollout.group_id, "rollout_index": rollout_index}
+    if len(rollout.rollout_id) > MAX_GROUP_ID_LENGTH:
+        raise LimitExceeded(
+            f"rollout_id has {len(rollout.rollout_id)} characters; the limit is "
+            f"{MAX_GROUP_ID_LENGTH}",
+            field="rollout_id",
+            **where,
+        )
+    names = rollout.teacher_logprobs
+    if len(names) > MAX_TEACHER_CONDITIONS:
+        raise LimitExceeded(
+            f"the rollout has {len(names)} teacher_logprobs conditions; the limit is "
+            f"{MAX_TEACHER_CONDITIONS}",
+            field="teacher_logprobs",
+            **where,
+        )
+    for name in names:
+        if len(name) > MAX_CONDITION_NAME_LENGTH:
+            raise LimitExceeded(
+                f"a teacher_logprobs condition name has {len(name)} characters; the limit is "
+                f"{MAX_CONDITION_NAME_LENGTH}",
+                field="teacher_logprobs",
+                **where,
+            )
+
+
+def decode_rollout(rollout: pb.Rollout, rollout_index: int, room: int | None = None) -> _Rollout:
+    """A stream rollout's arrays, checked against its own token count; with ``room``, its
+    tokens against what the stream may still hold, before the other arrays are read."""
     where: dict[str, Any] = {"group_id": rollout.group_id, "rollout_index": rollout_index}
     if not rollout.HasField("tokens"):
         raise RequestError("missing_input", "tokens is required", field="tokens", **where)
     if not rollout.HasField("reward"):
         raise RequestError("missing_input", "reward is required", field="reward", **where)
     tokens = read_tensor(rollout.tokens, "tokens", integer=True, **where)
+    if room is not None and tokens.size > room:
+        raise LimitExceeded(
+            f"incomplete groups on this stream would hold {tokens.size} more tokens with "
+            f"{room} left of the limit (ADV_STREAM_MAX_PENDING_TOKENS): finish groups before "
+            "sending more",
+            field="tokens",
+            **where,
+        )
 
     def per_token(tensor: pb.Tensor, name: str) -> np.ndarray:
         values = read_tensor(tensor, name, integer=False, **where)
@@ -377,6 +425,7 @@ class StreamSession:
                     rollout_index=index,
                     field="prompt_key",
                 )
+            check_names(message, index)
             if message.rollout_id and message.rollout_id in group.rollout_ids:
                 raise RequestError(
                     "duplicate_rollout",
@@ -385,17 +434,8 @@ class StreamSession:
                     rollout_index=index,
                     field="rollout_id",
                 )
-            rollout = decode_rollout(message, index)
-            held = self.pending_tokens + rollout.tokens.size
-            if held > self.limits.max_pending_tokens:
-                raise LimitExceeded(
-                    f"incomplete groups on this stream would hold {held} tokens; the limit is "
-                    f"{self.limits.max_pending_tokens} (ADV_STREAM_MAX_PENDING_TOKENS): finish "
-                    "groups before sending more",
-                    group_id=gid,
-                    rollout_index=index,
-                    field="tokens",
-                )
+            room = self.limits.max_pending_tokens - self.pending_tokens
+            rollout = decode_rollout(message, index, room)
         except RequestError as exc:
             await self._fail(gid, exc, message)
             return
@@ -411,11 +451,17 @@ class StreamSession:
             task.add_done_callback(self.tasks.discard)
 
     def _open(self, message: pb.Rollout) -> _Group:
-        """A new pending group for the message's group id (checks id, size and the limit)."""
+        """A new pending group for the message's group id: its first rollout checks the id,
+        the size and the limit (the rollout's other names are checked for every rollout)."""
         gid = message.group_id
-        if not gid:
+        if not gid:  # (as JSON and unary requests: every transport refuses an empty group id)
             raise RequestError(
                 "invalid_value", "group_id must be a non-empty string", field="group_id"
+            )
+        if len(gid) > MAX_GROUP_ID_LENGTH:  # (not echoed, not held: too long to be an id)
+            raise LimitExceeded(
+                f"group_id has {len(gid)} characters; the limit is {MAX_GROUP_ID_LENGTH}",
+                field="group_id",
             )
         size = message.group_size
         if size < 1:
@@ -454,13 +500,18 @@ class StreamSession:
             self.metrics.stream_pending_groups.dec()
 
     async def _fail(self, gid: str, exc: RequestError, message: pb.Rollout) -> None:
-        """Answer the group with ``exc``, drop what it holds, and drop its later rollouts."""
+        """Answer the group with ``exc``, drop what it holds, and drop its later rollouts. An
+        id over its length limit is neither echoed nor remembered (its later rollouts are
+        answered each with the same error)."""
         group = self.pending.get(gid)
-        ids = [*(group.rollout_ids if group is not None else []), message.rollout_id]
+        rollout_id = message.rollout_id if len(message.rollout_id) <= MAX_GROUP_ID_LENGTH else ""
+        ids = [*(group.rollout_ids if group is not None else []), rollout_id]
         received = len(ids)
         expected = group.size if group is not None else message.group_size
         if group is not None:
             self._close(group)
+        if len(gid) > MAX_GROUP_ID_LENGTH:
+            gid = ""
         if gid and expected > received:
             self.failed[gid] = expected - received
             while len(self.failed) > self.limits.max_pending_groups:

@@ -17,12 +17,26 @@ from advantage_client.errors import AdvantageError
 from advantage_client.flat import TOP_LEVEL_FIELDS, flatten_groups
 
 from ..batch import RolloutBatch
-from ..errors import LimitExceeded, RequestError
+from ..errors import LimitExceeded, RequestError, shown
 from ..estimators import EstimatorSpec, resolve_estimator
 from ..estimators.pipeline import all_diagnostics
 
 DEFAULT_NAMESPACE = "default"
+
+# What the request schema allows, the same on every transport (docs/http.md, "Limits"): the
+# JSON decoder refuses more while it scans, gRPC before it builds the batch, and every
+# transport's options pass parse_options. Ids are logged, kept as Redis keys and echoed back;
+# names are the registry's (the longest preset, parameter or diagnostic name is 21 characters).
 MAX_REQUEST_ID_LENGTH = 256
+MAX_NAMESPACE_LENGTH = 128
+# (Group ids, 256, teacher condition names, 64, and 64 distinct conditions in a request:
+# advantage_client.flat's MAX_GROUP_ID_LENGTH, MAX_CONDITION_NAME_LENGTH and
+# MAX_TEACHER_CONDITIONS, which the client's builder checks too.)
+MAX_NAME_LENGTH = 64  # estimator, preset, outcome, term and parameter names and string values
+MAX_RETURN_NAMES = 64  # entries of `return` (there are fewer diagnostics than that)
+MAX_IGNORE_TOKEN_IDS = 65_536
+MAX_ESTIMATOR_JSON_BYTES = 16_384  # the estimator value as JSON text (gRPC's estimator_json)
+MAX_ESTIMATOR_VALUES = 1_024  # values (names, numbers, objects) in an estimator object
 # JSON integers are unbounded; numbers the batch arrays cannot hold are request errors.
 INT64_LIMIT = 2**63
 
@@ -94,7 +108,7 @@ def parse_options(obj: Any) -> RequestOptions:
         if key not in TOP_LEVEL_FIELDS:
             raise RequestError(
                 "unknown_field",
-                f"unknown request field {key!r}; known: {list(TOP_LEVEL_FIELDS)}",
+                f"unknown request field {shown(key)}; known: {list(TOP_LEVEL_FIELDS)}",
                 field=str(key),
             )
     request_id = obj.get("request_id")
@@ -107,10 +121,10 @@ def parse_options(obj: Any) -> RequestOptions:
             field="request_id",
         )
     namespace = obj.get("namespace", DEFAULT_NAMESPACE)
-    if not isinstance(namespace, str) or not namespace or len(namespace) > 128:
+    if not isinstance(namespace, str) or not namespace or len(namespace) > MAX_NAMESPACE_LENGTH:
         raise RequestError(
             "invalid_type",
-            "namespace must be a non-empty string of at most 128 characters",
+            f"namespace must be a non-empty string of at most {MAX_NAMESPACE_LENGTH} characters",
             field="namespace",
         )
     vocab_size = obj.get("vocab_size")
@@ -121,6 +135,11 @@ def parse_options(obj: Any) -> RequestOptions:
             "invalid_type", "vocab_size must be a positive integer", field="vocab_size"
         )
     ignore = obj.get("ignore_token_ids") or []
+    if isinstance(ignore, list) and len(ignore) > MAX_IGNORE_TOKEN_IDS:
+        raise LimitExceeded(
+            f"ignore_token_ids has {len(ignore)} ids; the limit is {MAX_IGNORE_TOKEN_IDS}",
+            field="ignore_token_ids",
+        )
     if not isinstance(ignore, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) and abs(t) < INT64_LIMIT for t in ignore
     ):
@@ -136,6 +155,8 @@ def parse_options(obj: Any) -> RequestOptions:
             f"return must be a list of names from {list(all_diagnostics())}",
             field="return",
         )
+    check_names(returns)
+    check_estimator(obj.get("estimator"))
     estimator = resolve_estimator(obj.get("estimator"))
     return RequestOptions(
         estimator=estimator,
@@ -146,6 +167,55 @@ def parse_options(obj: Any) -> RequestOptions:
         returns=tuple(dict.fromkeys(returns)),
         client_request_id=request_id is not None,
     )
+
+
+def check_names(returns: Sequence[str]) -> None:
+    """``return``: at most :data:`MAX_RETURN_NAMES` names of at most :data:`MAX_NAME_LENGTH`
+    characters (422 ``invalid_parameter``, as an unknown name is; the name not echoed)."""
+    if len(returns) > MAX_RETURN_NAMES:
+        raise RequestError(
+            "invalid_parameter",
+            f"return lists {len(returns)} names; at most {MAX_RETURN_NAMES} may be asked for",
+            field="return",
+        )
+    for name in returns:
+        if len(name) > MAX_NAME_LENGTH:
+            raise RequestError(
+                "invalid_parameter",
+                f"return has a name of {len(name)} characters; names are at most {MAX_NAME_LENGTH}",
+                field="return",
+            )
+
+
+def check_estimator(value: Any) -> None:
+    """An estimator value of the request's size: every name and string value at most
+    :data:`MAX_NAME_LENGTH` characters, at most :data:`MAX_ESTIMATOR_VALUES` values in all
+    (422, as any name the registry lacks is, on ``estimator``; nothing echoed). What the
+    values mean is ``resolve_estimator``'s to check; this keeps what it echoes short."""
+    stack = [value]
+    seen = 0
+    while stack:
+        node = stack.pop()
+        seen += 1
+        if seen > MAX_ESTIMATOR_VALUES:
+            raise RequestError(
+                "invalid_parameter",
+                f"the estimator holds more than {MAX_ESTIMATOR_VALUES} values; an estimator "
+                "object has a few dozen",
+                field="estimator",
+            )
+        if isinstance(node, str) and len(node) > MAX_NAME_LENGTH:
+            raise RequestError(
+                "unknown_estimator" if node is value else "invalid_parameter",
+                f"the estimator has a name or value of {len(node)} characters; names and "
+                f"values are at most {MAX_NAME_LENGTH}",
+                field="estimator",
+            )
+        if isinstance(node, Mapping):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list | tuple):
+            stack.extend(node)
 
 
 def batch_from_groups(groups: Any, vocab_size: int | None) -> RolloutBatch:

@@ -1,0 +1,396 @@
+"""A unary ``ComputeRequest`` checked from its wire bytes before protobuf parses it.
+
+protobuf copies every string and bytes field it parses, and reading a bytes field copies it
+again, so a message is refused here, from the lengths its wire format states, before anything
+of it is built: the rollouts, groups and tokens (from the byte lengths and dtypes of its
+tensors), every per-token array's values, each group's size (from a view of ``group_index``),
+the ids and names (the lengths of the JSON contract: ``wire.request``), the teacher conditions,
+``returns``, ``ignore_token_ids`` and ``estimator_json``. What is not a limit (dtypes, shapes,
+values) is left to the decoder, which names it as before.
+
+Fields this version does not know are skipped, as protobuf skips them: a newer client's
+message is computed (forward compatibility), within the message size limit. Nothing of them
+is kept: the request is built from the known fields only, and the answer carries none.
+
+The scan follows protobuf's rules where they matter for a count: a message field given twice
+is merged (a tensor's last ``data`` and last ``dtype`` win), a map entry given twice keeps its
+last value, repeated fields add up.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from advantage_client.flat import (
+    MAX_CONDITION_NAME_LENGTH,
+    MAX_GROUP_ID_LENGTH,
+    MAX_TEACHER_CONDITIONS,
+)
+
+from ..errors import LimitExceeded, RequestError
+from ..wire.request import (
+    MAX_ESTIMATOR_JSON_BYTES,
+    MAX_IGNORE_TOKEN_IDS,
+    MAX_NAME_LENGTH,
+    MAX_NAMESPACE_LENGTH,
+    MAX_REQUEST_ID_LENGTH,
+    MAX_RETURN_NAMES,
+)
+
+# Field numbers of advantage.v1 (proto/advantage/v1/advantage.proto).
+REQUEST_ID, OPTIONS, GROUP_IDS, TEACHER_LOGPROBS = 1, 2, 3, 9
+TENSORS = {
+    4: "group_index",
+    5: "offsets",
+    6: "tokens",
+    7: "rewards",
+    8: "logprobs",
+    10: "entropy",
+    11: "sum_pi_squared",
+    12: "is_weights",
+    14: "returns",
+}
+PER_TOKEN = ("logprobs", "entropy", "sum_pi_squared", "is_weights", "returns")
+PROMPT_KEYS = 13
+NAMESPACE, PRESET, ESTIMATOR_JSON, IGNORE_TOKEN_IDS, RETURNS = 1, 2, 3, 4, 6
+TENSOR_DTYPE, TENSOR_DATA = 1, 2
+MAP_KEY, MAP_VALUE = 1, 2
+# Bytes per value of each DType (advantage.v1.DType: INT32, INT64, FLOAT32, FLOAT64).
+ITEM_SIZES = {1: 4, 2: 8, 3: 4, 4: 8}
+INTEGER_DTYPES: dict[int, np.dtype[Any]] = {1: np.dtype("<i4"), 2: np.dtype("<i8")}
+VARINT, I64, LEN, SGROUP, EGROUP, I32 = 0, 1, 2, 3, 4, 5
+
+
+@dataclass(frozen=True)
+class MessageLimits:
+    """The request limits a message is checked against (the settings')."""
+
+    max_tokens: int
+    max_rollouts: int
+    max_group_size: int
+
+
+class _Truncated(Exception):
+    """The wire bytes end inside a field or are not protobuf."""
+
+
+def malformed(why: str) -> RequestError:
+    return RequestError(
+        "invalid_protobuf", f"the request message does not parse: {why}", field="message"
+    )
+
+
+# ---- the wire format ---------------------------------------------------------------------------
+
+
+def _varint(data: bytes, pos: int, end: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= end or shift > 63:
+            raise _Truncated("a varint runs past its field")
+        byte = data[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+
+
+def fields(data: bytes, pos: int, end: int) -> Any:
+    """(number, wire type, value, start, stop) of each field in data[pos:end]: ``value`` is a
+    varint's value, ``start:stop`` a length-delimited field's payload. Groups (deprecated, never
+    in advantage.v1) are skipped whole."""
+    while pos < end:
+        tag, pos = _varint(data, pos, end)
+        number, kind = tag >> 3, tag & 7
+        if number == 0:
+            raise _Truncated("field number 0")
+        if kind == VARINT:
+            value, pos = _varint(data, pos, end)
+            yield number, kind, value, pos, pos
+        elif kind == LEN:
+            size, pos = _varint(data, pos, end)
+            if size > end - pos:
+                raise _Truncated(f"field {number} says {size} bytes; {end - pos} are left")
+            yield number, kind, 0, pos, pos + size
+            pos += size
+        elif kind in (I64, I32):
+            pos += 8 if kind == I64 else 4
+            if pos > end:
+                raise _Truncated(f"field {number} runs past the message")
+        elif kind == SGROUP:
+            pos = _skip_group(data, pos, end, number)
+        else:
+            raise _Truncated(f"field {number} has wire type {kind}")
+
+
+def _skip_group(data: bytes, pos: int, end: int, number: int) -> int:
+    depth = 1
+    while True:
+        if pos >= end:
+            raise _Truncated(f"group {number} does not end")
+        tag, pos = _varint(data, pos, end)
+        kind = tag & 7
+        if kind == SGROUP:
+            depth += 1
+        elif kind == EGROUP:
+            depth -= 1
+            if depth == 0:
+                return pos
+        elif kind == VARINT:
+            _, pos = _varint(data, pos, end)
+        elif kind == LEN:
+            size, pos = _varint(data, pos, end)
+            pos += size
+        elif kind in (I64, I32):
+            pos += 8 if kind == I64 else 4
+        else:
+            raise _Truncated(f"wire type {kind} in group {number}")
+
+
+def over(data: bytes, start: int, stop: int, limit: int) -> str | None:
+    """How the UTF-8 string data[start:stop] is longer than ``limit`` characters, for an error
+    message ("300 characters"); None when it is not (or is not UTF-8: protobuf refuses that)."""
+    size = stop - start
+    if size <= limit:
+        return None
+    if size > 4 * limit:  # (a character is at most 4 bytes: not worth decoding)
+        return f"more than {limit} characters ({size} bytes)"
+    try:
+        length = len(data[start:stop].decode())
+    except UnicodeDecodeError:
+        return None
+    return f"{length} characters" if length > limit else None
+
+
+@dataclass
+class _Tensor:
+    dtype: int = 0
+    start: int = 0
+    stop: int = 0
+
+    def merge(self, data: bytes, start: int, stop: int) -> None:
+        for number, kind, value, a, b in fields(data, start, stop):
+            if number == TENSOR_DTYPE and kind == VARINT:
+                self.dtype = value
+            elif number == TENSOR_DATA and kind == LEN:
+                self.start, self.stop = a, b
+
+    def count(self) -> int:
+        """Its values (0 for an unknown dtype: the decoder names that)."""
+        size = ITEM_SIZES.get(self.dtype)
+        return (self.stop - self.start) // size if size else 0
+
+
+@dataclass
+class _Request:
+    tensors: dict[str, _Tensor] = field(default_factory=dict)
+    teachers: dict[bytes, _Tensor] = field(default_factory=dict)
+    group_ids: array[int] = field(default_factory=lambda: array("q"))  # start, stop, ...
+
+
+# ---- the check ---------------------------------------------------------------------------------
+
+
+def check_compute_request(data: bytes, limits: MessageLimits) -> None:
+    """Raise the error the request would get (413 over a limit, 422 for an empty or malformed
+    field) from its wire bytes alone; return when protobuf may parse it."""
+    try:
+        _check(data, limits)
+    except _Truncated as exc:
+        raise malformed(str(exc)) from None
+
+
+def _check(data: bytes, limits: MessageLimits) -> None:
+    request = _Request()
+    returns = ignore = 0
+    for number, kind, _value, start, stop in fields(data, 0, len(data)):
+        if kind != LEN:
+            continue  # (a known field of the wrong wire type: protobuf refuses it)
+        if number == REQUEST_ID:
+            if length := over(data, start, stop, MAX_REQUEST_ID_LENGTH):
+                raise LimitExceeded(
+                    f"request_id has {length}; the limit is {MAX_REQUEST_ID_LENGTH}",
+                    field="request_id",
+                )
+        elif number == OPTIONS:
+            returns, ignore = _check_options(data, start, stop, returns, ignore)
+        elif number == GROUP_IDS:
+            _check_group_id(data, start, stop, len(request.group_ids) // 2, limits)
+            request.group_ids.extend((start, stop))
+        elif number in TENSORS:
+            request.tensors.setdefault(TENSORS[number], _Tensor()).merge(data, start, stop)
+        elif number == TEACHER_LOGPROBS:
+            _check_teacher(data, start, stop, request.teachers)
+        elif number == PROMPT_KEYS and (length := over(data, start, stop, MAX_GROUP_ID_LENGTH)):
+            # (not echoed: it is too long to be a key)
+            raise LimitExceeded(
+                f"a prompt key has {length}; the limit is {MAX_GROUP_ID_LENGTH}",
+                field="prompt_keys",
+            )
+    _check_counts(data, request, limits)
+
+
+def _check_options(
+    data: bytes, start: int, stop: int, returns: int, ignore: int
+) -> tuple[int, int]:
+    for number, kind, _value, a, b in fields(data, start, stop):
+        if number == IGNORE_TOKEN_IDS:
+            ignore += _varint_count(data, a, b) if kind == LEN else 1
+            if ignore > MAX_IGNORE_TOKEN_IDS:
+                raise LimitExceeded(
+                    f"ignore_token_ids has more than {MAX_IGNORE_TOKEN_IDS} ids; the limit is "
+                    f"{MAX_IGNORE_TOKEN_IDS}",
+                    field="ignore_token_ids",
+                )
+        if kind != LEN:
+            continue
+        if number == NAMESPACE and over(data, a, b, MAX_NAMESPACE_LENGTH):
+            raise RequestError(  # (parse_options' answer to the same)
+                "invalid_type",
+                f"namespace must be a non-empty string of at most {MAX_NAMESPACE_LENGTH} "
+                "characters",
+                field="namespace",
+            )
+        # (names: 422, as any name the registry lacks is; the name not echoed)
+        if number == PRESET and (length := over(data, a, b, MAX_NAME_LENGTH)):
+            raise RequestError(
+                "unknown_estimator",
+                f"preset has {length}; names are at most {MAX_NAME_LENGTH}",
+                field="estimator",
+            )
+        if number == ESTIMATOR_JSON and b - a > MAX_ESTIMATOR_JSON_BYTES:
+            raise RequestError(
+                "invalid_parameter",
+                f"estimator_json has {b - a} bytes; an estimator is at most "
+                f"{MAX_ESTIMATOR_JSON_BYTES}",
+                field="estimator_json",
+            )
+        if number == RETURNS:
+            returns += 1
+            if returns > MAX_RETURN_NAMES:
+                raise RequestError(
+                    "invalid_parameter",
+                    f"returns lists more than {MAX_RETURN_NAMES} names; at most "
+                    f"{MAX_RETURN_NAMES} may be asked for",
+                    field="return",
+                )
+            if length := over(data, a, b, MAX_NAME_LENGTH):
+                raise RequestError(
+                    "invalid_parameter",
+                    f"returns has a name of {length}; names are at most {MAX_NAME_LENGTH}",
+                    field="return",
+                )
+    return returns, ignore
+
+
+def _varint_count(data: bytes, start: int, stop: int) -> int:
+    """The varints of a packed field: its bytes without the continuation bit."""
+    size = stop - start
+    if size > 10 * (MAX_IGNORE_TOKEN_IDS + 1):  # (a varint is at most 10 bytes: over the limit)
+        return size // 10
+    view = np.frombuffer(data, np.uint8, size, start)  # (a view; the comparison is < 656 KB)
+    return int(np.count_nonzero(view < 0x80))
+
+
+def _check_group_id(data: bytes, start: int, stop: int, index: int, limits: MessageLimits) -> None:
+    if index >= limits.max_rollouts:  # (every group has a rollout)
+        raise LimitExceeded(
+            f"the request has more than {limits.max_rollouts} group_ids, and a group has at "
+            f"least one rollout; the limit is {limits.max_rollouts} rollouts "
+            "(ADV_MAX_REQUEST_ROLLOUTS): split the batch",
+            field="group_ids",
+        )
+    if start == stop:
+        raise RequestError(
+            "invalid_value", f"group_ids[{index}] must be a non-empty string", field="group_ids"
+        )
+    if length := over(data, start, stop, MAX_GROUP_ID_LENGTH):  # (not echoed: too long)
+        raise LimitExceeded(
+            f"group_ids[{index}] has {length}; the limit is {MAX_GROUP_ID_LENGTH}",
+            field="group_ids",
+        )
+
+
+def _check_teacher(data: bytes, start: int, stop: int, teachers: dict[bytes, _Tensor]) -> None:
+    key = b""
+    value = _Tensor()
+    for number, kind, _value, a, b in fields(data, start, stop):
+        if number == MAP_KEY and kind == LEN:
+            if length := over(data, a, b, MAX_CONDITION_NAME_LENGTH):
+                raise LimitExceeded(
+                    f"a teacher_logprobs condition name has {length}; the limit is "
+                    f"{MAX_CONDITION_NAME_LENGTH}",
+                    field="teacher_logprobs",
+                )
+            key = data[a:b]
+        elif number == MAP_VALUE and kind == LEN:
+            value.merge(data, a, b)  # (within an entry a message field merges ...)
+    teachers[key] = value  # (... and an entry replaces one of the same key)
+    if len(teachers) > MAX_TEACHER_CONDITIONS:
+        raise LimitExceeded(
+            f"the request has more than {MAX_TEACHER_CONDITIONS} teacher_logprobs conditions",
+            field="teacher_logprobs",
+        )
+
+
+def _check_counts(data: bytes, request: _Request, limits: MessageLimits) -> None:
+    tensors = request.tensors
+    count = {name: t.count() for name, t in tensors.items()}
+    rollouts = max(
+        count.get("rewards", 0), count.get("group_index", 0), count.get("offsets", 0) - 1
+    )
+    if rollouts > limits.max_rollouts:
+        raise LimitExceeded(
+            f"the request has {rollouts} rollouts; the limit is {limits.max_rollouts} "
+            "(ADV_MAX_REQUEST_ROLLOUTS): split the batch",
+            field="rollouts",
+        )
+    tokens = count.get("tokens", 0)
+    if tokens > limits.max_tokens:
+        raise LimitExceeded(
+            f"the request has {tokens} tokens; the limit is {limits.max_tokens} "
+            "(ADV_MAX_REQUEST_TOKENS): split the batch",
+            field="tokens",
+        )
+    per_token = [(name, count.get(name, 0)) for name in PER_TOKEN]
+    per_token += [
+        (f"teacher_logprobs.{key.decode(errors='replace')}", t.count())
+        for key, t in request.teachers.items()
+    ]
+    for name, values in per_token:
+        if values > limits.max_tokens:  # (one value per token: more is never right)
+            raise LimitExceeded(
+                f"{name} has {values} values, one per token; the token limit is "
+                f"{limits.max_tokens} (ADV_MAX_REQUEST_TOKENS)",
+                field=name,
+            )
+    _check_group_sizes(data, request, limits)
+
+
+def _check_group_sizes(data: bytes, request: _Request, limits: MessageLimits) -> None:
+    """The largest group from a view of group_index (no copy); an index out of range is the
+    decoder's to name."""
+    index = request.tensors.get("group_index")
+    groups = len(request.group_ids) // 2
+    dtype = INTEGER_DTYPES.get(index.dtype) if index is not None else None
+    if index is None or dtype is None or not groups:
+        return
+    values = np.frombuffer(data, dtype, index.count(), index.start)
+    if not values.size or int(values.min()) < 0 or int(values.max()) >= groups:
+        return
+    sizes = np.bincount(values, minlength=groups)
+    largest = int(sizes.max())
+    if largest > limits.max_group_size:
+        g = int(np.argmax(sizes))
+        start, stop = request.group_ids[2 * g], request.group_ids[2 * g + 1]
+        gid = data[start:stop].decode(errors="replace")
+        raise LimitExceeded(
+            f"group {gid!r} has {largest} rollouts; the limit is {limits.max_group_size} "
+            "(ADV_MAX_GROUP_SIZE)",
+            group_id=gid,
+            field="rollouts",
+        )
