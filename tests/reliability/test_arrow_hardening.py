@@ -144,6 +144,14 @@ def test_list_offsets_not_starting_at_0_are_computed_as_what_they_mean(decoder: 
     assert answer == plain
 
 
+@pytest.mark.parametrize("dictionary", [False, True], ids=["plain", "dictionary"])
+def test_an_empty_group_id_is_422_as_on_every_transport(decoder: Decoder, dictionary: bool) -> None:
+    ids = pa.array(["ga", "", "ga", ""])
+    table = craft.request_table(ids.dictionary_encode() if dictionary else ids)
+    answer = refused(decoder.decode(craft.stream(table)), 422, "invalid_value", "group_id")
+    assert "row 1" in answer["message"], answer
+
+
 def test_several_record_batches_are_one_request(decoder: Decoder) -> None:
     body, table = craft.several_batches(3)
     assert len(craft.layout(body).messages) == 4

@@ -435,6 +435,14 @@ def _group_column(table: pa.Table) -> tuple[list[str], np.ndarray]:
             f"{MAX_GROUP_ID_LENGTH}",
             field="group_id",
         )
+    empty = np.flatnonzero(lengths == 0)
+    if empty.size:  # (refused on every transport alike: streams key groups by their id)
+        row = int(np.flatnonzero(row_codes == int(empty[0]))[0])
+        raise RequestError(
+            "invalid_value",
+            f"group_id of row {row} is empty: a group id is a non-empty string",
+            field="group_id",
+        )
     # Number groups by first appearance.
     present, first = np.unique(row_codes, return_index=True)
     order = present[np.argsort(first)]
