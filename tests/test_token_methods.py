@@ -191,7 +191,7 @@ def test_estimators_listing_names_the_inputs_each_needs() -> None:
     outcomes = {o["name"]: o for o in listing["outcomes"]}
     terms = {t["name"]: t for t in listing["terms"]}
     assert outcomes["otb"]["inputs"] == ["logprobs", "sum_pi_squared"]
-    assert outcomes["otb"]["optional_inputs"] == ["is_weights"]
+    assert outcomes["otb"]["optional_inputs"] == ["is_weights", "returns"]
     assert outcomes["otb"]["per_token"] is True
     assert outcomes["otb"]["diagnostics"] == ["otb_baseline"]
     assert [p["name"] for p in outcomes["otb"]["parameters"]] == ["epsilon", "handle_zero_tail"]

@@ -179,7 +179,7 @@ def test_list_estimators_names_the_inputs(service: Service) -> None:
     outcomes = {o["name"]: o for o in listing["outcomes"]}
     terms = {t["name"]: t for t in listing["terms"]}
     assert outcomes["otb"]["inputs"] == ["logprobs", "sum_pi_squared"]
-    assert outcomes["otb"]["optional_inputs"] == ["is_weights"]
+    assert outcomes["otb"]["optional_inputs"] == ["is_weights", "returns"]
     assert terms["forking"]["inputs"] == ["entropy"]
     assert {"otb", "forking"} <= set(listing["presets"])
     assert listing == service.http.get("/v1/estimators").json()

@@ -111,7 +111,7 @@ def test_estimators_listing_names_each_methods_inputs(server: Server) -> None:
     outcomes = {o["name"]: o for o in listing["outcomes"]}
     terms = {t["name"]: t for t in listing["terms"]}
     assert outcomes["otb"]["inputs"] == ["logprobs", "sum_pi_squared"]
-    assert outcomes["otb"]["optional_inputs"] == ["is_weights"]
+    assert outcomes["otb"]["optional_inputs"] == ["is_weights", "returns"]
     assert outcomes["otb"]["per_token"] is True
     assert terms["forking"]["inputs"] == ["entropy"]
     assert terms["opsd"]["inputs"] == ["logprobs", "teacher_logprobs.pos"]
