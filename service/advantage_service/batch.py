@@ -24,7 +24,7 @@ LOGPROB_TOLERANCE = 1e-4
 INT32_LIMIT = 2**31
 # The optional per-token inputs beside the teachers' log-probabilities, each float32 (N,) or
 # None (ESTIMATORS.md, "New per-token inputs"). They travel wherever logprobs travels.
-TOKEN_INPUTS = ("logprobs", "entropy", "sum_pi_squared", "is_weights")
+TOKEN_INPUTS = ("logprobs", "entropy", "sum_pi_squared", "is_weights", "planning_mask")
 # An entropy may fall below 0, and a sum of squared probabilities above 1, by float rounding
 # in the client; more is a bug there.
 RANGE_TOLERANCE = 1e-4
@@ -119,8 +119,8 @@ class RolloutBatch:
 
     tokens: int32 (N,); offsets: int64 (B+1,); group_index: int64 (B,) in [0, G);
     group_ids: G distinct strings; rewards: float32 (B,); logprobs, entropy, sum_pi_squared,
-    is_weights: float32 (N,) or None (:data:`TOKEN_INPUTS`); teacher_logprobs: condition name ->
-    float32 (N,).
+    is_weights, planning_mask: float32 (N,) or None (:data:`TOKEN_INPUTS`); teacher_logprobs:
+    condition name -> float32 (N,).
     """
 
     tokens: torch.Tensor
@@ -136,6 +136,8 @@ class RolloutBatch:
     sum_pi_squared: torch.Tensor | None = None
     # rho_it >= 0: the trainer's truncated importance weights.
     is_weights: torch.Tensor | None = None
+    # m_it in {0, 1}: 1 on the planning (strategic) tokens HICRA amplifies.
+    planning_mask: torch.Tensor | None = None
     # Prompt ids for state kept per prompt (history); defaults to the group ids.
     prompt_ids: list[str] | None = None
     # A batch that merges several requests (``concat``): int64 (S+1,) on the CPU, request s owns
@@ -157,11 +159,13 @@ class RolloutBatch:
         entropy: Any = None,
         sum_pi_squared: Any = None,
         is_weights: Any = None,
+        planning_mask: Any = None,
         vocab_size: int | None = None,
     ) -> RolloutBatch:
         """Build and validate a batch from flat arrays (numpy, torch or lists).
 
-        ``logprobs``, ``entropy``, ``sum_pi_squared``, ``is_weights``: (N,) each, or None.
+        ``logprobs``, ``entropy``, ``sum_pi_squared``, ``is_weights``, ``planning_mask``: (N,)
+        each, or None.
         Raises :class:`RequestError` naming the group, rollout and field of the first problem.
         """
 
@@ -182,6 +186,7 @@ class RolloutBatch:
             entropy=optional(entropy, "entropy"),
             sum_pi_squared=optional(sum_pi_squared, "sum_pi_squared"),
             is_weights=optional(is_weights, "is_weights"),
+            planning_mask=optional(planning_mask, "planning_mask"),
         )
         batch.validate(vocab_size=vocab_size)
         batch.tokens = batch.tokens.to(torch.int32)
@@ -243,6 +248,28 @@ class RolloutBatch:
         (int64, int32 or float32; see :func:`repeat_runs`)."""
         nonempty = self.lengths > 0
         return repeat_runs(values[nonempty], self.offsets[:-1][nonempty], self.num_tokens)
+
+    def rollout_sums(self, values: torch.Tensor) -> torch.Tensor:
+        """Per rollout, the sum of its tokens' ``values`` (N,): float64 (B,), 0 for an empty
+        rollout. Each rollout's tokens are summed on their own, in order, so its sum does not
+        depend on the other rollouts of the batch (a merged batch gives each the same bits).
+
+        On the CPU, numpy's ``add.reduceat`` over the contiguous segments (a scatter-add by
+        rollout is several times slower); elsewhere ``index_add_``.
+        """
+        wide = values.double()
+        out = torch.zeros(self.num_rollouts, dtype=torch.float64, device=wide.device)
+        if self.num_tokens == 0:
+            return out
+        if wide.device.type != "cpu":
+            return out.index_add_(0, self.rollout_of_token, wide)
+        nonempty = torch.nonzero(self.lengths > 0).flatten()
+        # Empty rollouts dropped, the starts increase strictly, so each segment ends where the
+        # next non-empty rollout starts: its own end.
+        starts = self.offsets[:-1].index_select(0, nonempty)
+        sums = np.add.reduceat(wide.contiguous().numpy(), starts.cpu().numpy())
+        out[nonempty] = torch.from_numpy(sums)
+        return out
 
     @cached_property
     def group_sizes(self) -> torch.Tensor:
@@ -486,6 +513,8 @@ def _out_of_range(name: str, values: torch.Tensor) -> tuple[torch.Tensor, str]:
         return (values <= 0) | (values > 1 + RANGE_TOLERANCE), "must lie in (0, 1]"
     if name == "is_weights":
         return values < 0, "is a negative importance weight"
+    if name == "planning_mask":
+        return (values != 0) & (values != 1), "must be 0 or 1"
     raise ValueError(f"no range for {name!r}")
 
 

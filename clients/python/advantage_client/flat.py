@@ -35,7 +35,7 @@ TOP_LEVEL_FIELDS = (
 )
 # Optional per-token values of a rollout, one per token, beside the teachers' log-probabilities
 # (the service's batch carries each as a float32 (N,) array).
-TOKEN_FIELDS = ("logprobs", "entropy", "sum_pi_squared", "is_weights")
+TOKEN_FIELDS = ("logprobs", "entropy", "sum_pi_squared", "is_weights", "planning_mask")
 ROLLOUT_FIELDS = ("tokens", "reward", *TOKEN_FIELDS, "teacher_logprobs")
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
@@ -59,6 +59,7 @@ class FlatGroups:
     entropy: np.ndarray | None = None  # numbers (N,)
     sum_pi_squared: np.ndarray | None = None  # numbers (N,)
     is_weights: np.ndarray | None = None  # numbers (N,)
+    planning_mask: np.ndarray | None = None  # numbers (N,), 0 or 1
 
     def token_values(self) -> dict[str, np.ndarray]:
         """The per-token values of :data:`TOKEN_FIELDS` the rollouts gave (name -> (N,)), in
@@ -252,8 +253,8 @@ def _flat_values(
 
 def flatten_groups(groups: Any) -> FlatGroups:
     """The request's ``groups`` (``[{"id", "rollouts": [{"tokens", "reward", "logprobs"?,
-    "entropy"?, "sum_pi_squared"?, "is_weights"?, "teacher_logprobs"?}]}]``, lists or numpy
-    arrays inside) as validated flat arrays.
+    "entropy"?, "sum_pi_squared"?, "is_weights"?, "planning_mask"?, "teacher_logprobs"?}]}]``,
+    lists or numpy arrays inside) as validated flat arrays.
 
     Checks what the layout needs (types, list lengths, values given for every rollout or none)
     and raises :class:`AdvantageError` naming the group id, rollout index and field of the first

@@ -45,7 +45,7 @@ class ComputeOptions(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., preset: _Optional[str] = ..., estimator_json: _Optional[str] = ..., ignore_token_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., returns: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ComputeRequest(_message.Message):
-    __slots__ = ("request_id", "options", "group_ids", "group_index", "offsets", "tokens", "rewards", "logprobs", "teacher_logprobs", "entropy", "sum_pi_squared", "is_weights")
+    __slots__ = ("request_id", "options", "group_ids", "group_index", "offsets", "tokens", "rewards", "logprobs", "teacher_logprobs", "entropy", "sum_pi_squared", "is_weights", "planning_mask")
     class TeacherLogprobsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class ComputeRequest(_message.Message):
     ENTROPY_FIELD_NUMBER: _ClassVar[int]
     SUM_PI_SQUARED_FIELD_NUMBER: _ClassVar[int]
     IS_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    PLANNING_MASK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     options: ComputeOptions
     group_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -77,7 +78,8 @@ class ComputeRequest(_message.Message):
     entropy: Tensor
     sum_pi_squared: Tensor
     is_weights: Tensor
-    def __init__(self, request_id: _Optional[str] = ..., options: _Optional[_Union[ComputeOptions, _Mapping]] = ..., group_ids: _Optional[_Iterable[str]] = ..., group_index: _Optional[_Union[Tensor, _Mapping]] = ..., offsets: _Optional[_Union[Tensor, _Mapping]] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ..., rewards: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., teacher_logprobs: _Optional[_Mapping[str, Tensor]] = ..., entropy: _Optional[_Union[Tensor, _Mapping]] = ..., sum_pi_squared: _Optional[_Union[Tensor, _Mapping]] = ..., is_weights: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    planning_mask: Tensor
+    def __init__(self, request_id: _Optional[str] = ..., options: _Optional[_Union[ComputeOptions, _Mapping]] = ..., group_ids: _Optional[_Iterable[str]] = ..., group_index: _Optional[_Union[Tensor, _Mapping]] = ..., offsets: _Optional[_Union[Tensor, _Mapping]] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ..., rewards: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., teacher_logprobs: _Optional[_Mapping[str, Tensor]] = ..., entropy: _Optional[_Union[Tensor, _Mapping]] = ..., sum_pi_squared: _Optional[_Union[Tensor, _Mapping]] = ..., is_weights: _Optional[_Union[Tensor, _Mapping]] = ..., planning_mask: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class Summary(_message.Message):
     __slots__ = ("tokens", "rollouts", "groups", "zero_signal_groups", "device", "compute_ms", "history", "batch_requests")
@@ -131,7 +133,7 @@ class ComputeResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., namespace: _Optional[str] = ..., estimator_json: _Optional[str] = ..., group_ids: _Optional[_Iterable[str]] = ..., group_index: _Optional[_Union[Tensor, _Mapping]] = ..., offsets: _Optional[_Union[Tensor, _Mapping]] = ..., advantages: _Optional[_Union[Tensor, _Mapping]] = ..., scalars: _Optional[_Union[Tensor, _Mapping]] = ..., diagnostics: _Optional[_Mapping[str, Tensor]] = ..., summary: _Optional[_Union[Summary, _Mapping]] = ...) -> None: ...
 
 class Rollout(_message.Message):
-    __slots__ = ("group_id", "group_size", "rollout_id", "tokens", "reward", "logprobs", "teacher_logprobs", "entropy", "sum_pi_squared", "is_weights")
+    __slots__ = ("group_id", "group_size", "rollout_id", "tokens", "reward", "logprobs", "teacher_logprobs", "entropy", "sum_pi_squared", "is_weights", "planning_mask")
     class TeacherLogprobsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +151,7 @@ class Rollout(_message.Message):
     ENTROPY_FIELD_NUMBER: _ClassVar[int]
     SUM_PI_SQUARED_FIELD_NUMBER: _ClassVar[int]
     IS_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    PLANNING_MASK_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     group_size: int
     rollout_id: str
@@ -159,7 +162,8 @@ class Rollout(_message.Message):
     entropy: Tensor
     sum_pi_squared: Tensor
     is_weights: Tensor
-    def __init__(self, group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., rollout_id: _Optional[str] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ..., reward: _Optional[float] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., teacher_logprobs: _Optional[_Mapping[str, Tensor]] = ..., entropy: _Optional[_Union[Tensor, _Mapping]] = ..., sum_pi_squared: _Optional[_Union[Tensor, _Mapping]] = ..., is_weights: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    planning_mask: Tensor
+    def __init__(self, group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., rollout_id: _Optional[str] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ..., reward: _Optional[float] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., teacher_logprobs: _Optional[_Mapping[str, Tensor]] = ..., entropy: _Optional[_Union[Tensor, _Mapping]] = ..., sum_pi_squared: _Optional[_Union[Tensor, _Mapping]] = ..., is_weights: _Optional[_Union[Tensor, _Mapping]] = ..., planning_mask: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
     __slots__ = ("options", "rollout")

@@ -1,0 +1,319 @@
+"""GTPO: Group Token Policy Optimization (Tan et al., "GTPO and GRPO-S: Token and Sequence-Level
+Reward Shaping with Policy Entropy", arXiv 2508.04349).
+
+Dynamic entropy weighting: the outcome reward of a group's rollouts is redistributed over their
+tokens by the policy's entropy H_it, separately for the correct rollouts O+ (reward above
+``correct_threshold``) and the wrong ones O-, then normalised into advantages.
+
+At each position t (a token's 0-based index in its rollout), over the rollouts of the class that
+reach t (d_t of them in O+, h_t in O-):
+
+    correct (O+):  r~_it = alpha1 r_i + alpha2 d_t H_it / sum_{k in O+, T_k > t} H_kt
+    wrong (O-):    r~_it = -alpha1   - alpha2 h_t (1/H_it) / sum_{k in O-, T_k > t} (1/H_kt)
+
+A correct rollout's high-entropy tokens ("forks" that led to the right answer) gain credit; a
+wrong rollout's confident (low-entropy) tokens take more of the blame. At every position the
+shares sum to 1, so the entropy term hands out exactly alpha2 per rollout and position (with
+alpha1 + alpha2 = 1 and 0/1 rewards, the shaped rewards of O+ sum to the outcome rewards: the
+paper's reward conservation). Each class is then normalised over the group's tokens, the other
+class's tokens counting 0:
+
+    A_it = (r~+_it - mean(R~+)) / (std(R~+) + eps)  for i in O+,  R~+ = {r~+ on O+ tokens, 0 else}
+    A_it = (r~-_it - mean(R~-)) / (std(R~-) + eps)  for i in O-,  likewise
+
+(std: the sample standard deviation over the group's tokens). With alpha2 = 0 and 0/1 rewards
+this is GRPO's normalisation over tokens, for both classes alike.
+
+Version: the formulas above are those ESTIMATORS.md and the issue that asked for GTPO describe
+for arXiv 2508.04349v6 (the ICML 2026 version), in the form public implementations give for the
+paper's token-level shaping of O+ and O- (the inverse-entropy share of O-, the -1 outcome
+reward of a wrong rollout, alpha1 = 1 and alpha2 = 0.1). The paper's PDF was out of reach when
+this was written: no equation number is cited, and the normalisation's reading (each class over
+all the group's tokens, the other class at 0, so that alpha2 = 0 gives GRPO) could not be
+checked against the text. Where the paper leaves a case open:
+
+- a group without both a correct and a wrong rollout (a group of one among them) has no outcome
+  contrast and gets A = 0 on every token, as GRPO and DAPO's dynamic sampling leave it;
+- at a position where every O+ token has entropy 0, the shares are equal (1/d_t each); where
+  some O- tokens have entropy 0 (1/H infinite), those share the position equally and the others
+  get 0 (the limit of the ratio); an entropy below 0 (rounding, accepted to -1e-4) counts as 0;
+- an empty rollout reaches no position: it takes no share and has no tokens to normalise.
+
+Over the flat batch: (class, group, position) pairs are dense keys (as OTB's (group, position)),
+the per-position sums are one float64 ``index_add_``, the per-rollout sums are segment sums,
+and nothing loops over groups, rollouts or tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+
+from ..batch import RolloutBatch
+from .registry import OutcomeOutput, Param, register_outcome
+
+PARAMS = (
+    Param(
+        "alpha1",
+        float,
+        1.0,
+        "alpha_1: the weight of the outcome reward (r_i for a correct rollout, -1 for a wrong "
+        "one) in the shaped reward",
+        minimum=0.0,
+    ),
+    Param(
+        "alpha2",
+        float,
+        0.1,
+        "alpha_2: the weight of the entropy-weighted share in the shaped reward",
+        minimum=0.0,
+    ),
+    Param(
+        "correct_threshold",
+        float,
+        0.0,
+        "a rollout is correct (O+) when its reward is above this, wrong (O-) otherwise",
+    ),
+    Param(
+        "epsilon",
+        float,
+        1e-6,
+        "added to the standard deviation of the shaped rewards",
+        minimum=0.0,
+    ),
+)
+
+
+class Classes(NamedTuple):
+    """A batch's rollouts split into O+ and O- per group."""
+
+    correct: torch.Tensor  # bool (B,)
+    class_group: torch.Tensor  # int64 (B,): g for a correct rollout, G + g for a wrong one
+    contrast: torch.Tensor  # bool (G,): the group has both a correct and a wrong rollout
+
+
+def split_classes(batch: RolloutBatch, correct_threshold: float) -> Classes:
+    """O+ = rollouts with reward > ``correct_threshold``, O- the others, per group."""
+    correct = batch.rewards.double() > correct_threshold
+    g = batch.num_groups
+    class_group = batch.group_index + g * (~correct).long()
+    per_class = torch.bincount(class_group, minlength=2 * g)
+    contrast = (per_class[:g] > 0) & (per_class[g:] > 0)
+    return Classes(correct, class_group, contrast)
+
+
+def outcome_rewards(batch: RolloutBatch, classes: Classes, alpha1: float) -> torch.Tensor:
+    """b_i, the shaped reward's outcome part: alpha1 r_i in O+, -alpha1 in O-; float64 (B,)."""
+    r = batch.rewards.double()
+    return torch.where(classes.correct, alpha1 * r, torch.full_like(r, -alpha1))
+
+
+def clamp_entropy(entropy: torch.Tensor) -> torch.Tensor:
+    """H as float64, an entropy below 0 (a trainer's rounding) taken as 0."""
+    return entropy.double().clamp_(min=0.0)
+
+
+class GroupNormalisation(NamedTuple):
+    """Per class and group (index: the class group, see :class:`Classes`): the mean of R~ over
+    the group's tokens or rollouts, and 1 / (std + eps) (0 where the group has no contrast)."""
+
+    mean: torch.Tensor  # float64 (2G,)
+    scale: torch.Tensor  # float64 (2G,)
+
+
+def normalise_per_class(
+    batch: RolloutBatch,
+    classes: Classes,
+    sums: torch.Tensor,
+    centred_squares: Any,
+    weights: torch.Tensor,
+    epsilon: float,
+) -> GroupNormalisation:
+    """mean and 1 / (std + eps) of each class's shaped rewards over its group.
+
+    ``sums``: each rollout's sum of shaped rewards, float64 (B,); ``weights``: what each
+    rollout counts for, float64 (B,) (its tokens for GTPO, 1 for GRPO-S); the group's count is
+    the sum of its rollouts' weights, the other class's entries counting 0.
+    ``centred_squares(mean_of_rollout)``: each rollout's sum of (r~ - mean)^2 over its entries,
+    given its class's mean, float64 (B,). The std is the sample std (count - 1).
+    """
+    g = batch.num_groups
+    group = batch.group_index
+    cg = classes.class_group
+    count = torch.zeros(g, dtype=torch.float64, device=sums.device).index_add_(0, group, weights)
+    count2 = torch.cat([count, count])
+    class_sum = torch.zeros(2 * g, dtype=torch.float64, device=sums.device)
+    class_sum.index_add_(0, cg, sums)
+    class_count = torch.zeros(2 * g, dtype=torch.float64, device=sums.device)
+    class_count.index_add_(0, cg, weights)
+    mean = class_sum / count2.clamp(min=1.0)
+    squares = torch.zeros(2 * g, dtype=torch.float64, device=sums.device)
+    squares.index_add_(0, cg, centred_squares(mean.index_select(0, cg)))
+    # The other class's entries are 0: (0 - mean)^2 each.
+    squares += (count2 - class_count) * mean.square()
+    std = torch.sqrt(squares / (count2 - 1.0).clamp(min=1.0))
+    denominator = std + epsilon
+    contrast2 = torch.cat([classes.contrast, classes.contrast])
+    usable = contrast2 & (denominator > 0)
+    scale = torch.where(usable, 1.0 / torch.where(usable, denominator, 1.0), 0.0)
+    return GroupNormalisation(mean, scale)
+
+
+# ---- token-level shaping -------------------------------------------------------------------------
+
+
+class PositionKeys(NamedTuple):
+    """Dense keys of (class group, position): class group c owns [base_c, base_c + L_c), L_c its
+    longest rollout; O+ keys come first, so a token is in O- iff its key >= ``first_wrong``."""
+
+    key: torch.Tensor  # int64 (N,)
+    of_key: torch.Tensor  # int64 (K,): each key's class group
+    alive: torch.Tensor  # float64 (K,): rollouts of the class group that reach the position
+    first_wrong: int
+    num_keys: int
+
+
+def position_keys(batch: RolloutBatch, classes: Classes) -> PositionKeys:
+    cg = classes.class_group
+    lengths = batch.lengths
+    num_cg = 2 * batch.num_groups
+    longest = lengths.new_zeros(num_cg).scatter_reduce(0, cg, lengths, "amax")
+    base = torch.cumsum(longest, 0) - longest
+    num_keys = int(longest.sum())
+    # Token t of rollout i: base_c + t = flat position + (base_c - offset_i).
+    key = batch.per_token(base.index_select(0, cg) - batch.offsets[:-1])
+    key += torch.arange(batch.num_tokens, device=key.device)
+    # Rollouts alive at each key: +1 where a rollout starts, -1 past its end, summed up.
+    start = base.index_select(0, cg)
+    edges = torch.zeros(num_keys + 1, dtype=torch.float64, device=key.device)
+    edges.index_add_(0, start, torch.ones_like(start, dtype=torch.float64))
+    edges.index_add_(0, start + lengths, -torch.ones_like(start, dtype=torch.float64))
+    alive = torch.cumsum(edges, 0)[:-1]
+    of_key = torch.repeat_interleave(
+        torch.arange(num_cg, device=key.device), longest, output_size=num_keys
+    )
+    first_wrong = int(longest[: batch.num_groups].sum())
+    return PositionKeys(key, of_key, alive, first_wrong, num_keys)
+
+
+def token_shares(entropy: torch.Tensor, keys: PositionKeys) -> tuple[torch.Tensor, torch.Tensor]:
+    """(v, S): each token's share of its position is v_it / S[key_it], float64 (N,) and (K,),
+    with S > 0 wherever a token is. v = H for O+ and 1/H for O-, S their sum over the class's
+    rollouts at the position; where those are 0 (every O+ entropy 0) or infinite (some O-
+    entropy 0), the cases the module's docstring states."""
+    h = clamp_entropy(entropy)
+    key = keys.key
+    wrong = key >= keys.first_wrong
+    v = torch.where(wrong, h.reciprocal(), h)
+    total = torch.zeros(keys.num_keys, dtype=torch.float64, device=v.device)
+    total.index_add_(0, key, v)
+    position = torch.arange(keys.num_keys, device=v.device)
+    flat = (total == 0) & (keys.alive > 0) & (position < keys.first_wrong)
+    if bool(flat.any()):  # every O+ token at the position has H = 0: equal shares
+        v = torch.where(flat.index_select(0, key), 1.0, v)
+        total = torch.where(flat, keys.alive, total)
+    certain = torch.isinf(total)
+    if bool(certain.any()):  # some O- token has H = 0: those share the position
+        zero = torch.isinf(v).double()
+        zeros = torch.zeros_like(total).index_add_(0, key, zero)
+        v = torch.where(certain.index_select(0, key), zero, v)
+        total = torch.where(certain, zeros, total)
+    return v, total
+
+
+class TokenShaping(NamedTuple):
+    """GTPO's result: ``advantage`` A_it, float64 (N,); ``scalars``: each rollout's mean A_it,
+    float64 (B,); the shaped reward r~_it = ``outcome`` b_i (float64 (B,)) + ``entropy_part``
+    y_it (float64 (N,)), see :meth:`reward`."""
+
+    advantage: torch.Tensor
+    scalars: torch.Tensor
+    outcome: torch.Tensor
+    entropy_part: torch.Tensor
+
+    def reward(self, batch: RolloutBatch) -> torch.Tensor:
+        """r~_it, float64 (N,) (a pass over the tokens the advantage does not need)."""
+        return self.entropy_part + batch.per_token(self.outcome.float())
+
+
+def gtpo_advantage(
+    batch: RolloutBatch,
+    entropy: torch.Tensor,
+    *,
+    alpha1: float = 1.0,
+    alpha2: float = 0.1,
+    correct_threshold: float = 0.0,
+    epsilon: float = 1e-6,
+) -> TokenShaping:
+    """GTPO's shaped token rewards and advantages (the module's formulas).
+
+    entropy: H_it (nats), (N,)."""
+    classes = split_classes(batch, correct_threshold)
+    keys = position_keys(batch, classes)
+    v, total = token_shares(entropy, keys)
+    # y_it = +-alpha2 d_t v_it / S_t: the entropy part of r~ (O- negative).
+    factor = torch.where(total > 0, alpha2 * keys.alive / torch.where(total > 0, total, 1.0), 0.0)
+    factor[keys.first_wrong :] *= -1.0
+    y = v * factor.index_select(0, keys.key)
+    b = outcome_rewards(batch, classes, alpha1)
+    tokens = batch.lengths.double()
+    sum_y = batch.rollout_sums(y)
+    sum_yy = batch.rollout_sums(y * y)
+
+    def centred_squares(mean: torch.Tensor) -> torch.Tensor:
+        # sum_t (b_i + y_it - m)^2, from the sums of y and y^2
+        d = b - mean
+        return sum_yy + 2.0 * d * sum_y + tokens * d * d
+
+    norm = normalise_per_class(batch, classes, b * tokens + sum_y, centred_squares, tokens, epsilon)
+    cg = classes.class_group
+    scale = norm.scale.index_select(0, cg)
+    # A_it = (b_i + y_it - m) scale. Its two parts cancel where a class's shaped rewards are all
+    # alike (scale large): both come from float64 per-key tables, b_i split into its class's
+    # b_ref (the same for every rollout of the class with 0/1 rewards) and the rest.
+    b_ref = torch.full((2 * batch.num_groups,), -torch.inf, dtype=torch.float64, device=b.device)
+    b_ref = b_ref.scatter_reduce(0, cg, b, "amax")
+    b_ref = torch.where(torch.isfinite(b_ref), b_ref, torch.zeros_like(b_ref))
+    per_key = torch.stack(
+        [factor, ((b_ref - norm.mean) * norm.scale).index_select(0, keys.of_key)], 1
+    )
+    per_key[:, 0] *= norm.scale.index_select(0, keys.of_key)
+    gathered = per_key.index_select(0, keys.key)
+    advantage = torch.addcmul(gathered[:, 1], v, gathered[:, 0])
+    rest = (b - b_ref.index_select(0, cg)) * scale
+    if bool((rest != 0).any()):
+        advantage += batch.per_token(rest.float())
+    c = (b - norm.mean.index_select(0, cg)) * scale
+    scalars = torch.where(
+        tokens > 0, c + scale * sum_y / tokens.clamp(min=1.0), torch.zeros_like(c)
+    )
+    return TokenShaping(advantage, scalars, b, y)
+
+
+@register_outcome(
+    "gtpo",
+    formula="r~_it = alpha1 r_i + alpha2 d_t H_it / sum_O+ H_kt (correct), -alpha1 - alpha2 h_t "
+    "H_it^-1 / sum_O- H_kt^-1 (wrong); A_it = (r~_it - mean) / (std + eps) per class over the "
+    "group's tokens",
+    paper="Tan et al. 2025, GTPO and GRPO-S: Token and Sequence-Level Reward Shaping with "
+    "Policy Entropy, arXiv 2508.04349v6 (GTPO)",
+    params=PARAMS,
+    per_token=True,
+    diagnostics=("gtpo_reward",),
+    requires=lambda params: {"entropy": "entropy"},
+)
+def gtpo(batch: RolloutBatch, params: Mapping[str, Any]) -> OutcomeOutput:
+    """Entropy-shaped token rewards of the correct and wrong rollouts, normalised per class."""
+    assert batch.entropy is not None  # by `requires`
+    shaping = gtpo_advantage(
+        batch,
+        batch.entropy,
+        **{k: params[k] for k in ("alpha1", "alpha2", "correct_threshold", "epsilon")},
+    )
+    return OutcomeOutput(
+        shaping.advantage,
+        diagnostics={"gtpo_reward": lambda: shaping.reward(batch)},
+        scalars=shaping.scalars,
+    )
