@@ -271,6 +271,16 @@ class RolloutBatch:
         out[nonempty] = torch.from_numpy(sums)
         return out
 
+    def per_token_wide(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-rollout float64 ``values`` (B,) repeated over each rollout's tokens: float64 (N,),
+        to about 2^-48 of each value (a float32 part and the float32 rest, each repeated exactly
+        by :meth:`per_token`)."""
+        high = values.float()
+        low = (values - high.double()).float()
+        out = self.per_token(high).double()
+        out += self.per_token(low)
+        return out
+
     @cached_property
     def group_sizes(self) -> torch.Tensor:
         """int64 (G,): rollouts per group."""

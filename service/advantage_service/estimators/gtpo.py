@@ -270,9 +270,9 @@ def gtpo_advantage(
     norm = normalise_per_class(batch, classes, b * tokens + sum_y, centred_squares, tokens, epsilon)
     cg = classes.class_group
     scale = norm.scale.index_select(0, cg)
-    # A_it = (b_i + y_it - m) scale. Its two parts cancel where a class's shaped rewards are all
-    # alike (scale large): both come from float64 per-key tables, b_i split into its class's
-    # b_ref (the same for every rollout of the class with 0/1 rewards) and the rest.
+    # A_it = (b_i + y_it - m) scale. Its parts cancel where a class's shaped rewards are all
+    # alike (scale large), so all are float64: the per-key tables, b_i split into its class's
+    # b_ref (the same for every rollout of the class with 0/1 rewards: no pass) and the rest.
     b_ref = torch.full((2 * batch.num_groups,), -torch.inf, dtype=torch.float64, device=b.device)
     b_ref = b_ref.scatter_reduce(0, cg, b, "amax")
     b_ref = torch.where(torch.isfinite(b_ref), b_ref, torch.zeros_like(b_ref))
@@ -284,7 +284,7 @@ def gtpo_advantage(
     advantage = torch.addcmul(gathered[:, 1], v, gathered[:, 0])
     rest = (b - b_ref.index_select(0, cg)) * scale
     if bool((rest != 0).any()):
-        advantage += batch.per_token(rest.float())
+        advantage += batch.per_token_wide(rest)
     c = (b - norm.mean.index_select(0, cg)) * scale
     scalars = torch.where(
         tokens > 0, c + scale * sum_y / tokens.clamp(min=1.0), torch.zeros_like(c)
