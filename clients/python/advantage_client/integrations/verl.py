@@ -15,19 +15,21 @@
 all an outcome estimator (``adv_grpo``, ``adv_rloo``, ...) needs; the per-row rewards are
 ``token_level_rewards.sum(-1)`` as in verl's own outcome estimators, and ``returns`` are the
 advantages. A token-level estimator (``adv_ktae``, ``adv_cscr``, ``adv_opsd``, ``adv_otb``,
-``adv_forking``) also needs the token ids and per-token inputs: :func:`patch` replaces
-``verl.trainer.ppo.ray_trainer.compute_advantage`` (and the name the v1 trainer's
-``verl.trainer.ppo.v1.utils`` imported, when that module imports) with one that, for the
-estimators registered here, passes from ``data.batch``:
+``adv_forking``, ``adv_gtpo``, ``adv_grpo_s``, ``adv_hicra``) also needs the token ids and
+per-token inputs: :func:`patch` replaces ``verl.trainer.ppo.ray_trainer.compute_advantage``
+(and the name the v1 trainer's ``verl.trainer.ppo.v1.utils`` imported, when that module
+imports) with one that, for the estimators registered here, passes from ``data.batch``:
 
 =========================== ==========================================================
 ``data.batch`` key          sent as
 =========================== ==========================================================
 ``responses``               the token ids (B, T)
 ``old_log_probs``           ``logprobs`` (OPSD, OTB)
-``entropys``                ``entropy`` (forking tokens)
+``entropys``                ``entropy`` (forking tokens, GTPO, GRPO-S)
 ``sum_pi_squared``          ``sum_pi_squared`` (OTB)
 ``rollout_is_weights``      ``is_weights`` (OTB, when present)
+``planning_mask``           ``planning_mask`` (HICRA, when present: else the service's
+                            tokenizer finds planning tokens, when it has one)
 ``teacher_log_probs.<c>``   ``teacher_logprobs[<c>]`` (CSCR's pos/neg, OPSD's teacher)
 =========================== ==========================================================
 
@@ -53,6 +55,7 @@ BATCH_INPUTS = {
     "entropys": "entropy",
     "sum_pi_squared": "sum_pi_squared",
     "rollout_is_weights": "is_weights",
+    "planning_mask": "planning_mask",
 }
 TEACHER_PREFIX = "teacher_log_probs."
 # Keywords the patched compute_advantage adds to verl's call of a registered estimator.
