@@ -267,8 +267,11 @@ EXAMPLE_REQUEST: dict[str, Any] = {
 
 def param_json_schema(p: Param) -> dict[str, Any]:
     """JSON Schema of one estimator parameter, from its registry declaration."""
-    kind = {bool: "boolean", float: "number", str: "string"}[p.kind]
+    kind = {bool: "boolean", float: "number", str: "string", list: "array"}[p.kind]
     schema: dict[str, Any] = {"type": kind, "description": p.doc}
+    if p.kind is list:
+        schema["items"] = {"type": "string", "minLength": 1, "maxLength": p.max_length}
+        schema["maxItems"] = p.max_items
     if p.minimum is not None:
         schema["exclusiveMinimum" if p.exclusive_minimum else "minimum"] = p.minimum
     if p.maximum is not None:
