@@ -600,7 +600,8 @@ def reference_compute(request: dict[str, Any]) -> dict[str, Any]:
 
     Every rollout gets ``advantages`` and ``scalar``, plus every diagnostic of an enabled term
     (``ktae_score``; ``cscr_weight`` and ``sensitivity``; ``opsd_reward``, which is the clipped
-    d without ``coef``; ``forking_mask``, 1.0 or 0.0; ``planning_mask``) or outcome
+    d without ``coef``; ``forking_mask``, 1.0 or 0.0; ``planning_mask`` and ``hicra_bonus``,
+    alpha |A| m before the forking mask) or outcome
     (``otb_baseline``, ``gtpo_reward``, ``grpo_s_reward``), whether or not ``return`` asks for
     it.
 
@@ -705,9 +706,11 @@ def reference_compute(request: dict[str, Any]) -> dict[str, Any]:
         for group, out_group in zip(groups, out_groups, strict=True):
             for rollout, entry in zip(group["rollouts"], out_group["rollouts"], strict=True):
                 entry["planning_mask"] = np.asarray(rollout["planning_mask"], dtype=np.float64)
-                entry["advantages"] = hicra_amplify(
+                amplified = hicra_amplify(
                     entry["advantages"], rollout["planning_mask"], hicra["alpha"]
                 )
+                entry["hicra_bonus"] = amplified - entry["advantages"]
+                entry["advantages"] = amplified
 
     # Forking tokens last: only the high-entropy tokens keep their advantage.
     if forking is not None:
@@ -844,7 +847,7 @@ def random_request(
         if resolved["forking"] is not None:
             return_fields.append("forking_mask")
         if resolved["hicra"] is not None:
-            return_fields.append("planning_mask")
+            return_fields += ["planning_mask", "hicra_bonus"]
         if otb:
             return_fields.append("otb_baseline")
         if outcome_name in ("gtpo", "grpo_s"):

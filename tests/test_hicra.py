@@ -99,6 +99,24 @@ def test_hicra_applies_after_whitening_and_clipping_and_before_the_forking_mask(
     assert np.max(np.abs(got)) == pytest.approx(0.75 * 1.5)
 
 
+def test_hicra_bonus_is_what_hicra_added_before_the_forking_mask() -> None:
+    base = {"outcome": "grpo", "ktae": {}, "whiten": True}
+    request = token_request({**base, "hicra": {"alpha": 0.5}, "forking": {"rho": 0.5}})
+    request["return"] = ["hicra_bonus", "planning_mask", "forking_mask"]
+    out = compute(request, device="cpu")
+    plain = flat(compute(token_request(base), device="cpu"), "advantages")
+    bonus = flat(out, "hicra_bonus")
+    np.testing.assert_allclose(bonus, 0.5 * np.abs(plain) * flat(out, "planning_mask"), rtol=1e-6)
+    keep = flat(out, "forking_mask") == 1.0
+    np.testing.assert_allclose(flat(out, "advantages")[keep], (plain + bonus)[keep], rtol=1e-6)
+    assert np.any(bonus[~keep] != 0.0)  # the mask zeroes a token after HICRA gave it a bonus
+    # Asked for or not, the advantages are the same.
+    del request["return"]
+    np.testing.assert_array_equal(
+        flat(compute(request, device="cpu"), "advantages"), flat(out, "advantages")
+    )
+
+
 def test_hicra_with_alpha_zero_changes_nothing() -> None:
     request = token_request({"outcome": "rloo", "ktae": {}, "hicra": {"alpha": 0}})
     out = compute(request, device="cpu")

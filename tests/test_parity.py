@@ -36,6 +36,7 @@ PER_TOKEN_FIELDS = (
     "gtpo_reward",
     "grpo_s_reward",
     "planning_mask",
+    "hicra_bonus",
 )
 
 # name -> (estimator spec, extra knobs for oracle.random_request)
@@ -379,7 +380,7 @@ def test_fast_path_matches_oracle_on_edge_cases(groups: str, estimator: str):
     if resolved["forking"] is not None:
         fields.append("forking_mask")
     if resolved["hicra"] is not None:
-        fields.append("planning_mask")
+        fields += ["planning_mask", "hicra_bonus"]
     if resolved["outcome"]["name"] == "otb":
         fields.append("otb_baseline")
     if resolved["outcome"]["name"] in ("gtpo", "grpo_s"):

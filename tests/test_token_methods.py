@@ -69,7 +69,7 @@ def every_diagnostic(estimator: Any) -> list[str]:
     if resolved["forking"] is not None:
         out.append("forking_mask")
     if resolved["hicra"] is not None:
-        out.append("planning_mask")
+        out += ["planning_mask", "hicra_bonus"]
     if resolved["outcome"]["name"] == "otb":
         out.append("otb_baseline")
     if resolved["outcome"]["name"] in ("gtpo", "grpo_s"):

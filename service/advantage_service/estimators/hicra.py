@@ -12,6 +12,8 @@ reinforced more) and one with negative advantage (1 - alpha) A_it (a plan in a f
 blamed less); other tokens keep A_it. The term applies to the combined advantage after the
 formula, whitening and clipping (so ``clip`` bounds the advantage it is given, not its answer),
 and before the forking mask; with ``grpo`` and no other term, A_it = a_i + alpha |a_i| m_it.
+The diagnostic ``hicra_bonus`` is the amount added, alpha |A_it| m_it (before the forking mask,
+which may zero the token after it); ``planning_mask`` is m.
 
 Version and sources: the formula is the one ESTIMATORS.md and the issue that asked for HICRA
 state for arXiv 2509.03646 (the paper's PDF was out of reach when this was written; no equation
@@ -239,7 +241,7 @@ PARAMS = (
     paper="Emergent Hierarchical Reasoning in LLMs through Reinforcement Learning, arXiv "
     "2509.03646 (HICRA)",
     params=PARAMS,
-    diagnostics=("planning_mask",),
+    diagnostics=("planning_mask", "hicra_bonus"),
     requires=lambda params: {"planning_mask": "planning_mask"},
     derives={
         "planning_mask": Derivation(
@@ -254,7 +256,8 @@ def hicra(batch: RolloutBatch, params: Mapping[str, Any], ctx: TermContext) -> T
     assert m is not None  # by `requires` (given, or derived from the tokens)
     alpha = params["alpha"]
     return TermOutput(
-        amplification=m if alpha > 0 else None,
+        amplification=m,
         amplification_scale=alpha,
+        amplification_diagnostic="hicra_bonus",
         diagnostics={"planning_mask": m},
     )

@@ -245,7 +245,13 @@ def compute_batch(
     # Amplifications of the combined advantage (HICRA): after whitening and clipping, so that
     # A_it + k |A_it| is exactly what the term's paper states of the advantage it is given.
     for out in outputs.values():
-        if out.amplification is not None:
+        if out.amplification is None:
+            continue
+        if out.amplification_diagnostic in ctx.diagnostics:
+            added = advantages.abs().mul_(out.amplification).mul_(out.amplification_scale)
+            produced[out.amplification_diagnostic] = added
+            advantages.add_(added)
+        else:
             advantages.addcmul_(advantages.abs(), out.amplification, value=out.amplification_scale)
     # Masks last: a masked token carries nothing, whatever the formula, whitening or clip gave.
     for out in outputs.values():

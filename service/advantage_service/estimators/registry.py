@@ -282,6 +282,8 @@ class TermOutput:
     bonus: torch.Tensor | None = None
     amplification: torch.Tensor | None = None
     amplification_scale: float = 1.0
+    # The diagnostic that returns what the amplification added (scale k_it |A_it|), if any.
+    amplification_diagnostic: str | None = None
     mask: torch.Tensor | None = None
     diagnostics: dict[str, torch.Tensor] = field(default_factory=dict)
     state: Any = None
