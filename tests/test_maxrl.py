@@ -108,7 +108,7 @@ def groups_of_rewards(draw, binary: bool, min_size: int = 1):
     """A batch of 1-4 groups of ``min_size``-10 rollouts with rewards >= 0 (0/1, or any)."""
     sizes = [draw(st.integers(min_size, 10)) for _ in range(draw(st.integers(1, 4)))]
     # (no subnormal rewards: float32 outcome scalars cannot hold their differences)
-    any_reward = st.one_of(st.just(0.0), st.floats(1e-3, 4, width=32))
+    any_reward = st.one_of(st.just(0.0), st.floats(2**-10, 4, width=32))
     reward = st.sampled_from([0.0, 1.0]) if binary else any_reward
     rewards = [draw(reward) for _ in range(sum(sizes))]
     return RolloutBatch.from_flat(
