@@ -5,6 +5,7 @@ phrases in decoded token text (a server with a tokenizer), in-process."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -235,6 +236,17 @@ def test_default_phrases_are_distinct_once_normalised() -> None:
     forms = [normalise(p) for p in DEFAULT_PHRASES]
     assert len(forms) == len(set(forms)) and all(forms)
     assert normalise(" Let ME\tcheck") == "letmecheck" and normalise("I\u2019m") == "i'm"
+
+
+def test_the_docs_list_the_default_phrases() -> None:
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "estimator-config.md").read_text()
+    section = docs[docs.index("## HICRA") : docs.index("## Edge cases")]
+    listed = [
+        " ".join(p.split()) for p in re.findall(r"`([^`]+)`", section.split(" in English:")[1])
+    ]
+    assert listed == list(DEFAULT_PHRASES)
 
 
 def request_without_mask(phrases: list[str] | None = None) -> dict[str, Any]:

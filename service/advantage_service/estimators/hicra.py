@@ -24,9 +24,9 @@ The planning mask comes from the rollouts' ``planning_mask`` input (0/1 per toke
 request has none and the server has a tokenizer (``--tokenizer``/``ADV_TOKENIZER``), from
 strategic phrases found in the decoded token text (:func:`strategic_phrase_mask`): the
 request's ``phrases`` or :data:`DEFAULT_PHRASES`. The paper finds its strategic grams by
-clustering n-grams of successful solutions and gives examples rather than a list to use;
+clustering n-grams of successful solutions (no list of them to reuse could be checked here);
 :data:`DEFAULT_PHRASES` is this service's own list of hesitation, verification, backtracking and
-planning phrases, in English.
+planning phrases, in English (docs/estimator-config.md lists them).
 """
 
 from __future__ import annotations
