@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from token_batches import flat_batch
 
 SETTINGS = settings(max_examples=60, deadline=None)
-TOL = 1e-9
+# The advantages come from float64 sums and differences scaled by a float32 1 / (std + eps).
+TOL = 1e-6
 
 
 def rollout(reward: float, entropy: list[float]) -> dict[str, Any]:
@@ -37,7 +38,7 @@ def gtpo_flat(groups: list[list[dict[str, Any]]], **params: Any) -> tuple[np.nda
 
 def ours(groups: list[list[dict[str, Any]]], **params: Any) -> Any:
     batch, fields = flat_batch(groups)
-    return batch, gtpo_advantage(batch, fields["entropy"], **params)
+    return batch, gtpo_advantage(batch, fields["entropy"], with_reward=True, **params)
 
 
 PARAMS = [
@@ -55,7 +56,7 @@ def test_gtpo_matches_the_oracle_on_random_ragged_groups(params: dict[str, Any])
         groups = oracle.random_token_groups(rng, group_size=(1, 6), length=(0, 25))
         batch, result = ours(groups, **params)
         reward, advantage = gtpo_flat(groups, **params)
-        np.testing.assert_allclose(result.reward(batch).numpy(), reward, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(result.reward.numpy(), reward, rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(result.advantage.numpy(), advantage, rtol=TOL, atol=TOL)
         means = [
             float(np.mean(a)) if a.size else 0.0
@@ -96,7 +97,7 @@ def test_gtpo_shaped_rewards_by_hand() -> None:
     batch, result = ours(groups)
     expected = [1.08, 1.16, 1.1, 1.12, 1.04]
     expected += [-1 - 0.2 / 9, -1 - 1.6 / 9, -1.1, -1 - 1.6 / 9, -1 - 0.2 / 9]
-    np.testing.assert_allclose(result.reward(batch).numpy(), expected, rtol=1e-7)
+    np.testing.assert_allclose(result.reward.numpy(), expected, rtol=1e-7)
 
 
 def test_gtpo_two_rollouts_of_one_token_is_grpo() -> None:
@@ -104,7 +105,7 @@ def test_gtpo_two_rollouts_of_one_token_is_grpo() -> None:
     (1.1, 0): mean 0.55, sample std 0.55 sqrt(2); A+ = 0.55 / (0.55 sqrt 2) = 1/sqrt 2, and A- =
     -1/sqrt 2 likewise: GRPO's (1 - 0.5) / std(1, 0) for each."""
     _, result = ours([[rollout(1.0, [0.7]), rollout(0.0, [1.3])]], epsilon=0.0)
-    np.testing.assert_allclose(result.advantage.numpy(), [2**-0.5, -(2**-0.5)], rtol=1e-12)
+    np.testing.assert_allclose(result.advantage.numpy(), [2**-0.5, -(2**-0.5)], rtol=1e-7)
 
 
 def test_gtpo_entropies_of_zero_share_as_the_docstring_says() -> None:
@@ -121,7 +122,7 @@ def test_gtpo_entropies_of_zero_share_as_the_docstring_says() -> None:
     # O+: every entropy 0, equal shares of d = 2: 1 + 0.1 * 2 * 1/2 = 1.1.
     # O-: two entropies of 0 share h = 3, the other gets nothing: -1 - 0.1 * 3 / 2 = -1.15, -1.
     np.testing.assert_allclose(
-        result.reward(batch).numpy(), [1.1, 1.1, -1.15, -1.0, -1.15], rtol=1e-7
+        result.reward.numpy(), [1.1, 1.1, -1.15, -1.0, -1.15], rtol=1e-7
     )
     assert np.all(np.isfinite(result.advantage.numpy()))
 
@@ -200,7 +201,7 @@ def test_gtpo_conserves_the_reward_at_every_position(groups, alpha2) -> None:
     position sum to d_t = their rewards' sum, and the wrong ones' to -h_t (the paper's reward
     conservation: entropy only moves reward between tokens of one position)."""
     batch, result = ours(groups, alpha1=1.0 - alpha2, alpha2=alpha2)
-    shaped = result.reward(batch).numpy()
+    shaped = result.reward.numpy()
     group = batch.group_index.tolist()
     correct = (batch.rewards > 0).tolist()
     sums: dict[tuple[int, bool, int], list[float]] = {}
@@ -248,7 +249,7 @@ def test_gtpo_without_the_entropy_term_is_grpo_over_tokens(groups) -> None:
             assert a[p] == 0.0
         elif pool.min() < pool.max():  # (tokens of one class only: x - mean = 0)
             expected = (r[i] - pool.mean()) / (pool.std(ddof=1) + 1e-6)
-            assert a[p] == pytest.approx(expected, rel=1e-9, abs=1e-9)
+            assert a[p] == pytest.approx(expected, rel=1e-6, abs=1e-9)
 
 
 @SETTINGS
@@ -288,7 +289,7 @@ def test_gtpo_credits_entropy_in_correct_rollouts_and_blames_confidence_in_wrong
     """At one position of one group: among correct rollouts, the higher the entropy the higher
     the shaped reward; among wrong ones, the lower the entropy the lower (more blame)."""
     batch, result = ours(groups)
-    shaped = result.reward(batch).numpy()
+    shaped = result.reward.numpy()
     h = torch.tensor([max(0.0, x) for g in groups for r in g for x in r["entropy"]]).numpy()
     group = batch.group_index.tolist()
     correct = (batch.rewards > 0).tolist()

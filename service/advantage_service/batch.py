@@ -250,24 +250,25 @@ class RolloutBatch:
         return repeat_runs(values[nonempty], self.offsets[:-1][nonempty], self.num_tokens)
 
     def rollout_sums(self, values: torch.Tensor) -> torch.Tensor:
-        """Per rollout, the sum of its tokens' ``values`` (N,): float64 (B,), 0 for an empty
-        rollout. Each rollout's tokens are summed on their own, in order, so its sum does not
-        depend on the other rollouts of the batch (a merged batch gives each the same bits).
+        """Per rollout, the sum of its tokens' ``values`` (N,), accumulated in float64: float64
+        (B,), 0 for an empty rollout. Each rollout's tokens are summed on their own, in order,
+        so its sum does not depend on the other rollouts of the batch (a merged batch gives each
+        the same bits).
 
-        On the CPU, numpy's ``add.reduceat`` over the contiguous segments (a scatter-add by
-        rollout is several times slower); elsewhere ``index_add_``.
+        On the CPU, numpy's ``add.reduceat`` over the contiguous segments, reading float32 values
+        in place (a scatter-add by rollout, or a float64 copy, costs several times more);
+        elsewhere ``index_add_``.
         """
-        wide = values.double()
-        out = torch.zeros(self.num_rollouts, dtype=torch.float64, device=wide.device)
+        out = torch.zeros(self.num_rollouts, dtype=torch.float64, device=values.device)
         if self.num_tokens == 0:
             return out
-        if wide.device.type != "cpu":
-            return out.index_add_(0, self.rollout_of_token, wide)
+        if values.device.type != "cpu":
+            return out.index_add_(0, self.rollout_of_token, values.double())
         nonempty = torch.nonzero(self.lengths > 0).flatten()
         # Empty rollouts dropped, the starts increase strictly, so each segment ends where the
         # next non-empty rollout starts: its own end.
         starts = self.offsets[:-1].index_select(0, nonempty)
-        sums = np.add.reduceat(wide.contiguous().numpy(), starts.cpu().numpy())
+        sums = np.add.reduceat(values.contiguous().numpy(), starts.cpu().numpy(), dtype=np.float64)
         out[nonempty] = torch.from_numpy(sums)
         return out
 

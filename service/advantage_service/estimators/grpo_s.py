@@ -31,7 +31,14 @@ from typing import Any, NamedTuple
 import torch
 
 from ..batch import RolloutBatch
-from .gtpo import PARAMS, Classes, normalise_per_class, outcome_rewards, split_classes
+from .gtpo import (
+    PARAMS,
+    Classes,
+    clamp_entropy,
+    normalise_per_class,
+    outcome_rewards,
+    split_classes,
+)
 from .registry import OutcomeOutput, register_outcome
 
 
@@ -43,7 +50,7 @@ def sequence_shares(
     in O+, (1/H^_i) / sum 1/H^ in O-, with the docstring's cases at 0; and the number of its
     class's rollouts with tokens in its group (n+ or n-)."""
     tokens = batch.lengths.double()
-    mean_h = batch.rollout_sums(entropy.double().clamp(min=0.0)) / tokens.clamp(min=1.0)
+    mean_h = batch.rollout_sums(clamp_entropy(entropy)) / tokens.clamp(min=1.0)
     has_tokens = batch.lengths > 0
     cg = classes.class_group
     num_cg = 2 * batch.num_groups

@@ -110,9 +110,13 @@ def outcome_rewards(batch: RolloutBatch, classes: Classes, alpha1: float) -> tor
     return torch.where(classes.correct, alpha1 * r, torch.full_like(r, -alpha1))
 
 
-def clamp_entropy(entropy: torch.Tensor) -> torch.Tensor:
-    """H as float64, an entropy below 0 (a trainer's rounding) taken as 0."""
-    return entropy.double().clamp_(min=0.0)
+def clamp_entropy(entropy: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """H as ``dtype``, an entropy below 0 (a trainer's rounding) taken as 0 (no copy when the
+    input is already of ``dtype`` with none below 0)."""
+    h = entropy.to(dtype)
+    if h.numel() and float(h.min()) < 0:
+        h = h.clamp(min=0.0)
+    return h
 
 
 class GroupNormalisation(NamedTuple):
@@ -153,6 +157,7 @@ def normalise_per_class(
     squares.index_add_(0, cg, centred_squares(mean.index_select(0, cg)))
     # The other class's entries are 0: (0 - mean)^2 each.
     squares += (count2 - class_count) * mean.square()
+    squares.clamp_(min=0.0)  # (sums of squares from float32 squares may round below 0)
     std = torch.sqrt(squares / (count2 - 1.0).clamp(min=1.0))
     denominator = std + epsilon
     contrast2 = torch.cat([classes.contrast, classes.contrast])
@@ -168,7 +173,7 @@ class PositionKeys(NamedTuple):
     """Dense keys of (class group, position): class group c owns [base_c, base_c + L_c), L_c its
     longest rollout; O+ keys come first, so a token is in O- iff its key >= ``first_wrong``."""
 
-    key: torch.Tensor  # int64 (N,)
+    key: torch.Tensor  # int32 (N,)
     of_key: torch.Tensor  # int64 (K,): each key's class group
     alive: torch.Tensor  # float64 (K,): rollouts of the class group that reach the position
     first_wrong: int
@@ -182,11 +187,20 @@ def position_keys(batch: RolloutBatch, classes: Classes) -> PositionKeys:
     longest = lengths.new_zeros(num_cg).scatter_reduce(0, cg, lengths, "amax")
     base = torch.cumsum(longest, 0) - longest
     num_keys = int(longest.sum())
-    # Token t of rollout i: base_c + t = flat position + (base_c - offset_i).
-    key = batch.per_token(base.index_select(0, cg) - batch.offsets[:-1])
-    key += torch.arange(batch.num_tokens, device=key.device)
-    # Rollouts alive at each key: +1 where a rollout starts, -1 past its end, summed up.
+    if num_keys >= 2**31:
+        raise ValueError(f"{num_keys} (class, group, position) keys do not fit int32")
     start = base.index_select(0, cg)
+    # Token t of rollout i has key start_i + t: a running count that steps by 1 from token to
+    # token and jumps at each rollout's first token (one int32 buffer, one cumulative sum).
+    nonempty = torch.nonzero(lengths > 0).flatten()
+    first = batch.offsets[:-1].index_select(0, nonempty)
+    at_first = start.index_select(0, nonempty)
+    jump = at_first.clone()
+    jump[1:] -= at_first[:-1] + lengths.index_select(0, nonempty)[:-1] - 1
+    key = torch.ones(batch.num_tokens, dtype=torch.int32, device=start.device)
+    key.scatter_(0, first, jump.to(torch.int32))
+    torch.cumsum(key, 0, dtype=torch.int32, out=key)
+    # Rollouts alive at each key: +1 where a rollout starts, -1 past its end, summed up.
     edges = torch.zeros(num_keys + 1, dtype=torch.float64, device=key.device)
     edges.index_add_(0, start, torch.ones_like(start, dtype=torch.float64))
     edges.index_add_(0, start + lengths, -torch.ones_like(start, dtype=torch.float64))
@@ -198,21 +212,26 @@ def position_keys(batch: RolloutBatch, classes: Classes) -> PositionKeys:
     return PositionKeys(key, of_key, alive, first_wrong, num_keys)
 
 
-def token_shares(entropy: torch.Tensor, keys: PositionKeys) -> tuple[torch.Tensor, torch.Tensor]:
-    """(v, S): each token's share of its position is v_it / S[key_it], float64 (N,) and (K,),
-    with S > 0 wherever a token is. v = H for O+ and 1/H for O-, S their sum over the class's
-    rollouts at the position; where those are 0 (every O+ entropy 0) or infinite (some O-
-    entropy 0), the cases the module's docstring states."""
-    h = clamp_entropy(entropy)
+def token_shares(
+    entropy: torch.Tensor, keys: PositionKeys
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(v, S, spare): each token's share of its position is v_it / S[key_it]: v float64 (N,),
+    S float64 (K,) > 0 wherever a token is, and a float64 (N,) buffer the caller may reuse. v = H
+    for O+ and 1/H for O-, S their sum over the class's rollouts at the position; where those
+    are 0 (every O+ entropy 0) or infinite (some O- entropy 0), the cases the module's docstring
+    states."""
+    h = clamp_entropy(entropy, torch.float64)
+    if h.data_ptr() == entropy.data_ptr():
+        h = h.clone()  # (the caller's input: never a buffer to write into)
     key = keys.key
-    wrong = key >= keys.first_wrong
-    v = torch.where(wrong, h.reciprocal(), h)
+    v = torch.reciprocal(h)
+    torch.where(key >= keys.first_wrong, v, h, out=v)
     total = torch.zeros(keys.num_keys, dtype=torch.float64, device=v.device)
     total.index_add_(0, key, v)
     position = torch.arange(keys.num_keys, device=v.device)
     flat = (total == 0) & (keys.alive > 0) & (position < keys.first_wrong)
     if bool(flat.any()):  # every O+ token at the position has H = 0: equal shares
-        v = torch.where(flat.index_select(0, key), 1.0, v)
+        v.masked_fill_(flat.index_select(0, key), 1.0)
         total = torch.where(flat, keys.alive, total)
     certain = torch.isinf(total)
     if bool(certain.any()):  # some O- token has H = 0: those share the position
@@ -220,22 +239,17 @@ def token_shares(entropy: torch.Tensor, keys: PositionKeys) -> tuple[torch.Tenso
         zeros = torch.zeros_like(total).index_add_(0, key, zero)
         v = torch.where(certain.index_select(0, key), zero, v)
         total = torch.where(certain, zeros, total)
-    return v, total
+    return v, total, h
 
 
 class TokenShaping(NamedTuple):
     """GTPO's result: ``advantage`` A_it, float64 (N,); ``scalars``: each rollout's mean A_it,
-    float64 (B,); the shaped reward r~_it = ``outcome`` b_i (float64 (B,)) + ``entropy_part``
-    y_it (float64 (N,)), see :meth:`reward`."""
+    float64 (B,); ``reward``: the shaped reward r~_it, float64 (N,), when asked for (else
+    None: it costs passes over the tokens the advantage does not need)."""
 
     advantage: torch.Tensor
     scalars: torch.Tensor
-    outcome: torch.Tensor
-    entropy_part: torch.Tensor
-
-    def reward(self, batch: RolloutBatch) -> torch.Tensor:
-        """r~_it, float64 (N,) (a pass over the tokens the advantage does not need)."""
-        return self.entropy_part + batch.per_token(self.outcome.float())
+    reward: torch.Tensor | None
 
 
 def gtpo_advantage(
@@ -246,21 +260,27 @@ def gtpo_advantage(
     alpha2: float = 0.1,
     correct_threshold: float = 0.0,
     epsilon: float = 1e-6,
+    with_reward: bool = False,
 ) -> TokenShaping:
     """GTPO's shaped token rewards and advantages (the module's formulas).
 
-    entropy: H_it (nats), (N,)."""
+    entropy: H_it (nats), (N,). The passes over the tokens write into two float64 buffers (y,
+    then A; v, then y^2 and each gathered table): on a CPU, touching fresh memory for every
+    step costs more than the arithmetic."""
     classes = split_classes(batch, correct_threshold)
     keys = position_keys(batch, classes)
-    v, total = token_shares(entropy, keys)
-    # y_it = +-alpha2 d_t v_it / S_t: the entropy part of r~ (O- negative).
+    key = keys.key
+    v, total, spare = token_shares(entropy, keys)
+    # y_it = +-alpha2 d_t v_it / S_t: the entropy part of r~ (O- negative), float64.
     factor = torch.where(total > 0, alpha2 * keys.alive / torch.where(total > 0, total, 1.0), 0.0)
     factor[keys.first_wrong :] *= -1.0
-    y = v * factor.index_select(0, keys.key)
+    y = torch.index_select(factor, 0, key, out=spare).mul_(v)
     b = outcome_rewards(batch, classes, alpha1)
+    reward = y + batch.per_token_wide(b) if with_reward else None
     tokens = batch.lengths.double()
     sum_y = batch.rollout_sums(y)
-    sum_yy = batch.rollout_sums(y * y)
+    spare = torch.mul(y, y, out=v)  # v is not needed past y
+    sum_yy = batch.rollout_sums(spare)
 
     def centred_squares(mean: torch.Tensor) -> torch.Tensor:
         # sum_t (b_i + y_it - m)^2, from the sums of y and y^2
@@ -270,26 +290,25 @@ def gtpo_advantage(
     norm = normalise_per_class(batch, classes, b * tokens + sum_y, centred_squares, tokens, epsilon)
     cg = classes.class_group
     scale = norm.scale.index_select(0, cg)
-    # A_it = (b_i + y_it - m) scale. Its parts cancel where a class's shaped rewards are all
-    # alike (scale large), so all are float64: the per-key tables, b_i split into its class's
-    # b_ref (the same for every rollout of the class with 0/1 rewards: no pass) and the rest.
+    # A_it = (y_it - (m - b_i)) scale. y and m - b_i cancel where a class's shaped rewards are
+    # all alike (scale large): the difference is taken before scaling, m - b_ref per key (b_ref
+    # the class's b, one value with 0/1 rewards), after adding b_i - b_ref where a class's b_i
+    # differ.
     b_ref = torch.full((2 * batch.num_groups,), -torch.inf, dtype=torch.float64, device=b.device)
     b_ref = b_ref.scatter_reduce(0, cg, b, "amax")
     b_ref = torch.where(torch.isfinite(b_ref), b_ref, torch.zeros_like(b_ref))
-    per_key = torch.stack(
-        [factor, ((b_ref - norm.mean) * norm.scale).index_select(0, keys.of_key)], 1
-    )
-    per_key[:, 0] *= norm.scale.index_select(0, keys.of_key)
-    gathered = per_key.index_select(0, keys.key)
-    advantage = torch.addcmul(gathered[:, 1], v, gathered[:, 0])
-    rest = (b - b_ref.index_select(0, cg)) * scale
+    rest = b - b_ref.index_select(0, cg)
     if bool((rest != 0).any()):
-        advantage += batch.per_token_wide(rest)
+        y += batch.per_token_wide(rest)
+    shift = (norm.mean - b_ref).index_select(0, keys.of_key)
+    advantage = y.sub_(torch.index_select(shift, 0, key, out=spare))
+    scale_of_key = norm.scale.index_select(0, keys.of_key)
+    advantage.mul_(torch.index_select(scale_of_key, 0, key, out=spare))
     c = (b - norm.mean.index_select(0, cg)) * scale
     scalars = torch.where(
         tokens > 0, c + scale * sum_y / tokens.clamp(min=1.0), torch.zeros_like(c)
     )
-    return TokenShaping(advantage, scalars, b, y)
+    return TokenShaping(advantage, scalars, reward)
 
 
 @register_outcome(
@@ -307,13 +326,15 @@ def gtpo_advantage(
 def gtpo(batch: RolloutBatch, params: Mapping[str, Any]) -> OutcomeOutput:
     """Entropy-shaped token rewards of the correct and wrong rollouts, normalised per class."""
     assert batch.entropy is not None  # by `requires`
-    shaping = gtpo_advantage(
-        batch,
-        batch.entropy,
-        **{k: params[k] for k in ("alpha1", "alpha2", "correct_threshold", "epsilon")},
-    )
+    entropy = batch.entropy
+    options = {k: params[k] for k in ("alpha1", "alpha2", "correct_threshold", "epsilon")}
+    shaping = gtpo_advantage(batch, entropy, **options)
+
+    def reward() -> torch.Tensor:
+        shaped = gtpo_advantage(batch, entropy, with_reward=True, **options).reward
+        assert shaped is not None
+        return shaped
+
     return OutcomeOutput(
-        shaping.advantage,
-        diagnostics={"gtpo_reward": lambda: shaping.reward(batch)},
-        scalars=shaping.scalars,
+        shaping.advantage, diagnostics={"gtpo_reward": reward}, scalars=shaping.scalars
     )
