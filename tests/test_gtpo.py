@@ -54,7 +54,7 @@ def test_gtpo_matches_the_oracle_on_random_ragged_groups(params: dict[str, Any])
     for seed in range(30):
         rng = np.random.default_rng(seed)
         groups = oracle.random_token_groups(rng, group_size=(1, 6), length=(0, 25))
-        batch, result = ours(groups, **params)
+        _batch, result = ours(groups, **params)
         reward, advantage = gtpo_flat(groups, **params)
         np.testing.assert_allclose(result.reward.numpy(), reward, rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(result.advantage.numpy(), advantage, rtol=TOL, atol=TOL)
@@ -94,7 +94,7 @@ def test_gtpo_shaped_rewards_by_hand() -> None:
             rollout(0.0, [0.5, 4.0]),
         ]
     ]
-    batch, result = ours(groups)
+    _batch, result = ours(groups)
     expected = [1.08, 1.16, 1.1, 1.12, 1.04]
     expected += [-1 - 0.2 / 9, -1 - 1.6 / 9, -1.1, -1 - 1.6 / 9, -1 - 0.2 / 9]
     np.testing.assert_allclose(result.reward.numpy(), expected, rtol=1e-7)
@@ -118,12 +118,10 @@ def test_gtpo_entropies_of_zero_share_as_the_docstring_says() -> None:
             rollout(0.0, [-1e-5]),  # rounding below 0: an entropy of 0
         ]
     ]
-    batch, result = ours(groups)
+    _batch, result = ours(groups)
     # O+: every entropy 0, equal shares of d = 2: 1 + 0.1 * 2 * 1/2 = 1.1.
     # O-: two entropies of 0 share h = 3, the other gets nothing: -1 - 0.1 * 3 / 2 = -1.15, -1.
-    np.testing.assert_allclose(
-        result.reward.numpy(), [1.1, 1.1, -1.15, -1.0, -1.15], rtol=1e-7
-    )
+    np.testing.assert_allclose(result.reward.numpy(), [1.1, 1.1, -1.15, -1.0, -1.15], rtol=1e-7)
     assert np.all(np.isfinite(result.advantage.numpy()))
 
 
