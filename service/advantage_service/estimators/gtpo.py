@@ -24,13 +24,15 @@ class's tokens counting 0:
 (std: the sample standard deviation over the group's tokens). With alpha2 = 0 and 0/1 rewards
 this is GRPO's normalisation over tokens, for both classes alike.
 
-Version: the formulas above are those ESTIMATORS.md and the issue that asked for GTPO describe
-for arXiv 2508.04349v6 (the ICML 2026 version), in the form public implementations give for the
-paper's token-level shaping of O+ and O- (the inverse-entropy share of O-, the -1 outcome
-reward of a wrong rollout, alpha1 = 1 and alpha2 = 0.1). The paper's PDF was out of reach when
-this was written: no equation number is cited, and the normalisation's reading (each class over
-all the group's tokens, the other class at 0, so that alpha2 = 0 gives GRPO) could not be
-checked against the text. Where the paper leaves a case open:
+Version and sources: arXiv 2508.04349v6 (the ICML 2026 version) as ESTIMATORS.md and the issue
+that asked for GTPO state it: shaped rewards from the entropy ratios H_it / sum_k H_kt,
+separately for the correct and the wrong rollouts, then the paper's normalisation. The paper's
+PDF was out of reach when this was written, so no equation number is cited; the details above
+(the inverse-entropy share of O-, the -1 outcome term of a wrong rollout, the alive counts d_t
+and h_t, alpha1 = 1 and alpha2 = 0.1) follow a public re-implementation of the paper's earlier
+(v5) equations, and the normalisation's reading (each class over all the group's tokens, the
+other class at 0, so that alpha2 = 0 gives GRPO) could not be checked against the text.
+Where the paper leaves a case open:
 
 - a group without both a correct and a wrong rollout (a group of one among them) has no outcome
   contrast and gets A = 0 on every token, as GRPO and DAPO's dynamic sampling leave it;
