@@ -17,8 +17,8 @@ which may zero the token after it); ``planning_mask`` is m.
 
 Version and sources: the formula is the one ESTIMATORS.md and the issue that asked for HICRA
 state for arXiv 2509.03646 (the paper's PDF was out of reach when this was written; no equation
-number is cited). The authors' released trainer also amplifies some high-entropy tokens of
-longer correct rollouts; that is not the paper's formula and is not done here.
+number is cited). Some trainer implementations also amplify high-entropy tokens of longer
+correct rollouts; that is not the formula stated there and is not done here.
 
 The planning mask comes from the rollouts' ``planning_mask`` input (0/1 per token), or, when a
 request has none and the server has a tokenizer (``--tokenizer``/``ADV_TOKENIZER``), from
