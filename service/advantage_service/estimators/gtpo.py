@@ -112,10 +112,10 @@ def outcome_rewards(batch: RolloutBatch, classes: Classes, alpha1: float) -> tor
     return torch.where(classes.correct, alpha1 * r, torch.full_like(r, -alpha1))
 
 
-def clamp_entropy(entropy: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """H as ``dtype``, an entropy below 0 (a trainer's rounding) taken as 0 (no copy when the
-    input is already of ``dtype`` with none below 0)."""
-    h = entropy.to(dtype)
+def clamp_entropy(entropy: torch.Tensor) -> torch.Tensor:
+    """H as float32, an entropy below 0 (a trainer's rounding) taken as 0 (the input itself when
+    it is float32 with none below 0: never written into)."""
+    h = entropy.float()
     if h.numel() and float(h.min()) < 0:
         h = h.clamp(min=0.0)
     return h
@@ -123,10 +123,14 @@ def clamp_entropy(entropy: torch.Tensor, dtype: torch.dtype = torch.float32) -> 
 
 class GroupNormalisation(NamedTuple):
     """Per class and group (index: the class group, see :class:`Classes`): the mean of R~ over
-    the group's tokens or rollouts, and 1 / (std + eps) (0 where the group has no contrast)."""
+    the group's tokens or rollouts, and 1 / (std + eps) (0 where the group has no contrast);
+    ``flat``: the classes with contrast whose shaped rewards' std is under 1e-3 of their root
+    mean square (all alike but for rounding, or nearly: the normalisation divides what is left
+    by eps, and float32 rounding must not be what is left)."""
 
     mean: torch.Tensor  # float64 (2G,)
     scale: torch.Tensor  # float64 (2G,)
+    flat: torch.Tensor  # bool (2G,)
 
 
 def normalise_per_class(
@@ -157,6 +161,8 @@ def normalise_per_class(
     mean = class_sum / count2.clamp(min=1.0)
     squares = torch.zeros(2 * g, dtype=torch.float64, device=sums.device)
     squares.index_add_(0, cg, centred_squares(mean.index_select(0, cg)))
+    size = torch.zeros(2 * g, dtype=torch.float64, device=sums.device)
+    size.index_add_(0, cg, centred_squares(torch.zeros_like(sums)))
     # The other class's entries are 0: (0 - mean)^2 each.
     squares += (count2 - class_count) * mean.square()
     squares.clamp_(min=0.0)  # (sums of squares from float32 squares may round below 0)
@@ -165,7 +171,9 @@ def normalise_per_class(
     contrast2 = torch.cat([classes.contrast, classes.contrast])
     usable = contrast2 & (denominator > 0)
     scale = torch.where(usable, 1.0 / torch.where(usable, denominator, 1.0), 0.0)
-    return GroupNormalisation(mean, scale)
+    rms = torch.sqrt(size / count2.clamp(min=1.0))
+    flat = contrast2 & (class_count > 0) & (std <= 1e-3 * rms)
+    return GroupNormalisation(mean, scale, flat)
 
 
 # ---- token-level shaping -------------------------------------------------------------------------
@@ -214,40 +222,39 @@ def position_keys(batch: RolloutBatch, classes: Classes) -> PositionKeys:
     return PositionKeys(key, of_key, alive, first_wrong, num_keys)
 
 
-def token_shares(
-    entropy: torch.Tensor, keys: PositionKeys
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(v, S, spare): each token's share of its position is v_it / S[key_it]: v float64 (N,),
-    S float64 (K,) > 0 wherever a token is, and a float64 (N,) buffer the caller may reuse. v = H
-    for O+ and 1/H for O-, S their sum over the class's rollouts at the position; where those
-    are 0 (every O+ entropy 0) or infinite (some O- entropy 0), the cases the module's docstring
-    states."""
-    h = clamp_entropy(entropy, torch.float64)
-    if h.data_ptr() == entropy.data_ptr():
-        h = h.clone()  # (the caller's input: never a buffer to write into)
-    key = keys.key
+def token_shares(entropy: torch.Tensor, keys: PositionKeys) -> tuple[torch.Tensor, torch.Tensor]:
+    """(v, S): each token's share of its position is v_it / S[key_it]: v float32 (N,) (a fresh
+    tensor, the caller's to reuse), S float32 (K,) > 0 (float32 sums of a group's few values).
+    v = H for O+ and 1/H for O-, S their sum over the class's rollouts at the position; where
+    those are 0 (every O+ entropy 0) or infinite (some O- entropy 0), the cases the module's
+    docstring states. Every key has a rollout that reaches it (a class group's keys span its
+    longest rollout)."""
+    h = clamp_entropy(entropy)
+    key, first_wrong, num_keys = keys.key, keys.first_wrong, keys.num_keys
     v = torch.reciprocal(h)
-    torch.where(key >= keys.first_wrong, v, h, out=v)
-    total = torch.zeros(keys.num_keys, dtype=torch.float64, device=v.device)
-    total.index_add_(0, key, v)
-    position = torch.arange(keys.num_keys, device=v.device)
-    flat = (total == 0) & (keys.alive > 0) & (position < keys.first_wrong)
+    torch.where(key >= first_wrong, v, h, out=v)
+    total = torch.zeros(num_keys, dtype=torch.float32, device=v.device).index_add_(0, key, v)
+    flat = total[:first_wrong] == 0
     if bool(flat.any()):  # every O+ token at the position has H = 0: equal shares
-        v.masked_fill_(flat.index_select(0, key), 1.0)
-        total = torch.where(flat, keys.alive, total)
-    certain = torch.isinf(total)
-    if bool(certain.any()):  # some O- token has H = 0: those share the position
-        zero = torch.isinf(v).double()
-        zeros = torch.zeros_like(total).index_add_(0, key, zero)
+        every = torch.zeros(num_keys, dtype=torch.bool, device=v.device)
+        every[:first_wrong] = flat
+        v.masked_fill_(every.index_select(0, key), 1.0)
+        total = torch.where(every, keys.alive.float(), total)
+    if bool(torch.isinf(total[first_wrong:]).any()):  # some O- token has H = 0: they share
+        certain = torch.isinf(total)
+        zero = torch.isinf(v).float()
+        zeros = torch.zeros(num_keys, dtype=torch.float32, device=v.device)
+        zeros.index_add_(0, key, zero)
         v = torch.where(certain.index_select(0, key), zero, v)
         total = torch.where(certain, zeros, total)
-    return v, total, h
+    return v, total
 
 
 class TokenShaping(NamedTuple):
-    """GTPO's result: ``advantage`` A_it, float64 (N,); ``scalars``: each rollout's mean A_it,
-    float64 (B,); ``reward``: the shaped reward r~_it, float64 (N,), when asked for (else
-    None: it costs passes over the tokens the advantage does not need)."""
+    """GTPO's result: ``advantage`` A_it, float32 (N,) (or float64 with rewards that differ
+    within a class); ``scalars``: each rollout's mean A_it, float64 (B,); ``reward``: the
+    shaped reward r~_it, float64 (N,), when asked for (else None: it costs passes over the
+    tokens the advantage does not need)."""
 
     advantage: torch.Tensor
     scalars: torch.Tensor
@@ -266,19 +273,59 @@ def gtpo_advantage(
 ) -> TokenShaping:
     """GTPO's shaped token rewards and advantages (the module's formulas).
 
-    entropy: H_it (nats), (N,). The passes over the tokens write into two float64 buffers (y,
-    then A; v, then y^2 and each gathered table): on a CPU, touching fresh memory for every
-    step costs more than the arithmetic."""
+    entropy: H_it (nats), (N,). The passes over the tokens are float32 and write into two
+    buffers (v, then y^2 and each gathered table; y, then A): on a CPU, fresh memory for every
+    step costs more than the arithmetic. Sums and group statistics are float64. Where a class
+    with contrast has shaped rewards all alike but for float32 rounding (its std is that
+    rounding, and the normalisation would divide it by eps: a class whose other class has no
+    tokens, with equal entropy shares), that class is computed again in float64, whose
+    rounding the division leaves near 0 as the exact answer is; so is a class whose outcome
+    terms b_i differ (rewards other than 0/1), whose A takes b_i - b_ref in float64.
+    """
+    shaping, wide_classes, keys = _gtpo(
+        batch, entropy, torch.float32, alpha1, alpha2, correct_threshold, epsilon, with_reward
+    )
+    if not bool(wide_classes.any()):
+        return shaping
+    # Those classes' tokens (and rollouts) take the float64 answer; the others keep theirs, so
+    # that a request's answer does not depend on the requests merged with it.
+    wide, _, _ = _gtpo(
+        batch, entropy, torch.float64, alpha1, alpha2, correct_threshold, epsilon, with_reward
+    )
+    of_token = wide_classes.index_select(0, keys.of_key).index_select(0, keys.key)
+    of_rollout = wide_classes.index_select(0, split_classes(batch, correct_threshold).class_group)
+    advantage = torch.where(of_token, wide.advantage, shaping.advantage.double())
+    scalars = torch.where(of_rollout, wide.scalars, shaping.scalars)
+    reward = None
+    if wide.reward is not None and shaping.reward is not None:
+        reward = torch.where(of_token, wide.reward, shaping.reward)
+    return TokenShaping(advantage, scalars, reward)
+
+
+def _gtpo(
+    batch: RolloutBatch,
+    entropy: torch.Tensor,
+    dtype: torch.dtype,
+    alpha1: float,
+    alpha2: float,
+    correct_threshold: float,
+    epsilon: float,
+    with_reward: bool,
+) -> tuple[TokenShaping, torch.Tensor, PositionKeys]:
+    """GTPO in ``dtype`` per token; the classes a float32 pass leaves to a float64 one (bool
+    (2G,): those that came out flat, and those whose outcome terms b_i differ, which float32
+    does not compute); the keys."""
     classes = split_classes(batch, correct_threshold)
     keys = position_keys(batch, classes)
     key = keys.key
-    v, total, spare = token_shares(entropy, keys)
-    # y_it = +-alpha2 d_t v_it / S_t: the entropy part of r~ (O- negative), float64.
-    factor = torch.where(total > 0, alpha2 * keys.alive / torch.where(total > 0, total, 1.0), 0.0)
-    factor[keys.first_wrong :] *= -1.0
-    y = torch.index_select(factor, 0, key, out=spare).mul_(v)
+    v, total = token_shares(entropy, keys)
+    v = v.to(dtype)
+    # y_it = +-alpha2 d_t v_it / S_t: the entropy part of r~ (O- negative).
+    factor = keys.alive.to(dtype, copy=True).mul_(alpha2).div_(total.to(dtype))
+    factor[keys.first_wrong :].neg_()
+    y = factor.index_select(0, key).mul_(v)
     b = outcome_rewards(batch, classes, alpha1)
-    reward = y + batch.per_token_wide(b) if with_reward else None
+    reward = y.double() + batch.per_token_wide(b) if with_reward else None
     tokens = batch.lengths.double()
     sum_y = batch.rollout_sums(y)
     spare = torch.mul(y, y, out=v)  # v is not needed past y
@@ -292,25 +339,26 @@ def gtpo_advantage(
     norm = normalise_per_class(batch, classes, b * tokens + sum_y, centred_squares, tokens, epsilon)
     cg = classes.class_group
     scale = norm.scale.index_select(0, cg)
-    # A_it = (y_it - (m - b_i)) scale. y and m - b_i cancel where a class's shaped rewards are
-    # all alike (scale large): the difference is taken before scaling, m - b_ref per key (b_ref
-    # the class's b, one value with 0/1 rewards), after adding b_i - b_ref where a class's b_i
-    # differ.
+    # A_it = (y_it - (m - b_i)) scale: m - b_ref per key, b_ref the class's b (one value with
+    # 0/1 rewards); a class whose b_i differ adds b_i - b_ref first, in float64.
     b_ref = torch.full((2 * batch.num_groups,), -torch.inf, dtype=torch.float64, device=b.device)
     b_ref = b_ref.scatter_reduce(0, cg, b, "amax")
     b_ref = torch.where(torch.isfinite(b_ref), b_ref, torch.zeros_like(b_ref))
     rest = b - b_ref.index_select(0, cg)
-    if bool((rest != 0).any()):
-        y += batch.per_token_wide(rest)
-    shift = (norm.mean - b_ref).index_select(0, keys.of_key)
-    advantage = y.sub_(torch.index_select(shift, 0, key, out=spare))
-    scale_of_key = norm.scale.index_select(0, keys.of_key)
+    varying = torch.zeros(2 * batch.num_groups, dtype=torch.bool, device=b.device)
+    varying.index_put_((cg,), rest != 0, accumulate=True)
+    advantage = y
+    if dtype == torch.float64 and bool(varying.any()):
+        advantage = y.add_(batch.per_token_wide(rest))
+    shift = (norm.mean - b_ref).to(dtype).index_select(0, keys.of_key)
+    advantage.sub_(torch.index_select(shift, 0, key, out=spare))
+    scale_of_key = norm.scale.to(dtype).index_select(0, keys.of_key)
     advantage.mul_(torch.index_select(scale_of_key, 0, key, out=spare))
     c = (b - norm.mean.index_select(0, cg)) * scale
     scalars = torch.where(
         tokens > 0, c + scale * sum_y / tokens.clamp(min=1.0), torch.zeros_like(c)
     )
-    return TokenShaping(advantage, scalars, reward)
+    return TokenShaping(advantage, scalars, reward), norm.flat | varying, keys
 
 
 @register_outcome(

@@ -219,7 +219,8 @@ def compute_batch(
             if outcome.scalars is not None
             else rollout_means(batch, outcome.advantage)
         )
-        advantages = outcome.advantage.to(torch.float32, copy=True)
+        # (an outcome's float32 advantage is the pipeline's to write into: no copy)
+        advantages = outcome.advantage.to(torch.float32)
     else:
         scalars = outcome.advantage  # float64 (B,)
         advantages = batch.per_token(scalars.float())

@@ -160,11 +160,12 @@ def requires_nothing(params: Mapping[str, Any]) -> dict[str, str]:
 
 @dataclass
 class OutcomeOutput:
-    """An outcome's result with diagnostics: ``advantage`` is a_it, float64 (N,), for an outcome
-    that is per token (in place of a_i broadcast over the rollout's tokens), else a_i, float64
-    (B,); ``diagnostics``: name -> (N,) each, or a function that computes it (called only when
-    the request returns it). ``scalars``: for an outcome per token, each rollout's mean a_it,
-    float64 (B,), when the outcome has it at hand (else the pipeline takes the means)."""
+    """An outcome's result with diagnostics: ``advantage`` is a_it, (N,), for an outcome that is
+    per token (in place of a_i broadcast over the rollout's tokens; a float32 tensor is handed
+    over: the pipeline writes into it), else a_i, float64 (B,); ``diagnostics``: name -> (N,)
+    each, or a function that computes it (called only when the request returns it).
+    ``scalars``: for an outcome per token, each rollout's mean a_it, float64 (B,), when the
+    outcome has it at hand (else the pipeline takes the means)."""
 
     advantage: torch.Tensor
     diagnostics: dict[str, torch.Tensor | Callable[[], torch.Tensor]] = field(default_factory=dict)
