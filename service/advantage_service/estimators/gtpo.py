@@ -42,7 +42,7 @@ Where the paper leaves a case open:
 - an empty rollout reaches no position: it takes no share and has no tokens to normalise.
 
 Over the flat batch: (class, group, position) pairs are dense keys (as OTB's (group, position)),
-the per-position sums are one float64 ``index_add_``, the per-rollout sums are segment sums,
+the per-position sums are one float32 ``index_add_``, the per-rollout sums are segment sums,
 and nothing loops over groups, rollouts or tokens.
 """
 
