@@ -57,6 +57,7 @@ test: install test-deps
 bench: install
 	$(BIN)/python bench/bench_estimators.py
 	$(BIN)/python bench/bench_token_methods.py
+	$(BIN)/python bench/bench_new_methods.py
 	$(BIN)/python bench/bench_grpc.py
 	$(BIN)/python bench/bench_http.py
 	$(BIN)/python bench/bench_stats.py

@@ -40,18 +40,23 @@ OUTCOME_NAMES = (
 )
 TERM_PRESETS = ("ktae", "cscr", "opsd")
 PRESETS = OUTCOME_NAMES + TERM_PRESETS
-# The methods over token-level inputs (entropy, sum_pi_squared): kept apart from PRESETS, whose
-# requests need only tokens, rewards, logprobs and teacher log-probs.
-TOKEN_OUTCOME_NAMES = ("otb",)
-TOKEN_TERM_PRESETS = ("forking",)
+# The methods over token-level inputs (entropy, sum_pi_squared, planning_mask) and MaxRL (rewards
+# >= 0): kept apart from PRESETS, whose requests need only tokens, rewards, logprobs and teacher
+# log-probs, with any finite reward.
+TOKEN_OUTCOME_NAMES = ("otb", "gtpo", "grpo_s")
+TOKEN_TERM_PRESETS = ("forking", "hicra")
+NONNEGATIVE_OUTCOME_NAMES = ("maxrl",)
 TOKEN_PRESETS = TOKEN_OUTCOME_NAMES + TOKEN_TERM_PRESETS
-ALL_PRESETS = PRESETS + TOKEN_PRESETS
+ALL_PRESETS = PRESETS + NONNEGATIVE_OUTCOME_NAMES + TOKEN_PRESETS
 
 # Outcome parameters with their defaults; outcomes not listed here take no parameters.
 OUTCOME_PARAM_DEFAULTS: dict[str, dict[str, Any]] = {
     "grpo": {"norm_by_std": True, "epsilon": 1e-6},
     "grpo_passk": {"norm_by_std": True, "epsilon": 1e-6},
     "otb": {"epsilon": 1e-8, "handle_zero_tail": True},
+    "maxrl": {"epsilon": 0.0},
+    "gtpo": {"alpha1": 1.0, "alpha2": 0.1, "correct_threshold": 0.0, "epsilon": 1e-6},
+    "grpo_s": {"alpha1": 1.0, "alpha2": 0.1, "correct_threshold": 0.0, "epsilon": 1e-6},
 }
 
 KTAE_DEFAULTS: dict[str, Any] = {
@@ -75,14 +80,16 @@ CSCR_DEFAULTS: dict[str, Any] = {
 }
 OPSD_DEFAULTS: dict[str, Any] = {"teacher": "pos", "coef": 1.0, "clip": None}
 FORKING_DEFAULTS: dict[str, Any] = {"rho": 0.2, "scope": "request"}
+HICRA_DEFAULTS: dict[str, Any] = {"alpha": 0.2, "phrases": None}
 TERM_DEFAULTS = {
     "ktae": KTAE_DEFAULTS,
     "cscr": CSCR_DEFAULTS,
     "opsd": OPSD_DEFAULTS,
     "forking": FORKING_DEFAULTS,
+    "hicra": HICRA_DEFAULTS,
 }
 
-TOP_LEVEL_KEYS = ("outcome", "ktae", "cscr", "opsd", "forking", "whiten", "clip")
+TOP_LEVEL_KEYS = ("outcome", "ktae", "cscr", "opsd", "forking", "hicra", "whiten", "clip")
 
 # Parameters whose resolved value is a float (so 10 and 10.0 resolve the same).
 FLOAT_PARAMS = {
@@ -99,6 +106,9 @@ FLOAT_PARAMS = {
     "strength",
     "coef",
     "rho",
+    "alpha",
+    "alpha1",
+    "alpha2",
 }
 
 WHITEN_EPS = 1e-8
@@ -126,7 +136,7 @@ def _resolve_outcome(outcome: Any) -> dict[str, Any]:
     if not isinstance(outcome, dict) or "name" not in outcome:
         raise ValueError(f"outcome must be a name or an object with a name, got {outcome!r}")
     name = outcome["name"]
-    if name not in OUTCOME_NAMES + TOKEN_OUTCOME_NAMES:
+    if name not in OUTCOME_NAMES + NONNEGATIVE_OUTCOME_NAMES + TOKEN_OUTCOME_NAMES:
         raise ValueError(f"unknown outcome {name!r}")
     params = {k: v for k, v in outcome.items() if k != "name"}
     filled = _fill_params(params, OUTCOME_PARAM_DEFAULTS.get(name, {}), f"outcome {name}")
@@ -175,6 +185,7 @@ def resolve_estimator(spec: str | dict[str, Any] | None = None) -> dict[str, Any
         "cscr": _resolve_term("cscr", spec.get("cscr")),
         "opsd": _resolve_term("opsd", spec.get("opsd")),
         "forking": _resolve_term("forking", spec.get("forking")),
+        "hicra": _resolve_term("hicra", spec.get("hicra")),
         "whiten": whiten_default if whiten is None else bool(whiten),
         "clip": None if clip is None else float(clip),
     }
@@ -386,6 +397,17 @@ def outcome_grpo_passk(rewards: list[float], norm_by_std: bool, epsilon: float) 
     return scalars
 
 
+def outcome_maxrl(rewards: list[float], epsilon: float) -> list[float]:
+    """MaxRL: (r_i - p) / (p + epsilon), p the group's mean reward (its success rate K / N for
+    0/1 rewards); every rollout 0 where p + epsilon is 0. Rewards must be >= 0."""
+    if any(r < 0 for r in rewards):
+        raise ValueError("maxrl needs rewards >= 0")
+    p = sample_mean(rewards)
+    if p + epsilon <= 0:
+        return [0.0] * len(rewards)
+    return [(r - p) / (p + epsilon) for r in rewards]
+
+
 def gpg_alpha(all_rewards: list[float]) -> float:
     """alpha = B / max(1, number of rollouts in the request with r != 0)."""
     nonzero = sum(1 for r in all_rewards if r != 0)
@@ -412,6 +434,8 @@ def outcome_scalars(
         return outcome_gpg(rewards, alpha)
     if name == "grpo_passk":
         return outcome_grpo_passk(rewards, outcome["norm_by_std"], outcome["epsilon"])
+    if name == "maxrl":
+        return outcome_maxrl(rewards, outcome["epsilon"])
     raise ValueError(f"unknown outcome {name!r}")
 
 
@@ -576,15 +600,18 @@ def reference_compute(request: dict[str, Any]) -> dict[str, Any]:
 
     Every rollout gets ``advantages`` and ``scalar``, plus every diagnostic of an enabled term
     (``ktae_score``; ``cscr_weight`` and ``sensitivity``; ``opsd_reward``, which is the clipped
-    d without ``coef``; ``forking_mask``, 1.0 or 0.0) or outcome (``otb_baseline``), whether or
-    not ``return`` asks for it.
+    d without ``coef``; ``forking_mask``, 1.0 or 0.0; ``planning_mask`` and ``hicra_bonus``,
+    alpha |A| m before the forking mask) or outcome
+    (``otb_baseline``, ``gtpo_reward``, ``grpo_s_reward``), whether or not ``return`` asks for
+    it.
 
-    OTB's a_it takes the place of a_i in the formula, and its scalar is the rollout's mean a_it
-    (0 for an empty rollout). The forking mask multiplies last, after whitening and clipping.
+    OTB's and GTPO's a_it take the place of a_i in the formula, and their scalar is the
+    rollout's mean a_it (0 for an empty rollout). HICRA amplifies the advantage after whitening
+    and clipping; the forking mask multiplies last.
     """
     estimator = resolve_estimator(request.get("estimator"))
-    outcome, ktae, cscr, opsd, forking = (
-        estimator[k] for k in ("outcome", "ktae", "cscr", "opsd", "forking")
+    outcome, ktae, cscr, opsd, forking, hicra = (
+        estimator[k] for k in ("outcome", "ktae", "cscr", "opsd", "forking", "hicra")
     )
     ignore_token_ids = {int(t) for t in request.get("ignore_token_ids") or []}
     groups = request["groups"]
@@ -599,10 +626,19 @@ def reference_compute(request: dict[str, Any]) -> dict[str, Any]:
         rewards = [float(r["reward"]) for r in rollouts]
         lengths = [len(t) for t in token_lists]
 
+        shaping = {k: outcome.get(k) for k in ("alpha1", "alpha2", "correct_threshold", "epsilon")}
         if outcome["name"] == "otb":
             per_token = otb_group(rollouts, outcome["epsilon"], outcome["handle_zero_tail"])
             token_outcome = [a for _, a in per_token]
             scalars = [float(np.mean(a)) if a.size else 0.0 for a in token_outcome]
+        elif outcome["name"] == "gtpo":
+            per_token = gtpo_group(rollouts, **shaping)
+            token_outcome = [a for _, a in per_token]
+            scalars = [float(np.mean(a)) if a.size else 0.0 for a in token_outcome]
+        elif outcome["name"] == "grpo_s":
+            per_rollout = grpo_s_group(rollouts, **shaping)
+            scalars = [a for _, a in per_rollout]
+            token_outcome = [np.full(t, float(s)) for s, t in zip(scalars, lengths, strict=True)]
         else:
             scalars = outcome_scalars(outcome, rewards, lengths, alpha)
             token_outcome = [np.full(t, float(s)) for s, t in zip(scalars, lengths, strict=True)]
@@ -630,6 +666,10 @@ def reference_compute(request: dict[str, Any]) -> dict[str, Any]:
             advantage = advantage + token_outcome[i] * weight
             if outcome["name"] == "otb":
                 entry["otb_baseline"] = per_token[i][0]
+            if outcome["name"] == "gtpo":
+                entry["gtpo_reward"] = per_token[i][0]
+            if outcome["name"] == "grpo_s":
+                entry["grpo_s_reward"] = np.full(length, per_rollout[i][0])
 
             if ktae is not None:
                 entry["ktae_score"] = bonus[i]
@@ -660,6 +700,17 @@ def reference_compute(request: dict[str, Any]) -> dict[str, Any]:
     for entry, size in zip((r for g in out_groups for r in g["rollouts"]), sizes, strict=True):
         entry["advantages"] = everything[start : start + size].copy()
         start += size
+
+    # HICRA on the combined advantage, after whitening and clipping, before the forking mask.
+    if hicra is not None:
+        for group, out_group in zip(groups, out_groups, strict=True):
+            for rollout, entry in zip(group["rollouts"], out_group["rollouts"], strict=True):
+                entry["planning_mask"] = np.asarray(rollout["planning_mask"], dtype=np.float64)
+                amplified = hicra_amplify(
+                    entry["advantages"], rollout["planning_mask"], hicra["alpha"]
+                )
+                entry["hicra_bonus"] = amplified - entry["advantages"]
+                entry["advantages"] = amplified
 
     # Forking tokens last: only the high-entropy tokens keep their advantage.
     if forking is not None:
@@ -705,8 +756,10 @@ def _random_token_inputs(
     sum_pi_squared: bool,
     is_weights: bool,
     entropy_ties: bool,
+    planning_mask: bool = False,
 ) -> dict[str, list[float]]:
-    """A rollout's entropy, sum_pi_squared and is_weights, as asked, exact in float32."""
+    """A rollout's entropy, sum_pi_squared, is_weights and planning_mask, as asked, exact in
+    float32."""
     out: dict[str, list[float]] = {}
     if entropy:
         h = rng.exponential(1.0, size=length)
@@ -721,6 +774,8 @@ def _random_token_inputs(
     if is_weights:
         rho = np.clip(rng.lognormal(0.0, 0.5, size=length), 0.0, 2.0)
         out["is_weights"] = [float(v) for v in rho.astype(np.float32)]
+    if planning_mask:
+        out["planning_mask"] = [float(v) for v in (rng.random(length) < 0.3)]
     return out
 
 
@@ -744,6 +799,7 @@ def random_request(
     sum_pi_squared: bool | None = None,
     is_weights: bool = False,
     entropy_ties: bool = True,
+    planning_mask: bool | None = None,
 ) -> dict[str, Any]:
     """A valid random request.
 
@@ -755,20 +811,24 @@ def random_request(
     that a teacher pair differs by more than the CSCR onset at a token. ``return_fields``
     defaults to ``scalar`` plus every diagnostic of an enabled term.
 
-    ``entropy`` and ``sum_pi_squared`` default to whether the estimator needs them (forking;
-    otb), ``is_weights`` adds importance weights; they are drawn after a rollout's other values,
-    so requests without them are those of earlier versions of this function. Entropies sit on a
-    1/8 grid with ``entropy_ties`` (many exact ties); sum_pi_squared is consistent with the
-    logprobs (pi^2 + u (1 - pi)^2), all values exact in float32.
+    ``entropy``, ``sum_pi_squared`` and ``planning_mask`` default to whether the estimator needs
+    them (forking, gtpo, grpo_s; otb; hicra), ``is_weights`` adds importance weights; they are
+    drawn after a rollout's other values, so requests without them are those of earlier versions
+    of this function. For ``maxrl`` the rewards are made >= 0 (their absolute values).
+    Entropies sit on a 1/8 grid with ``entropy_ties`` (many exact ties); sum_pi_squared is
+    consistent with the logprobs (pi^2 + u (1 - pi)^2), all values exact in float32.
     """
     resolved = resolve_estimator(estimator)
-    otb = resolved["outcome"]["name"] == "otb"
+    outcome_name = resolved["outcome"]["name"]
+    otb = outcome_name == "otb"
     if logprobs is None:
         logprobs = resolved["opsd"] is not None or otb
     if entropy is None:
-        entropy = resolved["forking"] is not None
+        entropy = resolved["forking"] is not None or outcome_name in ("gtpo", "grpo_s")
     if sum_pi_squared is None:
         sum_pi_squared = otb
+    if planning_mask is None:
+        planning_mask = resolved["hicra"] is not None
     if teachers is None:
         names: list[str] = []
         if resolved["cscr"] is not None:
@@ -786,8 +846,12 @@ def random_request(
             return_fields.append("opsd_reward")
         if resolved["forking"] is not None:
             return_fields.append("forking_mask")
+        if resolved["hicra"] is not None:
+            return_fields += ["planning_mask", "hicra_bonus"]
         if otb:
             return_fields.append("otb_baseline")
+        if outcome_name in ("gtpo", "grpo_s"):
+            return_fields.append(f"{outcome_name}_reward")
     min_group = (
         max(group_size[0], 2) if resolved["outcome"]["name"] == "grpo_passk" else group_size[0]
     )
@@ -796,6 +860,8 @@ def random_request(
     for g in range(int(rng.integers(n_groups[0], n_groups[1] + 1))):
         size = int(rng.integers(min_group, max(min_group, group_size[1]) + 1))
         rewards = _random_rewards(rng, size, reward_kind, tie_prob)
+        if outcome_name in NONNEGATIVE_OUTCOME_NAMES:
+            rewards = [abs(r) for r in rewards]
         rollouts = []
         for i in range(size):
             t = 0 if rng.random() < empty_prob else int(rng.integers(length[0], length[1] + 1))
@@ -832,6 +898,7 @@ def random_request(
                     sum_pi_squared=sum_pi_squared,
                     is_weights=is_weights,
                     entropy_ties=entropy_ties,
+                    planning_mask=planning_mask,
                 )
             )
             rollouts.append(rollout)
@@ -1009,3 +1076,135 @@ def random_token_groups(
             rollouts.append(rollout)
         groups.append(rollouts)
     return groups
+
+
+# ---------------------------------------------------------------------------------------------
+# Dynamic entropy weighting (GTPO and GRPO-S) and HICRA
+#
+# GTPO, per group: at every position t, over the correct rollouts (reward above the threshold)
+# that reach t, a rollout's share is H_it / sum H_kt (equal shares where every H is 0); over
+# the wrong ones, (1/H_it) / sum 1/H_kt (where some H is 0, those share equally, the others get
+# 0). Entropies below 0 count as 0. Shaped token rewards:
+#     correct: alpha1 r_i + alpha2 d_t share,    wrong: -alpha1 - alpha2 h_t share
+# (d_t, h_t: the class's rollouts that reach t). Each class is normalised over all the group's
+# tokens, the other class's tokens counting 0: (x - mean) / (sample std + eps), 0 / 0 = 0. A
+# group without both classes gets advantage 0 everywhere.
+# GRPO-S: the same per rollout, with the mean token entropy of each rollout that has tokens in
+# place of H_it (an empty rollout takes no share and is not counted in d or h), normalised over
+# the group's rollouts.
+# ---------------------------------------------------------------------------------------------
+
+
+def entropy_shares(values: list[float], inverse: bool) -> list[float]:
+    """The shares of one class at one position (or of one class's rollouts): H / sum H (equal
+    shares when every H is 0), or with ``inverse`` (1/H) / sum (1/H) (the H = 0 ones share
+    equally when there are any)."""
+    n = len(values)
+    if not inverse:
+        total = sum(values)
+        if total == 0:
+            return [1.0 / n] * n
+        return [v / total for v in values]
+    zeros = [v == 0 for v in values]
+    if any(zeros):
+        count = sum(zeros)
+        return [1.0 / count if z else 0.0 for z in zeros]
+    inv_total = sum(1.0 / v for v in values)
+    return [(1.0 / v) / inv_total for v in values]
+
+
+def standardise_with_zeros(own: list[float], zeros: int, epsilon: float) -> list[float]:
+    """(x - mean) / (std + epsilon) for each x of ``own``, mean and sample std taken over
+    ``own`` plus ``zeros`` zeros; 0 / 0 = 0."""
+    pool = list(own) + [0.0] * zeros
+    n = len(pool)
+    mean = sum(pool) / n
+    std = math.sqrt(sum((x - mean) ** 2 for x in pool) / (n - 1)) if n >= 2 else 0.0
+    out = []
+    for x in own:
+        numerator = x - mean
+        denominator = std + epsilon
+        out.append(0.0 if denominator == 0 else numerator / denominator)
+    return out
+
+
+def gtpo_group(
+    rollouts: list[dict[str, Any]],
+    alpha1: float = 1.0,
+    alpha2: float = 0.1,
+    correct_threshold: float = 0.0,
+    epsilon: float = 1e-6,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """GTPO for one group: per rollout, (shaped token rewards, token advantages), float64."""
+    correct = [float(r["reward"]) > correct_threshold for r in rollouts]
+    entropy = [[max(0.0, float(h)) for h in r["entropy"]] for r in rollouts]
+    lengths = [len(h) for h in entropy]
+    shaped = [np.zeros(t, dtype=np.float64) for t in lengths]
+    for t in range(max(lengths, default=0)):
+        for cls in (True, False):
+            alive = [i for i in range(len(rollouts)) if correct[i] == cls and lengths[i] > t]
+            if not alive:
+                continue
+            shares = entropy_shares([entropy[i][t] for i in alive], inverse=not cls)
+            for i, share in zip(alive, shares, strict=True):
+                if cls:
+                    shaped[i][t] = (
+                        alpha1 * float(rollouts[i]["reward"]) + alpha2 * len(alive) * share
+                    )
+                else:
+                    shaped[i][t] = -alpha1 - alpha2 * len(alive) * share
+    advantages = [np.zeros(t, dtype=np.float64) for t in lengths]
+    if any(correct) and not all(correct):
+        for cls in (True, False):
+            members = [i for i in range(len(rollouts)) if correct[i] == cls]
+            own = [float(x) for i in members for x in shaped[i]]
+            others = sum(lengths[i] for i in range(len(rollouts)) if correct[i] != cls)
+            normalised = standardise_with_zeros(own, others, epsilon) if own else []
+            start = 0
+            for i in members:
+                advantages[i] = np.array(normalised[start : start + lengths[i]], dtype=np.float64)
+                start += lengths[i]
+    return list(zip(shaped, advantages, strict=True))
+
+
+def grpo_s_group(
+    rollouts: list[dict[str, Any]],
+    alpha1: float = 1.0,
+    alpha2: float = 0.1,
+    correct_threshold: float = 0.0,
+    epsilon: float = 1e-6,
+) -> list[tuple[float, float]]:
+    """GRPO-S for one group: per rollout, (shaped reward, advantage)."""
+    correct = [float(r["reward"]) > correct_threshold for r in rollouts]
+    mean_entropy = [
+        sum(max(0.0, float(h)) for h in r["entropy"]) / len(r["entropy"]) if r["entropy"] else None
+        for r in rollouts
+    ]
+    shaped = [
+        alpha1 * float(r["reward"]) if ok else -alpha1
+        for r, ok in zip(rollouts, correct, strict=True)
+    ]
+    for cls in (True, False):
+        members = [
+            i for i in range(len(rollouts)) if correct[i] == cls and mean_entropy[i] is not None
+        ]
+        if not members:
+            continue
+        shares = entropy_shares([mean_entropy[i] for i in members], inverse=not cls)  # type: ignore[misc]
+        for i, share in zip(members, shares, strict=True):
+            shaped[i] += (1.0 if cls else -1.0) * alpha2 * len(members) * share
+    advantages = [0.0] * len(rollouts)
+    if any(correct) and not all(correct):
+        for cls in (True, False):
+            members = [i for i in range(len(rollouts)) if correct[i] == cls]
+            others = len(rollouts) - len(members)
+            normalised = standardise_with_zeros([shaped[i] for i in members], others, epsilon)
+            for i, a in zip(members, normalised, strict=True):
+                advantages[i] = a
+    return list(zip(shaped, advantages, strict=True))
+
+
+def hicra_amplify(advantages: np.ndarray, planning_mask: Any, alpha: float) -> np.ndarray:
+    """A + alpha |A| m on each token."""
+    mask = np.asarray(planning_mask, dtype=np.float64).reshape(len(advantages))
+    return advantages + alpha * np.abs(advantages) * mask

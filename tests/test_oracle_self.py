@@ -441,6 +441,7 @@ FULL_DOC_EXAMPLE = {
     },
     "opsd": {"teacher": "pos", "coef": 1.0, "clip": None},
     "forking": None,
+    "hicra": None,
     "whiten": False,
     "clip": None,
 }
@@ -454,8 +455,17 @@ def test_resolve_estimator_fills_every_default():
 @pytest.mark.parametrize("preset", oracle.PRESETS)
 def test_resolve_estimator_presets(preset):
     resolved = oracle.resolve_estimator(preset)
-    assert set(resolved) == {"outcome", "ktae", "cscr", "opsd", "forking", "whiten", "clip"}
-    assert resolved["forking"] is None
+    assert set(resolved) == {
+        "outcome",
+        "ktae",
+        "cscr",
+        "opsd",
+        "forking",
+        "hicra",
+        "whiten",
+        "clip",
+    }
+    assert resolved["forking"] is resolved["hicra"] is None
     assert resolved["clip"] is None
     if preset in oracle.TERM_PRESETS:
         assert resolved["outcome"] == FULL_DOC_EXAMPLE["outcome"]
@@ -482,6 +492,18 @@ def test_resolve_estimator_token_presets():
     assert otb["forking"] is None
     composed = oracle.resolve_estimator({"outcome": "otb", "forking": {"rho": 1}})
     assert composed["forking"] == {"rho": 1.0, "scope": "request"}
+    hicra = oracle.resolve_estimator("hicra")
+    assert hicra["outcome"] == FULL_DOC_EXAMPLE["outcome"]
+    assert hicra["hicra"] == {"alpha": 0.2, "phrases": None}
+    assert oracle.resolve_estimator("maxrl")["outcome"] == {"name": "maxrl", "epsilon": 0.0}
+    for name in ("gtpo", "grpo_s"):
+        assert oracle.resolve_estimator(name)["outcome"] == {
+            "name": name,
+            "alpha1": 1.0,
+            "alpha2": 0.1,
+            "correct_threshold": 0.0,
+            "epsilon": 1e-6,
+        }
 
 
 def test_reference_compute_otb_and_forking_follow_their_group_oracles():
@@ -549,3 +571,68 @@ def test_random_request_shapes_are_valid():
                     values = r["teacher_logprobs"][name]
                     assert len(values) == t and max(values, default=0.0) <= 0.0
         oracle.reference_compute(request)
+
+
+# ---------------------------------------------------------------------------------------------
+# MaxRL, GTPO, GRPO-S, HICRA
+# ---------------------------------------------------------------------------------------------
+
+
+def test_maxrl_oracle_hand_worked():
+    # K = 1 of 4: p = 1/4, (1 - 1/4) / (1/4) = 3 = (N - K) / K; (0 - 1/4) / (1/4) = -1
+    assert oracle.outcome_maxrl([1.0, 0.0, 0.0, 0.0], 0.0) == [3.0, -1.0, -1.0, -1.0]
+    assert oracle.outcome_maxrl([0.0, 0.0], 0.0) == [0.0, 0.0]
+    assert oracle.outcome_maxrl([1.0, 1.0], 0.0) == [0.0, 0.0]
+    assert oracle.outcome_maxrl([0.7], 0.0) == [0.0]
+    with pytest.raises(ValueError):
+        oracle.outcome_maxrl([1.0, -1.0], 0.0)
+
+
+def test_entropy_shares_hand_worked():
+    assert oracle.entropy_shares([1.0, 3.0], inverse=False) == [0.25, 0.75]
+    assert oracle.entropy_shares([0.0, 0.0], inverse=False) == [0.5, 0.5]
+    # inverse: 1/1, 1/3 (sum 4/3) -> 3/4, 1/4; with zeros, the zeros share
+    assert oracle.entropy_shares([1.0, 3.0], inverse=True) == pytest.approx([0.75, 0.25])
+    assert oracle.entropy_shares([0.0, 2.0, 0.0], inverse=True) == [0.5, 0.0, 0.5]
+
+
+def test_gtpo_oracle_hand_worked():
+    """One correct rollout (entropies 1, 3) and one wrong (entropy 2): each class alone at every
+    position, share 1: shaped 1.1, 1.1 and -1.1. R+ over the group's 3 tokens = (1.1, 1.1, 0):
+    mean 2.2/3, sample std sqrt(((1.1/3)^2 * 2 + (2.2/3)^2) / 2)."""
+    group = [
+        {"reward": 1.0, "entropy": [1.0, 3.0]},
+        {"reward": 0.0, "entropy": [2.0]},
+    ]
+    (shaped_c, adv_c), (shaped_w, adv_w) = oracle.gtpo_group(group, epsilon=0.0)
+    assert shaped_c.tolist() == pytest.approx([1.1, 1.1]) and shaped_w.tolist() == [-1.1]
+    mean = 2.2 / 3
+    std = math.sqrt(((1.1 - mean) ** 2 * 2 + mean**2) / 2)
+    assert adv_c.tolist() == pytest.approx([(1.1 - mean) / std] * 2)
+    # R- = (0, 0, -1.1): mean -1.1/3
+    mean_w = -1.1 / 3
+    std_w = math.sqrt((mean_w**2 * 2 + (-1.1 - mean_w) ** 2) / 2)
+    assert adv_w.tolist() == pytest.approx([(-1.1 - mean_w) / std_w])
+    # no contrast: 0
+    same = oracle.gtpo_group([group[0], {"reward": 2.0, "entropy": [1.0]}])
+    assert all(np.all(a == 0.0) for _, a in same)
+
+
+def test_grpo_s_oracle_hand_worked():
+    """Mean entropies 1 and 3 (correct): shares 1/4, 3/4 of 2 -> 1.05, 1.15; one wrong: -1.1;
+    normalised over the 3 rollouts."""
+    group = [
+        {"reward": 1.0, "entropy": [0.5, 1.5]},
+        {"reward": 1.0, "entropy": [3.0]},
+        {"reward": 0.0, "entropy": [4.0, 4.0]},
+    ]
+    result = oracle.grpo_s_group(group, epsilon=0.0)
+    assert [r for r, _ in result] == pytest.approx([1.05, 1.15, -1.1])
+    pool = np.array([1.05, 1.15, 0.0])
+    expected = (np.array([1.05, 1.15]) - pool.mean()) / pool.std(ddof=1)
+    assert [a for _, a in result][:2] == pytest.approx(expected.tolist())
+
+
+def test_hicra_oracle_hand_worked():
+    out = oracle.hicra_amplify(np.array([2.0, -2.0, 2.0, -2.0]), [1, 1, 0, 0], 0.25)
+    assert out.tolist() == [2.5, -1.5, 2.0, -2.0]

@@ -33,6 +33,10 @@ PER_TOKEN_FIELDS = (
     "opsd_reward",
     "forking_mask",
     "otb_baseline",
+    "gtpo_reward",
+    "grpo_s_reward",
+    "planning_mask",
+    "hicra_bonus",
 )
 
 # name -> (estimator spec, extra knobs for oracle.random_request)
@@ -116,6 +120,46 @@ CONFIGS: dict[str, tuple[str | dict[str, Any], dict[str, Any]]] = {
         {"outcome": "otb", "forking": {"scope": "group"}},
         {"group_size": (6, 16), "length": (0, 6)},
     ),
+    # The methods since: MaxRL, GTPO, GRPO-S (outcomes) and HICRA (a term), alone and composed.
+    "maxrl(eps)+ktae": ({"outcome": {"name": "maxrl", "epsilon": 1e-6}, "ktae": {}}, {}),
+    "maxrl(binary)+cscr+hicra+forking(group)": (
+        {"outcome": "maxrl", "cscr": {}, "hicra": {}, "forking": {"scope": "group", "rho": 0.5}},
+        {"reward_kind": "binary"},
+    ),
+    "gtpo(custom)+ktae": (
+        {
+            "outcome": {
+                "name": "gtpo",
+                "alpha1": 0.5,
+                "alpha2": 0.75,
+                "correct_threshold": 0.25,
+                "epsilon": 0.0,
+            },
+            "ktae": {},
+        },
+        {},
+    ),
+    "gtpo+hicra(alpha=0.5)+whiten+clip": (
+        {"outcome": "gtpo", "hicra": {"alpha": 0.5}, "whiten": True, "clip": 1.2},
+        {},
+    ),
+    "gtpo(large groups, continuous entropy)+opsd+forking": (
+        {"outcome": "gtpo", "opsd": {"coef": 0.5}, "forking": {}},
+        {"group_size": (6, 16), "length": (0, 6), "entropy_ties": False},
+    ),
+    "grpo_s(custom)+cscr": (
+        {
+            "outcome": {"name": "grpo_s", "alpha1": 2.0, "alpha2": 1.0, "epsilon": 1e-3},
+            "cscr": {},
+        },
+        {},
+    ),
+    "grpo_s+hicra+ktae+forking": (
+        {"outcome": "grpo_s", "hicra": {}, "ktae": {}, "forking": {"rho": 0.5}},
+        {},
+    ),
+    "otb+hicra(alpha=1)": ({"outcome": "otb", "hicra": {"alpha": 1.0}}, {}),
+    "rloo+ktae+hicra(alpha=0)": ({"outcome": "rloo", "ktae": {}, "hicra": {"alpha": 0}}, {}),
 }
 
 
@@ -269,6 +313,7 @@ def _group(gid: str, rollouts: list[tuple[list[int], float]], teachers: bool = T
             r["logprobs"] = [-0.5 - 0.125 * k for k in range(len(tokens))]
             # Tied entropies; sum_pi_squared = pi^2 + (1 - pi)^2 / 2 (exact in float32).
             r["entropy"] = [0.25 * (k % 3) for k in range(len(tokens))]
+            r["planning_mask"] = [float(k % 2) for k in range(len(tokens))]
             r["sum_pi_squared"] = [
                 float(np.float32(p**2 + (1 - p) ** 2 / 2))
                 for p in np.exp(np.asarray(r["logprobs"], dtype=np.float64))
@@ -310,6 +355,11 @@ EDGE_ESTIMATORS = {
         "cscr": {},
         "forking": {"scope": "group", "rho": 1.0},
     },
+    "maxrl": "maxrl",
+    "gtpo": "gtpo",
+    "grpo_s+whiten": {"outcome": {"name": "grpo_s"}, "whiten": True},
+    "grpo+hicra": "hicra",
+    "gtpo+hicra+forking": {"outcome": "gtpo", "hicra": {}, "forking": {}},
 }
 EDGE_CASES = [(g, e) for g in EDGE_GROUPS for e in EDGE_ESTIMATORS]
 
@@ -329,8 +379,12 @@ def test_fast_path_matches_oracle_on_edge_cases(groups: str, estimator: str):
         fields.append("opsd_reward")
     if resolved["forking"] is not None:
         fields.append("forking_mask")
+    if resolved["hicra"] is not None:
+        fields += ["planning_mask", "hicra_bonus"]
     if resolved["outcome"]["name"] == "otb":
         fields.append("otb_baseline")
+    if resolved["outcome"]["name"] in ("gtpo", "grpo_s"):
+        fields.append(f"{resolved['outcome']['name']}_reward")
     request = {
         "estimator": spec,
         "return": fields,

@@ -1,7 +1,9 @@
-"""Forking tokens and OTB as estimators: alone and composed, through ``compute_batch`` and the
-JSON API (``advantage_service.compute``) against the oracle, the pipeline's order (OTB's a_it in
-the formula, the forking mask last), the listing of the inputs each needs, and every request
-error the new inputs and parameters add, in-process and through the CLI."""
+"""The token-level methods (forking tokens, OTB, GTPO, GRPO-S, HICRA; MaxRL beside them) as
+estimators: alone and composed, through ``compute_batch`` and the JSON API
+(``advantage_service.compute``) against the oracle, the pipeline's order (OTB's and GTPO's a_it in
+the formula, HICRA after whitening and clipping, the forking mask last), the listing of the
+inputs each needs, and every request error the new inputs and parameters add, in-process and
+through the CLI."""
 
 from __future__ import annotations
 
@@ -36,6 +38,24 @@ ESTIMATORS: dict[str, Any] = {
         "whiten": True,
         "clip": 0.75,
     },
+    "maxrl": "maxrl",
+    "gtpo": "gtpo",
+    "grpo_s": "grpo_s",
+    "hicra": "hicra",
+    "gtpo+ktae+hicra+forking+whiten": {
+        "outcome": "gtpo",
+        "ktae": {},
+        "hicra": {},
+        "forking": {"rho": 0.5},
+        "whiten": True,
+    },
+    "grpo_s+cscr+hicra(alpha=0.5)+clip": {
+        "outcome": "grpo_s",
+        "cscr": {},
+        "hicra": {"alpha": 0.5},
+        "clip": 0.5,
+    },
+    "maxrl+opsd+hicra": {"outcome": "maxrl", "opsd": {}, "hicra": {}},
 }
 
 
@@ -48,8 +68,12 @@ def every_diagnostic(estimator: Any) -> list[str]:
         out += ["cscr_weight", "sensitivity"]
     if resolved["forking"] is not None:
         out.append("forking_mask")
+    if resolved["hicra"] is not None:
+        out += ["planning_mask", "hicra_bonus"]
     if resolved["outcome"]["name"] == "otb":
         out.append("otb_baseline")
+    if resolved["outcome"]["name"] in ("gtpo", "grpo_s"):
+        out.append(f"{resolved['outcome']['name']}_reward")
     return out
 
 
@@ -96,7 +120,11 @@ def flat_batch(request: dict[str, Any]) -> RolloutBatch:
     def cat(get: Any) -> np.ndarray:
         return np.array([v for r in rollouts for v in get(r)], dtype=np.float32)
 
-    given = [f for f in ("logprobs", "entropy", "sum_pi_squared", "is_weights") if f in rollouts[0]]
+    given = [
+        f
+        for f in ("logprobs", "entropy", "sum_pi_squared", "is_weights", "planning_mask")
+        if f in rollouts[0]
+    ]
     return RolloutBatch.from_flat(
         tokens=np.array([t for r in rollouts for t in r["tokens"]], dtype=np.int32),
         offsets=np.concatenate([[0], np.cumsum([len(r["tokens"]) for r in rollouts])]),
@@ -205,7 +233,7 @@ def test_estimators_listing_names_the_inputs_each_needs() -> None:
     assert {"forking", "otb"} <= set(listing["presets"])
     assert listing["presets"]["forking"]["outcome"]["name"] == "grpo"
     assert listing["presets"]["forking"]["forking"] == {"rho": 0.2, "scope": "request"}
-    assert listing["diagnostics"][-2:] == ["forking_mask", "otb_baseline"]
+    assert {"forking_mask", "otb_baseline"} <= set(listing["diagnostics"])
 
 
 def test_rounding_past_the_ranges_is_accepted() -> None:
@@ -282,7 +310,13 @@ def test_cli_process_computes_otb_and_forking_and_refuses_a_missing_input(tmp_pa
 def test_token_inputs_travel_with_the_batch_to_another_device() -> None:
     batch = flat_batch(with_teachers(token_request()))
     moved = batch.to("meta")
-    assert set(moved.token_inputs()) == {"logprobs", "entropy", "sum_pi_squared", "is_weights"}
+    assert set(moved.token_inputs()) == {
+        "logprobs",
+        "entropy",
+        "sum_pi_squared",
+        "is_weights",
+        "planning_mask",
+    }
     assert all(v.device.type == "meta" for v in moved.token_inputs().values())
     assert moved.entropy is not None and moved.entropy.shape == batch.entropy.shape  # type: ignore[union-attr]
     assert torch.equal(batch.to("cpu").entropy, batch.entropy)  # type: ignore[arg-type]

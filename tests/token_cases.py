@@ -1,7 +1,7 @@
-"""Requests for the token-level methods (forking tokens, OTB) shared by the in-process, CLI,
-HTTP and gRPC tests: a small hand-made request with every per-token input, and the table of
-request errors the new inputs and parameters add, each with the error it must give (code,
-group id, rollout index, field) on every transport."""
+"""Requests for the token-level methods (forking tokens, OTB, GTPO, GRPO-S, HICRA; MaxRL beside
+them) shared by the in-process, CLI, HTTP and gRPC tests: a small hand-made request with every
+per-token input, and the table of request errors the new inputs and parameters add, each with
+the error it must give (code, group id, rollout index, field) on every transport."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ ROLLOUTS: dict[str, list[dict[str, Any]]] = {
             "entropy": [0.5, 2.0, 0.0, 1.25],
             "sum_pi_squared": [0.625, 0.25, 1.0, 0.5],
             "is_weights": [1.0, 0.5, 1.25, 2.0],
+            "planning_mask": [1.0, 0.0, 0.0, 1.0],
         },
         {
             "tokens": [1, 5],
@@ -30,6 +31,7 @@ ROLLOUTS: dict[str, list[dict[str, Any]]] = {
             "entropy": [0.5, 2.0],
             "sum_pi_squared": [0.625, 0.375],
             "is_weights": [0.75, 1.0],
+            "planning_mask": [0.0, 1.0],
         },
         {
             "tokens": [],
@@ -38,6 +40,7 @@ ROLLOUTS: dict[str, list[dict[str, Any]]] = {
             "entropy": [],
             "sum_pi_squared": [],
             "is_weights": [],
+            "planning_mask": [],
         },
     ],
     "g1": [
@@ -48,6 +51,7 @@ ROLLOUTS: dict[str, list[dict[str, Any]]] = {
             "entropy": [0.25, 2.0, 1.0],
             "sum_pi_squared": [0.78125, 0.25, 0.5],
             "is_weights": [1.0, 1.0, 0.0],
+            "planning_mask": [1.0, 1.0, 0.0],
         },
     ],
 }
@@ -55,7 +59,7 @@ ROLLOUTS: dict[str, list[dict[str, Any]]] = {
 
 def token_request(estimator: Any = "otb", returns: list[str] | None = None) -> dict[str, Any]:
     """Two groups (one of a single rollout, one with an empty rollout and tied entropies) with
-    logprobs, entropy, sum_pi_squared and is_weights on every rollout."""
+    logprobs, entropy, sum_pi_squared, is_weights and planning_mask on every rollout."""
     return {
         "request_id": "token-methods",
         "estimator": copy.deepcopy(estimator),
@@ -232,6 +236,101 @@ ERROR_CASES = [
         _nothing,
         ("invalid_parameter", None, None, "return"),
         returns=("forking_mask",),
+    ),
+    ErrorCase(
+        "gtpo-without-entropy", "gtpo", _drop("entropy"), ("missing_input", None, None, "entropy")
+    ),
+    ErrorCase(
+        "grpo_s-without-entropy",
+        {"outcome": "grpo_s", "hicra": {}},
+        _drop("entropy"),
+        ("missing_input", None, None, "entropy"),
+    ),
+    ErrorCase(
+        "hicra-without-planning_mask",
+        {"outcome": "maxrl", "hicra": {}},
+        _drop("planning_mask"),
+        ("missing_input", None, None, "planning_mask"),
+    ),
+    ErrorCase(
+        "planning_mask-on-some-rollouts-only",
+        "hicra",
+        _set(0, 2, "planning_mask", None),
+        ("missing_input", "g0", 2, "planning_mask"),
+    ),
+    ErrorCase(
+        "planning_mask-of-the-wrong-length",
+        "hicra",
+        _set(1, 0, "planning_mask", [1.0]),
+        ("length_mismatch", "g1", 0, "planning_mask"),
+    ),
+    ErrorCase(
+        "planning_mask-not-0-or-1",
+        "hicra",
+        _token(0, 1, "planning_mask", 1, 0.5),
+        ("invalid_value", "g0", 1, "planning_mask"),
+    ),
+    ErrorCase(
+        "planning_mask-nan",
+        {"outcome": "gtpo", "hicra": {}},
+        _token(0, 0, "planning_mask", 3, math.nan),
+        ("invalid_value", "g0", 0, "planning_mask"),
+    ),
+    ErrorCase(
+        "maxrl-negative-reward",
+        "maxrl",
+        _set(0, 1, "reward", -1.0),
+        ("invalid_value", "g0", 1, "reward"),
+    ),
+    ErrorCase(
+        "maxrl-negative-epsilon",
+        {"outcome": {"name": "maxrl", "epsilon": -1e-6}},
+        _nothing,
+        ("out_of_range", None, None, "estimator.outcome.epsilon"),
+    ),
+    ErrorCase(
+        "gtpo-negative-alpha2",
+        {"outcome": {"name": "gtpo", "alpha2": -0.1}},
+        _nothing,
+        ("out_of_range", None, None, "estimator.outcome.alpha2"),
+    ),
+    ErrorCase(
+        "grpo_s-unknown-parameter",
+        {"outcome": {"name": "grpo_s", "beta": 1.0}},
+        _nothing,
+        ("unknown_parameter", None, None, "estimator.outcome.beta"),
+    ),
+    ErrorCase(
+        "hicra-negative-alpha",
+        {"hicra": {"alpha": -0.2}},
+        _nothing,
+        ("out_of_range", None, None, "estimator.hicra.alpha"),
+    ),
+    ErrorCase(
+        "hicra-phrases-not-a-list",
+        {"hicra": {"phrases": "wait"}},
+        _nothing,
+        ("invalid_parameter", None, None, "estimator.hicra.phrases"),
+    ),
+    ErrorCase(
+        "hicra-blank-phrase",
+        {"hicra": {"phrases": ["wait", "  "]}},
+        _nothing,
+        ("out_of_range", None, None, "estimator.hicra.phrases"),
+    ),
+    ErrorCase(
+        "planning_mask-without-hicra",
+        "gtpo",
+        _nothing,
+        ("invalid_parameter", None, None, "return"),
+        returns=("scalar", "planning_mask"),
+    ),
+    ErrorCase(
+        "gtpo_reward-without-gtpo",
+        "grpo_s",
+        _nothing,
+        ("invalid_parameter", None, None, "return"),
+        returns=("gtpo_reward",),
     ),
 ]
 ERROR_IDS = [case.name for case in ERROR_CASES]

@@ -24,7 +24,7 @@ LOGPROB_TOLERANCE = 1e-4
 INT32_LIMIT = 2**31
 # The optional per-token inputs beside the teachers' log-probabilities, each float32 (N,) or
 # None (ESTIMATORS.md, "New per-token inputs"). They travel wherever logprobs travels.
-TOKEN_INPUTS = ("logprobs", "entropy", "sum_pi_squared", "is_weights", "returns")
+TOKEN_INPUTS = ("logprobs", "entropy", "sum_pi_squared", "is_weights", "returns", "planning_mask")
 # An entropy may fall below 0, and a sum of squared probabilities above 1, by float rounding
 # in the client; more is a bug there.
 RANGE_TOLERANCE = 1e-4
@@ -119,8 +119,8 @@ class RolloutBatch:
 
     tokens: int32 (N,); offsets: int64 (B+1,); group_index: int64 (B,) in [0, G);
     group_ids: G distinct strings; rewards: float32 (B,); logprobs, entropy, sum_pi_squared,
-    is_weights: float32 (N,) or None (:data:`TOKEN_INPUTS`); teacher_logprobs: condition name ->
-    float32 (N,).
+    is_weights, planning_mask: float32 (N,) or None (:data:`TOKEN_INPUTS`); teacher_logprobs:
+    condition name -> float32 (N,).
     """
 
     tokens: torch.Tensor
@@ -139,6 +139,8 @@ class RolloutBatch:
     # G_it: the return from token t on (the reward-to-go, for rewards spread over tokens, e.g.
     # a per-token KL penalty); OTB's G in place of r_i.
     returns: torch.Tensor | None = None
+    # m_it in {0, 1}: 1 on the planning (strategic) tokens HICRA amplifies.
+    planning_mask: torch.Tensor | None = None
     # Prompt ids for state kept per prompt (history); defaults to the group ids.
     prompt_ids: list[str] | None = None
     # A batch that merges several requests (``concat``): int64 (S+1,) on the CPU, request s owns
@@ -161,12 +163,14 @@ class RolloutBatch:
         sum_pi_squared: Any = None,
         is_weights: Any = None,
         returns: Any = None,
+        planning_mask: Any = None,
         vocab_size: int | None = None,
         prompt_ids: Sequence[str] | None = None,
     ) -> RolloutBatch:
         """Build and validate a batch from flat arrays (numpy, torch or lists).
 
-        ``logprobs``, ``entropy``, ``sum_pi_squared``, ``is_weights``: (N,) each, or None.
+        ``logprobs``, ``entropy``, ``sum_pi_squared``, ``is_weights``, ``returns``,
+        ``planning_mask``: (N,) each, or None.
         ``prompt_ids``: per group, the key of the state kept per prompt (history); None keys it
         by the group ids.
         Raises :class:`RequestError` naming the group, rollout and field of the first problem.
@@ -191,6 +195,7 @@ class RolloutBatch:
             is_weights=optional(is_weights, "is_weights"),
             returns=optional(returns, "returns"),
             prompt_ids=None if prompt_ids is None else [str(p) for p in prompt_ids],
+            planning_mask=optional(planning_mask, "planning_mask"),
         )
         if batch.prompt_ids is not None and len(batch.prompt_ids) != len(batch.group_ids):
             raise RequestError(
@@ -258,6 +263,39 @@ class RolloutBatch:
         (int64, int32 or float32; see :func:`repeat_runs`)."""
         nonempty = self.lengths > 0
         return repeat_runs(values[nonempty], self.offsets[:-1][nonempty], self.num_tokens)
+
+    def rollout_sums(self, values: torch.Tensor) -> torch.Tensor:
+        """Per rollout, the sum of its tokens' ``values`` (N,), accumulated in float64: float64
+        (B,), 0 for an empty rollout. Each rollout's tokens are summed on their own, in order,
+        so its sum does not depend on the other rollouts of the batch (a merged batch gives each
+        the same bits).
+
+        On the CPU, numpy's ``add.reduceat`` over the contiguous segments, reading float32 values
+        in place (a scatter-add by rollout, or a float64 copy, costs several times more);
+        elsewhere ``index_add_``.
+        """
+        out = torch.zeros(self.num_rollouts, dtype=torch.float64, device=values.device)
+        if self.num_tokens == 0:
+            return out
+        if values.device.type != "cpu":
+            return out.index_add_(0, self.rollout_of_token, values.double())
+        nonempty = torch.nonzero(self.lengths > 0).flatten()
+        # Empty rollouts dropped, the starts increase strictly, so each segment ends where the
+        # next non-empty rollout starts: its own end.
+        starts = self.offsets[:-1].index_select(0, nonempty)
+        sums = np.add.reduceat(values.contiguous().numpy(), starts.cpu().numpy(), dtype=np.float64)
+        out[nonempty] = torch.from_numpy(sums)
+        return out
+
+    def per_token_wide(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-rollout float64 ``values`` (B,) repeated over each rollout's tokens: float64 (N,),
+        to about 2^-48 of each value (a float32 part and the float32 rest, each repeated exactly
+        by :meth:`per_token`)."""
+        high = values.float()
+        low = (values - high.double()).float()
+        out = self.per_token(high).double()
+        out += self.per_token(low)
+        return out
 
     @cached_property
     def group_sizes(self) -> torch.Tensor:
@@ -503,6 +541,8 @@ def _out_of_range(name: str, values: torch.Tensor) -> tuple[torch.Tensor, str]:
         return values < 0, "is a negative importance weight"
     if name == "returns":
         return torch.zeros_like(values, dtype=torch.bool), ""
+    if name == "planning_mask":
+        return (values != 0) & (values != 1), "must be 0 or 1"
     raise ValueError(f"no range for {name!r}")
 
 

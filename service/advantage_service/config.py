@@ -177,8 +177,9 @@ class Settings(BaseSettings):
     )
     tokenizer: str | None = Field(
         default=None,
-        description="a local tokenizer.json: the viewer shows tokens as text (needs the "
-        "tokenizers package; nothing is downloaded); unset: as ids",
+        description="a local tokenizer.json: the viewer shows tokens as text, and hicra finds "
+        "planning tokens by strategic phrases in a request without planning_mask (needs the "
+        "tokenizers package; nothing is downloaded); unset: ids only",
     )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     log_format: Literal["json", "text"] = Field(

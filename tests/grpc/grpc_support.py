@@ -59,28 +59,31 @@ def diagnostics_for(estimator: str | dict[str, Any]) -> list[str]:
 
 
 def token_inputs(rng: np.random.Generator, logprobs: np.ndarray) -> dict[str, list[float]]:
-    """Entropies, sums of squared probabilities and importance weights for tokens sampled with
-    ``logprobs``: S = pi^2 + u (1 - pi)^2 (the rest of the mass spread out or on one token)."""
+    """Entropies, sums of squared probabilities, importance weights and a planning mask for
+    tokens sampled with ``logprobs``: S = pi^2 + u (1 - pi)^2 (the rest of the mass spread out
+    or on one token)."""
     n = logprobs.size
     pi = np.exp(logprobs)
     return {
         "entropy": rng.exponential(1.0, size=n).tolist(),
         "sum_pi_squared": (pi**2 + rng.uniform(0.05, 1.0, size=n) * (1 - pi) ** 2).tolist(),
         "is_weights": rng.uniform(0.5, 1.5, size=n).tolist(),
+        "planning_mask": (rng.random(n) < 0.3).astype(float).tolist(),
     }
 
 
 def uses_token_inputs(estimator: str | dict[str, Any]) -> bool:
-    """Whether the estimator reads entropy or sum_pi_squared (forking, otb)."""
+    """Whether the estimator reads entropy, sum_pi_squared or planning_mask (forking, otb,
+    gtpo, grpo_s, hicra)."""
     spec = resolve_estimator(estimator)
-    return spec.outcome == "otb" or "forking" in spec.terms
+    return spec.outcome in ("otb", "gtpo", "grpo_s") or bool({"forking", "hicra"} & set(spec.terms))
 
 
 def random_rollout(
     rng: np.random.Generator, reward: float, max_len: int = 40, with_token_inputs: bool = False
 ) -> dict[str, Any]:
     """A rollout with logprobs and pos/neg teacher log-probs (so every preset applies), and
-    with entropy, sum_pi_squared and is_weights when ``with_token_inputs`` (forking, otb)."""
+    with entropy, sum_pi_squared, is_weights and planning_mask when ``with_token_inputs``."""
     n = int(rng.integers(0, max_len))
     tokens = rng.integers(0, 300, size=n).tolist()
     logprobs = -rng.exponential(1.0, size=n)

@@ -1,12 +1,14 @@
-"""Forking tokens and OTB over gRPC against a real service: entropy, sum_pi_squared and
-is_weights as raw tensors (unary and stream) give the numbers of HTTP and in-process, and every
-request error they add is located as over HTTP (group, rollout, field), on unary calls and on
-streams."""
+"""The token-level methods (forking tokens, OTB, GTPO, GRPO-S, HICRA; MaxRL beside them) over
+gRPC against a real service: entropy, sum_pi_squared, is_weights and planning_mask as raw tensors
+(unary and stream) give the numbers of HTTP and in-process, every request error they add is
+located as over HTTP (group, rollout, field), on unary calls and on streams; and a service with
+a tokenizer finds HICRA's planning tokens itself, the same on every transport."""
 
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -17,7 +19,14 @@ from advantage_client.grpc_client import compute_request_message
 from advantage_client.grpc_gen import advantage_pb2 as pb
 from advantage_client.grpc_gen import advantage_pb2_grpc as pb_grpc
 from advantage_service import compute as compute_in_process
-from grpc_support import Service, diagnostics_for, random_request, stream_rollouts
+from advantage_service.estimators.hicra import strategic_phrase_mask
+from grpc_support import (
+    Service,
+    diagnostics_for,
+    random_request,
+    start_service,
+    stream_rollouts,
+)
 from token_cases import ERROR_CASES, ERROR_IDS, token_request
 
 pytestmark = pytest.mark.integration
@@ -27,8 +36,15 @@ ESTIMATORS = [
     "forking",
     {"outcome": "otb", "ktae": {}},
     {"outcome": "rloo", "cscr": {}, "forking": {"scope": "group"}},
+    "maxrl",
+    "gtpo",
+    "grpo_s",
+    "hicra",
+    {"outcome": "gtpo", "cscr": {}, "hicra": {"alpha": 0.5}, "whiten": True},
+    {"outcome": "maxrl", "ktae": {}, "hicra": {}, "forking": {"rho": 0.5}},
 ]
-IDS = ["otb", "forking", "otb+ktae", "rloo+cscr+forking(group)"]
+IDS = ["otb", "forking", "otb+ktae", "rloo+cscr+forking(group)", "maxrl", "gtpo", "grpo_s"]
+IDS += ["hicra", "gtpo+cscr+hicra+whiten", "maxrl+ktae+hicra+forking"]
 
 
 def flat(response: dict[str, Any], key: str) -> np.ndarray:
@@ -56,8 +72,18 @@ def test_unary_token_methods_equal_http_and_in_process(service: Service, index: 
         )
 
 
-def test_stream_carries_the_token_inputs_and_computes_each_group_alone(service: Service) -> None:
-    estimator = {"outcome": "otb", "forking": {"rho": 0.5}}
+@pytest.mark.parametrize(
+    "estimator",
+    [
+        {"outcome": "otb", "forking": {"rho": 0.5}},
+        {"outcome": "gtpo", "hicra": {}},
+        {"outcome": "grpo_s", "hicra": {"alpha": 0.5}, "forking": {"rho": 0.5}},
+    ],
+    ids=["otb+forking", "gtpo+hicra", "grpo_s+hicra+forking"],
+)
+def test_stream_carries_the_token_inputs_and_computes_each_group_alone(
+    service: Service, estimator: dict[str, Any]
+) -> None:
     request = random_request(seed=5, estimator=estimator)
     rollouts = stream_rollouts(request["groups"])
     random.Random(5).shuffle(rollouts)
@@ -79,7 +105,7 @@ def test_stream_carries_the_token_inputs_and_computes_each_group_alone(service: 
             device="cpu",
         )["groups"][0]
         for got, want in zip(result["rollouts"], alone["rollouts"], strict=True):
-            for key in ("advantages", "forking_mask", "otb_baseline"):
+            for key in ("advantages", *returns[1:]):
                 np.testing.assert_allclose(got[key], want[key], rtol=1e-6, atol=1e-6)
             assert got["scalar"] == pytest.approx(want["scalar"], rel=1e-6, abs=1e-6)
 
@@ -182,4 +208,137 @@ def test_list_estimators_names_the_inputs(service: Service) -> None:
     assert outcomes["otb"]["optional_inputs"] == ["is_weights", "returns"]
     assert terms["forking"]["inputs"] == ["entropy"]
     assert {"otb", "forking"} <= set(listing["presets"])
+    assert outcomes["gtpo"]["inputs"] == outcomes["grpo_s"]["inputs"] == ["entropy"]
+    assert terms["hicra"]["inputs"] == ["planning_mask"]
+    assert {"maxrl", "gtpo", "grpo_s", "hicra"} <= set(listing["presets"])
     assert listing == service.http.get("/v1/estimators").json()
+
+
+# ---- HICRA's planning tokens from the service's tokenizer ---------------------------------------
+
+# A word-level vocabulary (id i decodes to WORDS[i]) for a tokenizer.json the service loads.
+WORDS = ["<unk>", "So", "wait", ",", "let", "me", "check", "the", "sum", "x", "=", "4", "Hmm"]
+ID = {w: i for i, w in enumerate(WORDS)}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    directory = tmp_path_factory.mktemp("tokenizer-service")
+    path = directory / "tokenizer.json"
+    Tokenizer(WordLevel(ID, unk_token="<unk>")).save(str(path))
+    srv = start_service(directory, tokenizer=str(path))
+    yield srv
+    srv.stop()
+
+
+def sentences_request(estimator: Any) -> dict[str, Any]:
+    """Two groups whose rollouts hold strategic phrases ("wait", "let me check", "Hmm")."""
+    texts = [
+        [("So wait , let me check the sum", 1.0), ("x = 4", 0.0), ("Hmm x = 4", 0.0)],
+        [("the sum = 4 , wait", 1.0), ("", 0.0), ("let me check x", 1.0)],
+    ]
+    return {
+        "estimator": estimator,
+        "return": diagnostics_for(estimator),
+        "groups": [
+            {
+                "id": f"g{g}",
+                "rollouts": [
+                    {
+                        "tokens": [ID[w] for w in text.split()],
+                        "reward": reward,
+                        "entropy": [0.25 * (k % 5) for k in range(len(text.split()))],
+                    }
+                    for text, reward in group
+                ],
+            }
+            for g, group in enumerate(texts)
+        ],
+    }
+
+
+def expected_mask(request: dict[str, Any], phrases: list[str] | None = None) -> list[float]:
+    rollouts = [r for g in request["groups"] for r in g["rollouts"]]
+    tokens = np.array([t for r in rollouts for t in r["tokens"]], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum([len(r["tokens"]) for r in rollouts])])
+    args = () if phrases is None else (phrases,)
+    return strategic_phrase_mask(tokens, offsets, WORDS, *args).tolist()
+
+
+@pytest.mark.parametrize(
+    "estimator",
+    [
+        "hicra",
+        {"outcome": "gtpo", "hicra": {"alpha": 0.5}},
+        {"outcome": "maxrl", "hicra": {"phrases": ["the sum", "x = 4"]}},
+    ],
+    ids=["hicra", "gtpo+hicra", "maxrl+hicra(phrases)"],
+)
+def test_a_service_with_a_tokenizer_finds_planning_tokens_on_every_transport(
+    tokenizer_service: Service, estimator: Any
+) -> None:
+    request = sentences_request(estimator)
+    phrases = estimator["hicra"].get("phrases") if isinstance(estimator, dict) else None
+    mask = expected_mask(request, phrases)
+    assert 0 < sum(mask) < len(mask)
+    # The numbers of the same request with that mask given, computed in this process.
+    given = json.loads(json.dumps(request))
+    start = 0
+    for group in given["groups"]:
+        for r in group["rollouts"]:
+            r["planning_mask"] = mask[start : start + len(r["tokens"])]
+            start += len(r["tokens"])
+    want = compute_in_process(given, device="cpu")
+
+    via_json = tokenizer_service.http.post("/v1/advantages", json=request)
+    assert via_json.status_code == 200, via_json.text
+    via_arrow = HttpClient(tokenizer_service.url).compute(request)
+    via_grpc = GrpcClient(tokenizer_service.target).compute(request)
+    for response in (via_json.json(), via_arrow, via_grpc):
+        np.testing.assert_array_equal(flat(response, "planning_mask"), np.float32(mask))
+        for key in ["advantages", *request["return"]]:
+            np.testing.assert_allclose(flat(response, key), flat(want, key), rtol=1e-6, atol=1e-6)
+
+    results = list(
+        GrpcClient(tokenizer_service.target).stream(
+            stream_rollouts(request["groups"]), estimator=estimator, returns=request["return"]
+        )
+    )
+    assert sorted(r["id"] for r in results) == ["g0", "g1"]
+    for result in sorted(results, key=lambda r: r["id"]):
+        group = next(g for g in given["groups"] if g["id"] == result["id"])
+        alone = compute_in_process(
+            {"estimator": estimator, "return": request["return"], "groups": [group]},
+            device="cpu",
+        )["groups"][0]
+        for got, exp in zip(result["rollouts"], alone["rollouts"], strict=True):
+            np.testing.assert_array_equal(got["planning_mask"], exp["planning_mask"])
+            np.testing.assert_allclose(got["advantages"], exp["advantages"], rtol=1e-6, atol=1e-6)
+
+
+def test_a_given_planning_mask_wins_over_the_tokenizer(tokenizer_service: Service) -> None:
+    request = sentences_request("hicra")
+    for group in request["groups"]:
+        for r in group["rollouts"]:
+            r["planning_mask"] = [1.0] * len(r["tokens"])
+    got = GrpcClient(tokenizer_service.target).compute(request)
+    assert np.all(flat(got, "planning_mask") == 1.0)
+
+
+def test_the_viewer_still_reads_the_tokenizer(tokenizer_service: Service) -> None:
+    response = tokenizer_service.http.post("/viewer/api/token-text", json={"ids": [2, 6]})
+    assert response.status_code == 200, response.text
+    assert response.json()["texts"] == {"2": "wait", "6": "check"}
+
+
+def test_without_a_tokenizer_the_error_names_planning_mask_and_the_way_out(
+    service: Service,
+) -> None:
+    response = service.http.post("/v1/advantages", json=sentences_request("hicra"))
+    assert response.status_code == 422
+    error = response.json()["error"]
+    assert (error["code"], error["field"]) == ("missing_input", "planning_mask")
+    assert "--tokenizer" in error["message"]

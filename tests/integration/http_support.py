@@ -56,14 +56,16 @@ def diagnostics_for(estimator: str | dict[str, Any]) -> list[str]:
 
 
 def token_inputs(rng: np.random.Generator, logprobs: np.ndarray) -> dict[str, list[float]]:
-    """Entropies, sums of squared probabilities and importance weights for tokens sampled with
-    ``logprobs``: S = pi^2 + u (1 - pi)^2 (the rest of the mass spread out or on one token)."""
+    """Entropies, sums of squared probabilities, importance weights and a planning mask for
+    tokens sampled with ``logprobs``: S = pi^2 + u (1 - pi)^2 (the rest of the mass spread out
+    or on one token)."""
     n = logprobs.size
     pi = np.exp(logprobs)
     return {
         "entropy": rng.exponential(1.0, size=n).tolist(),
         "sum_pi_squared": (pi**2 + rng.uniform(0.05, 1.0, size=n) * (1 - pi) ** 2).tolist(),
         "is_weights": rng.uniform(0.5, 1.5, size=n).tolist(),
+        "planning_mask": (rng.random(n) < 0.3).astype(float).tolist(),
     }
 
 
@@ -71,11 +73,13 @@ def random_request(
     seed: int, estimator: str | dict[str, Any] = "grpo", groups: int = 4
 ) -> dict[str, Any]:
     """A JSON request with logprobs and pos/neg teacher log-probs on every rollout (so every
-    preset applies; entropy, sum_pi_squared and is_weights too for an estimator that reads
-    them), mixed and zero-signal groups, and every diagnostic asked for."""
+    preset applies; entropy, sum_pi_squared, is_weights and planning_mask too for an estimator
+    that reads them), mixed and zero-signal groups, and every diagnostic asked for."""
     rng = np.random.default_rng(seed)
     spec = resolve_estimator(estimator)
-    with_token_inputs = spec.outcome == "otb" or "forking" in spec.terms
+    with_token_inputs = spec.outcome in ("otb", "gtpo", "grpo_s") or bool(
+        {"forking", "hicra"} & set(spec.terms)
+    )
     out = []
     for g in range(groups):
         size = int(rng.integers(2, 6))
@@ -120,7 +124,7 @@ def arrow_request(request: dict[str, Any], order: list[int] | None = None) -> by
         "reward": pa.array([r["reward"] for _, r in rows], pa.float64()),
         "tokens": pa.array([r["tokens"] for _, r in rows], pa.list_(pa.int32())),
     }
-    for name in ("logprobs", "entropy", "sum_pi_squared", "is_weights"):
+    for name in ("logprobs", "entropy", "sum_pi_squared", "is_weights", "planning_mask"):
         if rows and name in rows[0][1]:
             columns[name] = pa.array([r[name] for _, r in rows], pa.list_(pa.float32()))
     for name in sorted(rows[0][1].get("teacher_logprobs", {}) if rows else ()):

@@ -1,7 +1,8 @@
-"""Forking tokens and OTB over HTTP against a real server: entropy, sum_pi_squared and
-is_weights as JSON fields and as Arrow columns give the in-process numbers, every request error
-they add is a 422 naming group, rollout and field in both encodings, and GET /v1/estimators
-lists the inputs each method needs."""
+"""The token-level methods (forking tokens, OTB, GTPO, GRPO-S, HICRA; MaxRL beside them) over
+HTTP against a real server: entropy, sum_pi_squared, is_weights and planning_mask as JSON fields
+and as Arrow columns give the in-process numbers, every request error they add is a 422 naming
+group, rollout and field in both encodings, and GET /v1/estimators lists the inputs each method
+needs."""
 
 from __future__ import annotations
 
@@ -22,9 +23,18 @@ ESTIMATORS = [
     "forking",
     {"outcome": "otb", "cscr": {}, "forking": {"rho": 0.5}, "whiten": True},
     {"outcome": "rloo", "ktae": {}, "forking": {"scope": "group", "rho": 1.0}},
+    "maxrl",
+    "gtpo",
+    "grpo_s",
+    "hicra",
+    {"outcome": "gtpo", "ktae": {}, "hicra": {"alpha": 0.5}, "forking": {}, "clip": 1.0},
+    {"outcome": "maxrl", "cscr": {}, "hicra": {}, "whiten": True},
+    {"outcome": "grpo_s", "opsd": {}, "hicra": {}},
 ]
 IDS = ["otb", "forking", "otb+cscr+forking+whiten", "rloo+ktae+forking(group, rho=1)"]
-PER_TOKEN = ("logprobs", "entropy", "sum_pi_squared", "is_weights")
+IDS += ["maxrl", "gtpo", "grpo_s", "hicra", "gtpo+ktae+hicra+forking+clip"]
+IDS += ["maxrl+cscr+hicra+whiten", "grpo_s+opsd+hicra"]
+PER_TOKEN = ("logprobs", "entropy", "sum_pi_squared", "is_weights", "planning_mask")
 
 
 def rows_of(response_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -117,3 +127,16 @@ def test_estimators_listing_names_each_methods_inputs(server: Server) -> None:
     assert terms["opsd"]["inputs"] == ["logprobs", "teacher_logprobs.pos"]
     assert {"otb", "forking"} <= set(listing["presets"])
     assert {"forking_mask", "otb_baseline"} <= set(listing["diagnostics"])
+    assert outcomes["maxrl"]["inputs"] == [] and outcomes["maxrl"]["per_token"] is False
+    assert outcomes["gtpo"]["inputs"] == ["entropy"] and outcomes["gtpo"]["per_token"] is True
+    assert outcomes["grpo_s"]["inputs"] == ["entropy"]
+    assert outcomes["grpo_s"]["per_token"] is False
+    assert terms["hicra"]["inputs"] == ["planning_mask"]
+    assert "tokenizer" in terms["hicra"]["derived_inputs"]["planning_mask"]
+    assert terms["forking"]["derived_inputs"] == {}
+    phrases = next(p for p in terms["hicra"]["parameters"] if p["name"] == "phrases")
+    assert (phrases["type"], phrases["default"], phrases["nullable"]) == ("array", None, True)
+    assert {"maxrl", "gtpo", "grpo_s", "hicra"} <= set(listing["presets"])
+    assert listing["presets"]["hicra"]["outcome"]["name"] == "grpo"
+    assert listing["presets"]["hicra"]["hicra"] == {"alpha": 0.2, "phrases": None}
+    assert {"gtpo_reward", "grpo_s_reward", "planning_mask"} <= set(listing["diagnostics"])

@@ -1,7 +1,8 @@
 """Dynamic batching's guarantee, as a property: a request's answer is identical whether it was
 computed alone or merged with any others (on the CPU bit for bit, see ``merging``), over random
 mixes of presets and compositions with request-scoped math (whitening, GPG's B,
-``reinforce_pp_baseline``, the forking quantile of scope ``request``) and colliding group ids."""
+``reinforce_pp_baseline``, the forking quantile of scope ``request``, HICRA after whitening),
+the new outcomes (MaxRL, GTPO, GRPO-S) and colliding group ids."""
 
 from __future__ import annotations
 
@@ -29,6 +30,10 @@ COMPOSITIONS: list[Any] = [
     {"outcome": "rloo", "cscr": {}, "forking": {}},
     {"outcome": "otb", "forking": {"scope": "group", "rho": 0.5}, "whiten": True, "clip": 1.0},
     {"outcome": "gpg", "opsd": {}, "forking": {"rho": 1.0}},
+    {"outcome": {"name": "maxrl", "epsilon": 1e-6}, "ktae": {}, "whiten": True},
+    {"outcome": "gtpo", "hicra": {"alpha": 0.5}, "forking": {}, "whiten": True, "clip": 1.0},
+    {"outcome": {"name": "grpo_s", "alpha2": 0.5}, "cscr": {}, "hicra": {}},
+    {"outcome": "gpg", "hicra": {}, "whiten": True},
 ]
 
 
@@ -118,6 +123,19 @@ def test_requests_with_and_without_an_optional_input_merge_into_their_own_answer
     assert len({merge_key(r) for r in reqs}) == 1
     batch = merge(reqs)
     assert batch.is_weights is not None and batch.entropy is None
+    whole = compute_request(replace(reqs[0], batch=batch), "cpu")
+    for req, part in zip(reqs, split(whole, batch), strict=True):
+        assert_same_result(part, compute_request(req, "cpu"))
+
+
+def test_a_planning_mask_some_requests_give_and_their_estimator_does_not_read_is_dropped() -> None:
+    rng = np.random.default_rng(9)
+    given = random_request(rng, estimator="gtpo", planning_mask=True)
+    without = random_request(rng, estimator="gtpo")
+    reqs = [parse_request(b) for b in (given, without)]
+    assert len({merge_key(r) for r in reqs}) == 1
+    batch = merge(reqs)
+    assert batch.planning_mask is None and batch.entropy is not None
     whole = compute_request(replace(reqs[0], batch=batch), "cpu")
     for req, part in zip(reqs, split(whole, batch), strict=True):
         assert_same_result(part, compute_request(req, "cpu"))

@@ -35,6 +35,9 @@ class PaddedCase:
     advantages: np.ndarray
     scalars: np.ndarray
     diagnostics: dict[str, np.ndarray] = field(default_factory=dict)
+    # The other per-token inputs the request gives (entropy, sum_pi_squared, is_weights,
+    # planning_mask): (B, T) float64, an invalid value (5.0) off the mask.
+    per_token: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 def _positions(rng: np.random.Generator, layout: str, length: int, width: int) -> list[int]:
@@ -80,6 +83,11 @@ def padded_case(
     has_logprobs = any("logprobs" in r for _, _, r, _ in rows)
     logprobs = np.full((b, width), 5.0) if has_logprobs else None  # invalid off the mask
     teacher = {name: np.full((b, width), 5.0) for name in teachers}
+    inputs = {
+        name: np.full((b, width), 5.0)
+        for name in ("entropy", "sum_pi_squared", "is_weights", "planning_mask")
+        if rows and all(name in r for _, _, r, _ in rows)
+    }
     advantages = np.zeros((b, width))
     scalars = np.zeros(b)
     diag_names = sorted(
@@ -99,6 +107,8 @@ def padded_case(
                 logprobs[i, p] = rollout["logprobs"][k]
             for name in teachers:
                 teacher[name][i, p] = rollout["teacher_logprobs"][name][k]
+            for name, values in inputs.items():
+                values[i, p] = rollout[name][k]
             for name in diagnostics:
                 diagnostics[name][i, p] = answer[name][k]
         rewards[i] = rollout["reward"]
@@ -113,6 +123,7 @@ def padded_case(
         logprobs=logprobs,
         teacher_logprobs=teacher,
         request=request,
+        per_token=inputs,
         advantages=advantages,
         scalars=scalars,
         diagnostics=diagnostics,
@@ -129,6 +140,7 @@ def call_kwargs(case: PaddedCase) -> dict[str, Any]:
         kwargs["logprobs"] = case.logprobs
     if case.teacher_logprobs:
         kwargs["teacher_logprobs"] = case.teacher_logprobs
+    kwargs.update(case.per_token)
     if case.request.get("ignore_token_ids"):
         kwargs["ignore_token_ids"] = case.request["ignore_token_ids"]
     return kwargs

@@ -1,8 +1,11 @@
 """compute_padded, in-process and over both clients, against the oracle on random padded
 batches: left and right padding, holes in the mask, shuffled rows (a group's rows not adjacent),
-string, integer and uuid group ids, empty rows, every preset."""
+string, integer and uuid group ids, empty rows, every preset, and the token-level methods with
+their per-token inputs (entropy, sum_pi_squared, is_weights, planning_mask)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import pytest
@@ -11,10 +14,20 @@ from advantage_client import GrpcClient, HttpClient
 from advantage_client.errors import AdvantageError
 from advantage_client.padded import PaddedLayout, needs_token_ids
 from advantage_service import RequestError, compute_padded
-from oracle import PRESETS
+from oracle import NONNEGATIVE_OUTCOME_NAMES, PRESETS, TOKEN_PRESETS
 from padded_batches import ID_KINDS, LAYOUTS, assert_matches, call_kwargs, padded_case
 
 PRESET_CASES = [(p, layout, ids) for p in PRESETS for layout, ids in [("mixed", "str")]]
+# The methods over per-token inputs, alone and composed, and MaxRL.
+TOKEN_METHODS: list[Any] = [*NONNEGATIVE_OUTCOME_NAMES, *TOKEN_PRESETS]
+TOKEN_METHODS += [
+    {"outcome": "gtpo", "ktae": {}, "hicra": {"alpha": 0.5}, "whiten": True},
+    {"outcome": "grpo_s", "hicra": {}, "forking": {"rho": 0.5}},
+    {"outcome": "maxrl", "hicra": {}, "clip": 1.0},
+]
+TOKEN_IDS = [
+    m if isinstance(m, str) else "+".join(k for k in m if k != "whiten") for m in TOKEN_METHODS
+]
 LAYOUT_CASES = [(layout, ids) for layout in LAYOUTS for ids in ID_KINDS]
 
 
@@ -34,6 +47,56 @@ def test_in_process_matches_the_oracle_for_every_preset(preset: str, seed: int) 
     )
     assert isinstance(result.advantages, torch.Tensor)
     assert_matches(case, result, f"{preset} seed {seed}")
+
+
+@pytest.mark.parametrize("estimator", TOKEN_METHODS, ids=TOKEN_IDS)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_in_process_matches_the_oracle_for_the_token_methods(estimator: Any, seed: int) -> None:
+    case = padded_case(30 + seed, estimator, n_groups=(2, 4))
+    for kind in ("numpy", "torch"):
+        kwargs = call_kwargs(case)
+        arrays = (case.tokens, case.mask, case.rewards)
+        if kind == "torch":
+            arrays = tuple(torch.from_numpy(a) for a in arrays)  # type: ignore[assignment]
+            kwargs = {
+                k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
+                for k, v in kwargs.items()
+            }
+        result = compute_padded(*arrays, case.group_ids, **kwargs)
+        assert_matches(case, result, f"{estimator} seed {seed} {kind}")
+
+
+def test_a_boolean_planning_mask_is_a_0_1_mask() -> None:
+    case = padded_case(7, "hicra")
+    kwargs = call_kwargs(case)
+    as_bool = np.where(case.mask, kwargs["planning_mask"] == 1.0, False)
+    result = compute_padded(
+        case.tokens,
+        case.mask,
+        case.rewards,
+        case.group_ids,
+        **(kwargs | {"planning_mask": as_bool}),
+    )
+    assert_matches(case, result, "hicra, bool mask")
+    torch_result = compute_padded(
+        torch.from_numpy(case.tokens),
+        torch.from_numpy(case.mask),
+        torch.from_numpy(case.rewards),
+        case.group_ids,
+        **(kwargs | {"planning_mask": torch.from_numpy(as_bool)}),
+    )
+    assert_matches(case, torch_result, "hicra, torch bool mask")
+
+
+def test_maxrl_needs_no_token_ids_and_gtpo_needs_its_entropy() -> None:
+    case = padded_case(8, "maxrl")
+    result = compute_padded(None, case.mask, case.rewards, case.group_ids, estimator="maxrl")
+    assert_matches(case, result, "maxrl without tokens")
+    assert not needs_token_ids("maxrl")
+    gtpo = padded_case(9, "gtpo")
+    with pytest.raises(RequestError) as info:
+        compute_padded(gtpo.tokens, gtpo.mask, gtpo.rewards, gtpo.group_ids, estimator="gtpo")
+    assert (info.value.code, info.value.field) == ("missing_input", "entropy")
 
 
 @pytest.mark.parametrize(("layout", "ids"), LAYOUT_CASES)
@@ -123,6 +186,22 @@ def test_clients_match_the_oracle_for_every_preset(clients, transport: str, pres
     )
     assert isinstance(result.advantages, np.ndarray)
     assert_matches(case, result, f"{transport} {preset}")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+@pytest.mark.parametrize("estimator", TOKEN_METHODS, ids=TOKEN_IDS)
+def test_clients_match_the_oracle_for_the_token_methods(
+    clients, transport: str, estimator: Any
+) -> None:  # type: ignore[no-untyped-def]
+    case = padded_case(40, estimator, n_groups=(2, 4))
+    kwargs = call_kwargs(case)
+    if "planning_mask" in kwargs:  # a trainer's bool mask travels as 0/1
+        kwargs["planning_mask"] = np.where(case.mask, kwargs["planning_mask"] == 1.0, False)
+    result = clients[transport].compute_padded(
+        case.tokens, case.mask, case.rewards, case.group_ids, **kwargs
+    )
+    assert_matches(case, result, f"{transport} {estimator}")
 
 
 @pytest.mark.integration

@@ -1,6 +1,8 @@
 """The viewer in a real headless Chromium: the page's testing contract (every token an element
 whose data-advantage is the API's number), the shading's sides, a KTAE token's table as the
-oracle computes it, the paste path, auth, a 4096-token rollout's render time, accessibility.
+oracle computes it, the paste path, auth, a 4096-token rollout's render time, accessibility, and
+the new methods' explanations (GTPO's shaped reward, HICRA's planning flag and bonus, MaxRL's
+success rate).
 
 Screenshots go to the test's temporary directory (``viewer-*.png``)."""
 
@@ -190,6 +192,79 @@ def test_a_pasted_request_is_computed_through_the_api(
     )
     assert ["1", "the"] in texts or all(t != "1" for t, _ in texts)
     browser.save_screenshot(str(tmp_path / "viewer-pasted.png"))
+
+
+DETAILS = (
+    "return Object.fromEntries([...document.querySelectorAll('#detail-body [data-stat]')]"
+    ".map(e => [e.dataset.stat, e.dataset.value]))"
+)
+
+
+def paste_and_compute(browser: Any, server: Server, request: dict[str, Any]) -> None:
+    from selenium.webdriver.common.by import By
+
+    open_viewer(browser, server)
+    wait_for(browser, ("idle",))
+    box = browser.find_element(By.ID, "request-json")
+    browser.execute_script("arguments[0].value = arguments[1]", box, json.dumps(request))
+    browser.find_element(By.ID, "compute").click()
+    wait_for(browser)
+
+
+def test_the_new_methods_explain_each_tokens_share(
+    browser: Any, viewer_server: Server, tmp_path: Path
+) -> None:
+    """GTPO's shaped reward, HICRA's planning flag and bonus (the server's tokenizer finds
+    "Wait", a strategic phrase, without a planning_mask), MaxRL's success rate: each token's
+    details show the API's numbers."""
+    from selenium.webdriver.common.by import By
+
+    tokens = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 9, 10], [6, 7, 1, 2, 3, 4]]
+    request = {
+        "namespace": "team-a",
+        "estimator": {"outcome": "gtpo", "hicra": {"alpha": 0.5}},
+        "groups": [
+            {
+                "id": "p",
+                "rollouts": [
+                    {
+                        "tokens": ids,
+                        "reward": reward,
+                        "entropy": [0.25 * (k % 4 + 1) for k in range(len(ids))],
+                    }
+                    for ids, reward in zip(tokens, [1.0, 0.0, 0.0], strict=True)
+                ],
+            }
+        ],
+    }
+    paste_and_compute(browser, viewer_server, request)
+    every = ["scalar", "gtpo_reward", "planning_mask", "hicra_bonus"]
+    want = viewer_server.client.post(
+        "/v1/advantages", json={**request, "return": every}, headers=AUTH
+    ).json()
+    assert_contract(browser, request, want)
+    spans = browser.find_elements(By.CSS_SELECTOR, '[data-group="p"] .tok')
+    wait_token = spans[5]  # rollout 0, token 5: "Wait"
+    assert wait_token.get_attribute("data-token-id") == "6"
+    wait_token.click()
+    shown = browser.execute_script(DETAILS)
+    answer = want["groups"][0]["rollouts"][0]
+    assert answer["planning_mask"][5] == 1.0 and shown["planning_mask"] == "yes"
+    assert float(shown["hicra_bonus"]) == pytest.approx(answer["hicra_bonus"][5], rel=1e-6)
+    assert float(shown["gtpo_reward"]) == pytest.approx(answer["gtpo_reward"][5], rel=1e-6)
+    spans[0].click()
+    assert browser.execute_script(DETAILS)["planning_mask"] == "no"
+    browser.save_screenshot(str(tmp_path / "viewer-gtpo-hicra.png"))
+
+    maxrl = {"namespace": "team-a", "estimator": "maxrl", "groups": [{"id": "m", "rollouts": [
+        {"tokens": ids, "reward": r} for ids, r in zip(tokens, [1.0, 0.0, 0.0], strict=True)
+    ]}]}  # fmt: skip
+    paste_and_compute(browser, viewer_server, maxrl)
+    browser.find_elements(By.CSS_SELECTOR, '[data-group="m"] .tok')[0].click()
+    shown = browser.execute_script(DETAILS)
+    assert float(shown["maxrl_rate"]) == pytest.approx(1 / 3)
+    assert float(shown["scalar"]) == pytest.approx(2.0)  # (N - K) / K = 2
+    assert float(shown["advantage"]) == pytest.approx(2.0)
 
 
 def test_a_namespace_the_token_may_not_read_is_a_403_on_the_page(

@@ -35,7 +35,7 @@ TOP_LEVEL_FIELDS = (
 )
 # Optional per-token values of a rollout, one per token, beside the teachers' log-probabilities
 # (the service's batch carries each as a float32 (N,) array).
-TOKEN_FIELDS = ("logprobs", "entropy", "sum_pi_squared", "is_weights", "returns")
+TOKEN_FIELDS = ("logprobs", "entropy", "sum_pi_squared", "is_weights", "returns", "planning_mask")
 ROLLOUT_FIELDS = ("tokens", "reward", *TOKEN_FIELDS, "teacher_logprobs")
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
@@ -67,6 +67,8 @@ class FlatGroups:
         """Per group, the key of its history: its prompt key, else its id (None when no
         group gave a key: the service keys history by the group ids then)."""
         return prompt_ids(self.group_ids, self.prompt_keys)
+
+    planning_mask: np.ndarray | None = None  # numbers (N,), 0 or 1
 
     def token_values(self) -> dict[str, np.ndarray]:
         """The per-token values of :data:`TOKEN_FIELDS` the rollouts gave (name -> (N,)), in
@@ -317,7 +319,7 @@ def _flat_values(
 
 def flatten_groups(groups: Any) -> FlatGroups:
     """The request's ``groups`` (``[{"id", "prompt_key"?, "rollouts": [{"tokens", "reward",
-    "logprobs"?, "entropy"?, "sum_pi_squared"?, "is_weights"?, "returns"?,
+    "logprobs"?, "entropy"?, "sum_pi_squared"?, "is_weights"?, "returns"?, "planning_mask"?,
     "teacher_logprobs"?}]}]``, lists or numpy arrays inside) as validated flat arrays.
 
     Checks what the layout needs (types, list lengths, values given for every rollout or none)

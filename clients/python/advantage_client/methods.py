@@ -13,14 +13,18 @@ OUTCOMES: tuple[str, ...] = (
     "gpg",
     "grpo_passk",
     "otb",
+    "maxrl",
+    "gtpo",
+    "grpo_s",
 )
-TERMS: tuple[str, ...] = ("ktae", "cscr", "opsd", "forking")
+TERMS: tuple[str, ...] = ("ktae", "cscr", "opsd", "forking", "hicra")
 # Optional input -> the outcomes and terms that read it (an estimator with none of them
 # is not sent that input).
 INPUT_READERS: dict[str, tuple[str, ...]] = {
-    "entropy": ("forking",),
+    "entropy": ("forking", "grpo_s", "gtpo"),
     "is_weights": ("otb",),
     "logprobs": ("opsd", "otb"),
+    "planning_mask": ("hicra",),
     "returns": ("otb",),
     "sum_pi_squared": ("otb",),
     "teacher_logprobs": ("cscr", "opsd"),

@@ -24,13 +24,30 @@ from . import flat as _flat
 from .errors import AdvantageError
 
 # The per-token inputs of compute_padded, by keyword (their names on both wires too).
-PER_TOKEN_INPUTS = ("logprobs", "entropy", "sum_pi_squared", "is_weights", "returns")
+PER_TOKEN_INPUTS = (
+    "logprobs",
+    "entropy",
+    "sum_pi_squared",
+    "is_weights",
+    "returns",
+    "planning_mask",
+)
 # Those this client version's wire encoders carry (a client before the per-token inputs of
 # the forking/OTB work carried logprobs only).
 WIRE_TOKEN_INPUTS: tuple[str, ...] = tuple(getattr(_flat, "TOKEN_FIELDS", ("logprobs",)))
 # Outcome baselines: an estimator that is one of these (and has no term) needs no token ids.
 OUTCOME_PRESETS = frozenset(
-    ("grpo", "dr_grpo", "rloo", "reinforce", "reinforce_pp_baseline", "opo", "gpg", "grpo_passk")
+    (
+        "grpo",
+        "dr_grpo",
+        "rloo",
+        "reinforce",
+        "reinforce_pp_baseline",
+        "opo",
+        "gpg",
+        "grpo_passk",
+        "maxrl",
+    )
 )
 ESTIMATOR_TOP_LEVEL = frozenset(("outcome", "whiten", "clip"))
 
@@ -340,6 +357,7 @@ def flat_request(
     is_weights: Any,
     teacher_logprobs: Mapping[str, Any] | None,
     diagnostics: Sequence[str],
+    planning_mask: Any = None,
     ignore_token_ids: Sequence[int] | None,
     namespace: str | None,
     request_id: str | None,
@@ -356,6 +374,7 @@ def flat_request(
         "sum_pi_squared": sum_pi_squared,
         "is_weights": is_weights,
         "returns": returns,
+        "planning_mask": planning_mask,
     }
     unsupported_inputs(per_token, WIRE_TOKEN_INPUTS, client)
     layout = PaddedLayout.from_padded(mask, rewards, group_ids)

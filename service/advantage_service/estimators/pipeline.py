@@ -1,14 +1,15 @@
 """The one formula: A_it = a_it w_it + sum_k c_k b^(k)_it, then optional whitening and clipping,
-then the terms' masks, A_it <- m_it A_it.
+then the terms' amplifications, A_it <- A_it + k_it |A_it| (HICRA), then the terms' masks,
+A_it <- m_it A_it.
 
 a_it is the outcome baseline's a_i on every token of rollout i, or, for an outcome that is per
-token (OTB), its own a_it.
+token (OTB, GTPO), its own a_it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -74,24 +75,61 @@ def whiten(values: torch.Tensor) -> torch.Tensor:
     return ((wide - wide.mean()) / torch.sqrt(var + WHITEN_EPS)).to(values.dtype)
 
 
-def require_inputs(batch: RolloutBatch, what: str, requires: Mapping[str, str]) -> None:
+def require_inputs(
+    batch: RolloutBatch,
+    what: str,
+    requires: Mapping[str, str],
+    otherwise: Mapping[str, str] | None = None,
+) -> None:
     """Raise ``missing_input`` for the first input of ``requires`` (batch input -> request
-    field, as estimators declare them) that the batch lacks; ``what`` names the estimator."""
+    field, as estimators declare them) that the batch lacks; ``what`` names the estimator;
+    ``otherwise``: input -> how else the service could have it (said in the message)."""
     for need, field_name in requires.items():
         if not batch.has_input(need):
+            how = (otherwise or {}).get(need)
             raise RequestError(
                 "missing_input",
-                f"{what} needs {field_name} on every rollout",
+                f"{what} needs {field_name} on every rollout" + (f" (or {how})" if how else ""),
                 field=field_name,
             )
+
+
+def derivable_inputs(batch: RolloutBatch, spec: EstimatorSpec) -> list[str]:
+    """The inputs the estimator's terms need, the batch lacks, and the terms can make from the
+    token ids with a tokenizer (:func:`derive_inputs`)."""
+    out: list[str] = []
+    for name, params in spec.terms.items():
+        term = TERMS[name]
+        needs = term.requires(params)
+        out += [n for n in term.derives if n in needs and not batch.has_input(n) and n not in out]
+    return out
+
+
+def derive_inputs(
+    batch: RolloutBatch, spec: EstimatorSpec, vocabulary: Sequence[str] | None
+) -> RolloutBatch:
+    """``batch`` with the inputs the estimator's terms need and can make themselves
+    (:class:`~.registry.Derivation`) from the token ids, where the batch lacks them and the
+    server has a tokenizer (``vocabulary[id]``: what id decodes to alone). An input the request
+    gave is never replaced. Returns ``batch`` itself when nothing is made."""
+    if vocabulary is None or not derivable_inputs(batch, spec):
+        return batch
+    made: dict[str, Any] = {}
+    for name, params in spec.terms.items():
+        term = TERMS[name]
+        for need, derivation in term.derives.items():
+            if need in made or batch.has_input(need) or need not in term.requires(params):
+                continue
+            made[need] = derivation.derive(batch, params, vocabulary)
+    if not made:
+        return batch
+    return replace(batch, **made)
 
 
 def rollout_means(batch: RolloutBatch, values: torch.Tensor) -> torch.Tensor:
     """Per rollout, the mean of its tokens' ``values`` (N,): float64 (B,), 0 for an empty
     rollout."""
-    total = torch.zeros(batch.num_rollouts, dtype=torch.float64, device=values.device)
-    total.index_add_(0, batch.rollout_of_token, values.double())
-    return total / batch.lengths.clamp(min=1)
+    return batch.rollout_sums(values) / batch.lengths.clamp(min=1)
 
 
 def check_inputs(batch: RolloutBatch, spec: EstimatorSpec, diagnostics: Iterable[str]) -> None:
@@ -112,7 +150,11 @@ def check_inputs(batch: RolloutBatch, spec: EstimatorSpec, diagnostics: Iterable
         batch, f"outcome baseline {spec.outcome!r}", outcome.requires(spec.outcome_params)
     )
     for name, params in spec.terms.items():
-        require_inputs(batch, f"estimator term {name!r}", TERMS[name].requires(params))
+        term = TERMS[name]
+        otherwise = {need: d.how for need, d in term.derives.items()}
+        require_inputs(batch, f"estimator term {name!r}", term.requires(params), otherwise)
+    if outcome.check_batch is not None:
+        outcome.check_batch(batch, spec.outcome_params)
     available = set(estimator_diagnostics(spec))
     for d in diagnostics:
         if d not in available:
@@ -123,6 +165,11 @@ def check_inputs(batch: RolloutBatch, spec: EstimatorSpec, diagnostics: Iterable
                 else f"known diagnostics: {list(known)}"
             )
             raise RequestError("invalid_parameter", f"cannot return {d!r}: {why}", field="return")
+
+
+def _tensor(value: torch.Tensor | Callable[[], torch.Tensor]) -> torch.Tensor:
+    """A diagnostic, computed now if it was left for when asked for."""
+    return value if isinstance(value, torch.Tensor) else value()
 
 
 def compute_batch(
@@ -153,6 +200,8 @@ def compute_batch(
     ctx.diagnostics = frozenset(wanted)
 
     outcome = OUTCOMES[spec.outcome].fn(batch, spec.outcome_params)
+    if not isinstance(outcome, OutcomeOutput):
+        outcome = OutcomeOutput(outcome)
     # A term that waits for a read still in flight runs last, so that the others overlap the
     # wait; outputs are combined in the estimator's order either way.
     run_order = sorted(spec.terms, key=ctx.waits)
@@ -162,14 +211,18 @@ def compute_batch(
     outputs = {name: computed[name] for name in spec.terms}
     # a_it w_it + sum_k c_k b_it in float32 (the output precision), built in place in one fresh
     # tensor: weights scale only the outcome term, never a bonus, so they go first.
-    produced: dict[str, torch.Tensor] = {}
-    if isinstance(outcome, OutcomeOutput):
+    produced: dict[str, torch.Tensor | Callable[[], torch.Tensor]] = dict(outcome.diagnostics)
+    if OUTCOMES[spec.outcome].per_token:
         # Per token: the rollout's scalar is its mean a_it.
-        scalars = rollout_means(batch, outcome.advantage)
-        advantages = outcome.advantage.to(torch.float32, copy=True)
-        produced.update(outcome.diagnostics)
+        scalars = (
+            outcome.scalars
+            if outcome.scalars is not None
+            else rollout_means(batch, outcome.advantage)
+        )
+        # (an outcome's float32 advantage is the pipeline's to write into: no copy)
+        advantages = outcome.advantage.to(torch.float32)
     else:
-        scalars = outcome  # float64 (B,)
+        scalars = outcome.advantage  # float64 (B,)
         advantages = batch.per_token(scalars.float())
     for out in outputs.values():
         if out.weight is not None:
@@ -190,6 +243,17 @@ def compute_batch(
         # A bound past float32's range clips nothing (and torch refuses to convert it).
         bound = min(spec.clip, torch.finfo(advantages.dtype).max)
         advantages = advantages.clamp(-bound, bound)
+    # Amplifications of the combined advantage (HICRA): after whitening and clipping, so that
+    # A_it + k |A_it| is exactly what the term's paper states of the advantage it is given.
+    for out in outputs.values():
+        if out.amplification is None:
+            continue
+        if out.amplification_diagnostic in ctx.diagnostics:
+            added = advantages.abs().mul_(out.amplification).mul_(out.amplification_scale)
+            produced[out.amplification_diagnostic] = added
+            advantages.add_(added)
+        else:
+            advantages.addcmul_(advantages.abs(), out.amplification, value=out.amplification_scale)
     # Masks last: a masked token carries nothing, whatever the formula, whitening or clip gave.
     for out in outputs.values():
         if out.mask is not None:
@@ -197,7 +261,7 @@ def compute_batch(
     return AdvantageResult(
         advantages=advantages,
         scalars=scalars.float(),
-        diagnostics={d: produced[d].float() for d in wanted if d != "scalar"},
+        diagnostics={d: _tensor(produced[d]).float() for d in wanted if d != "scalar"},
         estimator=spec,
         state=state,
     )

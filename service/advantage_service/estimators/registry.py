@@ -8,7 +8,7 @@ anywhere else. Parameter declarations are the single source for validation, defa
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -24,7 +24,7 @@ class Param:
     """One estimator parameter: its type, default and allowed range."""
 
     name: str
-    kind: type  # bool, float or str
+    kind: type  # bool, float, str, or list (of strings)
     default: Any
     doc: str
     minimum: float | None = None
@@ -32,6 +32,10 @@ class Param:
     exclusive_minimum: bool = False
     choices: tuple[str, ...] | None = None
     nullable: bool = False
+    # For a list: the most items, and the most characters of each (a request's parameters are
+    # echoed in every answer and are part of the merge key).
+    max_items: int = 1000
+    max_length: int = 200
 
     def coerce(self, value: Any, where: str) -> Any:
         """``value`` checked against this parameter; raises RequestError naming ``where``."""
@@ -61,6 +65,8 @@ class Param:
                     field=where,
                 )
             return value
+        if self.kind is list:
+            return self._coerce_strings(value, where)
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise RequestError(
                 "invalid_parameter", f"{where} must be a number, got {shown(value)}", field=where
@@ -90,10 +96,32 @@ class Param:
             )
         return number
 
+    def _coerce_strings(self, value: Any, where: str) -> list[str]:
+        """A list of non-empty strings, each at most ``max_length`` characters."""
+        if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+            raise RequestError(
+                "invalid_parameter", f"{where} must be a list of strings", field=where
+            )
+        if len(value) > self.max_items:
+            raise RequestError(
+                "out_of_range",
+                f"{where} has {len(value)} items; the most is {self.max_items}",
+                field=where,
+            )
+        for item in value:
+            if not item.strip() or len(item) > self.max_length:
+                raise RequestError(
+                    "out_of_range",
+                    f"{where} items must be non-blank and at most {self.max_length} "
+                    f"characters, got {item!r}",
+                    field=where,
+                )
+        return list(value)
+
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "name": self.name,
-            "type": {bool: "boolean", float: "number", str: "string"}[self.kind],
+            "type": {bool: "boolean", float: "number", str: "string", list: "array"}[self.kind],
             "default": self.default,
             "description": self.doc,
             "nullable": self.nullable,
@@ -136,23 +164,32 @@ def requires_nothing(params: Mapping[str, Any]) -> dict[str, str]:
 
 @dataclass
 class OutcomeOutput:
-    """A per-token outcome's result: a_it, float64 (N,), in place of a_i broadcast over the
-    rollout's tokens, and its diagnostics ((N,) each)."""
+    """An outcome's result with diagnostics: ``advantage`` is a_it, (N,), for an outcome that is
+    per token (in place of a_i broadcast over the rollout's tokens; a float32 tensor is handed
+    over: the pipeline writes into it), else a_i, float64 (B,); ``diagnostics``: name -> (N,)
+    each, or a function that computes it (called only when the request returns it).
+    ``scalars``: for an outcome per token, each rollout's mean a_it, float64 (B,), when the
+    outcome has it at hand (else the pipeline takes the means)."""
 
     advantage: torch.Tensor
-    diagnostics: dict[str, torch.Tensor] = field(default_factory=dict)
+    diagnostics: dict[str, torch.Tensor | Callable[[], torch.Tensor]] = field(default_factory=dict)
+    scalars: torch.Tensor | None = None
 
 
 OutcomeFn = Callable[[RolloutBatch, Mapping[str, Any]], torch.Tensor | OutcomeOutput]
+# Checks of a batch an outcome refuses beyond its inputs (e.g. rewards out of its domain):
+# raises RequestError naming the group, rollout and field.
+BatchCheck = Callable[[RolloutBatch, Mapping[str, Any]], None]
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """An outcome baseline. ``fn(batch, params)`` returns a_i, float64 (B,), or, for an outcome
-    that is per token (``per_token``), an :class:`OutcomeOutput` with a_it (N,).
+    """An outcome baseline. ``fn(batch, params)`` returns a_i, float64 (B,), or an
+    :class:`OutcomeOutput` (with a_it (N,) for an outcome that is per token, ``per_token``).
 
     ``requires(params)`` maps each batch input it needs to a field name for errors (see
-    :class:`Term`); ``optional``: the inputs it reads when the request gives them."""
+    :class:`Term`); ``optional``: the inputs it reads when the request gives them;
+    ``check_batch``: what else of a batch it refuses (checked before computing)."""
 
     name: str
     fn: OutcomeFn
@@ -166,6 +203,7 @@ class Outcome:
     diagnostics: tuple[str, ...] = ()
     requires: Requires = requires_nothing
     optional: tuple[str, ...] = ()
+    check_batch: BatchCheck | None = None
 
 
 OUTCOMES: dict[str, Outcome] = {}
@@ -183,6 +221,7 @@ def register_outcome(
     diagnostics: tuple[str, ...] = (),
     requires: Requires = requires_nothing,
     optional: tuple[str, ...] = (),
+    check_batch: BatchCheck | None = None,
 ) -> Callable[[OutcomeFn], OutcomeFn]:
     def decorate(fn: OutcomeFn) -> OutcomeFn:
         OUTCOMES[name] = Outcome(
@@ -198,6 +237,7 @@ def register_outcome(
             diagnostics,
             requires,
             optional,
+            check_batch,
         )
         return fn
 
@@ -235,14 +275,20 @@ class TermContext:
 @dataclass
 class TermOutput:
     """What a term contributes: a multiplicative credit weight and/or an additive bonus, (N,);
-    and/or a ``mask``, bool (N,), applied last (after whitening and clipping): A_it <- m_it
-    A_it, so that a masked token carries no gradient whatever the other terms gave it.
+    and/or an ``amplification`` k, float32 (N,) (>= 0), applied after whitening and clipping:
+    A_it <- A_it + ``amplification_scale`` k_it |A_it|; and/or a ``mask``, bool (N,), applied
+    last: A_it <- m_it A_it, so that a masked token carries no gradient whatever the other
+    terms gave it.
 
     ``state``: what the term's :class:`~.state.TermState` writes need from this computation
     (opaque to every other layer; None for a term that keeps no state)."""
 
     weight: torch.Tensor | None = None
     bonus: torch.Tensor | None = None
+    amplification: torch.Tensor | None = None
+    amplification_scale: float = 1.0
+    # The diagnostic that returns what the amplification added (scale k_it |A_it|), if any.
+    amplification_diagnostic: str | None = None
     mask: torch.Tensor | None = None
     diagnostics: dict[str, torch.Tensor] = field(default_factory=dict)
     state: Any = None
@@ -250,6 +296,18 @@ class TermOutput:
 
 TermFn = Callable[[RolloutBatch, Mapping[str, Any], TermContext], TermOutput]
 TermCheck = Callable[[Mapping[str, Any], str], None]
+# An input a term can make itself when the request lacks it, from the token ids and what each
+# id decodes to alone (``vocabulary[id]``, the server's tokenizer): returns float32 (N,).
+Derive = Callable[[RolloutBatch, Mapping[str, Any], Sequence[str]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Derivation:
+    """How a term makes an input it needs (``derive``) when the server has a tokenizer;
+    ``how``: a phrase for errors and the listing (what a request without it needs)."""
+
+    derive: Derive
+    how: str
 
 
 @dataclass(frozen=True)
@@ -269,6 +327,7 @@ class Term:
     check: TermCheck | None = None
     state: TermState[Any] | None = None
     optional: tuple[str, ...] = ()
+    derives: Mapping[str, Derivation] = field(default_factory=dict)
 
 
 TERMS: dict[str, Term] = {}
@@ -285,12 +344,14 @@ def register_term(
     check: TermCheck | None = None,
     state: TermState[Any] | None = None,
     optional: tuple[str, ...] = (),
+    derives: Mapping[str, Derivation] | None = None,
 ) -> Callable[[TermFn], TermFn]:
     """``requires(params)`` maps each batch input the term needs (a per-token input's name, as
     ``RolloutBatch.has_input`` takes it: ``logprobs``, ``entropy``, ..., or
     ``teacher:<condition>``) to the request field naming it in errors (``logprobs``,
     ``teacher_logprobs.<condition>``); ``optional``: the fields it reads when given; ``state``:
-    what the term keeps across requests (:mod:`.state`)."""
+    what the term keeps across requests (:mod:`.state`); ``derives``: the inputs of
+    ``requires`` it can make from the token ids with the server's tokenizer."""
 
     def decorate(fn: TermFn) -> TermFn:
         TERMS[name] = Term(
@@ -305,6 +366,7 @@ def register_term(
             check,
             state,
             optional,
+            dict(derives or {}),
         )
         return fn
 

@@ -28,7 +28,7 @@ from ..batch import RolloutBatch
 from ..config import Settings
 from ..errors import LimitExceeded, RequestError, deadline_exceeded
 from ..estimators import TERMS, AdvantageResult, TermContext, resolve_device
-from ..estimators.pipeline import check_inputs
+from ..estimators.pipeline import check_inputs, derivable_inputs, derive_inputs
 from ..estimators.state import WriteOptions
 from ..observability.metrics import TOKEN_SAMPLE, Metrics
 from ..stats import StatsStore
@@ -42,6 +42,7 @@ from .compute import check_finite, compute_request, summarize
 from .scheduler import Computation, Scheduler, Ticket
 from .stats_writer import StatsWriter
 from .term_state import StateSession
+from .token_text import TokenText
 
 log = logging.getLogger("advantage_service.engine")
 
@@ -91,6 +92,9 @@ class Engine:
             raise RuntimeError(f"device {settings.device!r} was asked for but CUDA is unavailable")
         self.auth = auth if auth is not None else assembly.authenticator(settings, self.metrics)
         self.store = store if store is not None else assembly.stats_store(settings, self.metrics)
+        # The local tokenizer (ADV_TOKENIZER): token text for the viewer, and the decoded
+        # vocabulary for terms that find an input in it (HICRA's strategic phrases).
+        self.token_text = TokenText(settings.tokenizer) if settings.tokenizer else None
         self.metrics.build_info.labels(__version__, self.device.type).set(1)
         self.metrics.max_inflight.set(settings.max_inflight)
         self.metrics.max_queue.set(settings.max_queue)
@@ -335,6 +339,8 @@ class Engine:
                 if principal is not None:
                     principal.authorize(req.namespace)
                 self.check_limits(req)
+                if self.token_text is not None and derivable_inputs(req.batch, req.estimator):
+                    req = await self._on_codec(ticket, self._derive_inputs, req)
                 # Request errors before the queue: a merged computation never fails for one.
                 check_inputs(req.batch, req.estimator, req.returns)
                 session = StateSession(self.store, req, self.device, self.write_options)
@@ -362,6 +368,13 @@ class Engine:
                 raise
             raise deadline_exceeded(limit) from None
         return Computed(req, done.result, summary, encoded)
+
+    def _derive_inputs(self, req: ComputeRequest) -> ComputeRequest:
+        """``req`` with the inputs its terms make from the decoded tokens (a codec thread's
+        work: the vocabulary is decoded once, then text is matched per request)."""
+        assert self.token_text is not None
+        batch = derive_inputs(req.batch, req.estimator, self.token_text.vocabulary())
+        return replace(req, batch=batch)
 
     async def _on_codec(self, ticket: Ticket, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on a codec thread; the request's place stays taken until it ends."""

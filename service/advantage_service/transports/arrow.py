@@ -2,10 +2,10 @@
 
 Request: one row per rollout, ``group_id`` utf8, ``reward`` float, ``tokens`` list<int32>,
 optional ``prompt_key`` utf8 (the same in every row of a group: the key of its history),
-optional ``logprobs``, ``entropy``, ``sum_pi_squared``, ``is_weights`` and ``teacher.<name>``
-list<float32>; the rest of the JSON request in the schema metadata key ``advantage.request``.
-The list columns' offsets and values buffers become the flat batch directly: no Python loop over
-rollouts.
+optional ``logprobs``, ``entropy``, ``sum_pi_squared``, ``is_weights``, ``returns``,
+``planning_mask`` and ``teacher.<name>`` list<float32>; the rest of the JSON request in the
+schema metadata key ``advantage.request``. The list columns' offsets and values buffers become
+the flat batch directly: no Python loop over rollouts.
 
 Response: one row per rollout, in request order, with ``group_id``, ``rollout_index`` (the
 rollout's position within its group), ``advantages`` list<float32>, ``scalar`` float32 and each

@@ -52,8 +52,9 @@ TENSORS = {
     11: "sum_pi_squared",
     12: "is_weights",
     14: "returns",
+    15: "planning_mask",
 }
-PER_TOKEN = ("logprobs", "entropy", "sum_pi_squared", "is_weights", "returns")
+PER_TOKEN = ("logprobs", "entropy", "sum_pi_squared", "is_weights", "returns", "planning_mask")
 PROMPT_KEYS = 13
 NAMESPACE, PRESET, ESTIMATOR_JSON, IGNORE_TOKEN_IDS, RETURNS = 1, 2, 3, 4, 6
 TENSOR_DTYPE, TENSOR_DATA = 1, 2

@@ -59,6 +59,7 @@ LogProb = Annotated[float, Field(le=0.0)]
 Entropy = Annotated[float, Field(ge=0.0)]
 SumPiSquared = Annotated[float, Field(gt=0.0, le=1.0)]
 Weight = Annotated[float, Field(ge=0.0)]
+PlanningFlag = Annotated[float, Field(ge=0.0, le=1.0)]
 
 
 class RolloutIn(BaseModel):
@@ -89,6 +90,11 @@ class RolloutIn(BaseModel):
         None,
         description="the return from each token on (the reward-to-go of rewards spread over "
         "tokens; one per token; otb uses it in place of the reward when given)",
+    )
+    planning_mask: list[PlanningFlag] | None = Field(
+        None,
+        description="1 on the planning tokens hicra amplifies, 0 elsewhere (one per token; "
+        "hicra needs it unless the server has a tokenizer to find strategic phrases)",
     )
     teacher_logprobs: dict[str, list[LogProb]] | None = Field(
         None, description="condition name (e.g. pos, neg) -> log-probabilities, one per token"
@@ -174,7 +180,7 @@ class AdvantageResponse(BaseModel):
 
 class ParamInfo(BaseModel):
     name: str
-    type: Literal["boolean", "number", "string"]
+    type: Literal["boolean", "number", "string", "array"]
     default: Any
     description: str
     nullable: bool
@@ -186,8 +192,8 @@ class ParamInfo(BaseModel):
 
 INPUTS_DOC = (
     "rollout fields it needs on every rollout, with its default parameters (logprobs, entropy, "
-    "sum_pi_squared, teacher_logprobs.<condition>); a request without one is refused with "
-    "missing_input"
+    "sum_pi_squared, planning_mask, teacher_logprobs.<condition>); a request without one is "
+    "refused with missing_input"
 )
 OPTIONAL_INPUTS_DOC = "rollout fields it reads when the request gives them"
 
@@ -217,6 +223,10 @@ class TermInfo(BaseModel):
     diagnostics: list[str]
     inputs: list[str] = Field(description=INPUTS_DOC)
     optional_inputs: list[str] = Field(description=OPTIONAL_INPUTS_DOC)
+    derived_inputs: dict[str, str] = Field(
+        description="an input of `inputs` the service can make when a request lacks it -> what "
+        "that takes (hicra's planning_mask: a server tokenizer)"
+    )
 
 
 class EstimatorListing(BaseModel):
@@ -274,8 +284,11 @@ EXAMPLE_REQUEST: dict[str, Any] = {
 
 def param_json_schema(p: Param) -> dict[str, Any]:
     """JSON Schema of one estimator parameter, from its registry declaration."""
-    kind = {bool: "boolean", float: "number", str: "string"}[p.kind]
+    kind = {bool: "boolean", float: "number", str: "string", list: "array"}[p.kind]
     schema: dict[str, Any] = {"type": kind, "description": p.doc}
+    if p.kind is list:
+        schema["items"] = {"type": "string", "minLength": 1, "maxLength": p.max_length}
+        schema["maxItems"] = p.max_items
     if p.minimum is not None:
         schema["exclusiveMinimum" if p.exclusive_minimum else "minimum"] = p.minimum
     if p.maximum is not None:
@@ -409,7 +422,7 @@ def document_request_body(app: FastAPI) -> None:
                     "description": (
                         "one row per rollout: group_id utf8, reward float, tokens "
                         "list<int32>, optional prompt_key utf8, logprobs, entropy, "
-                        "sum_pi_squared, is_weights, returns "
+                        "sum_pi_squared, is_weights, returns, planning_mask "
                         "and teacher.<name> list<float32>; "
                         "the other request fields as JSON in schema metadata advantage.request"
                     ),

@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -43,6 +42,7 @@ from ..estimators import resolve_estimator
 from ..estimators.pipeline import estimator_diagnostics
 from ..serving.engine import Computed, Engine
 from ..serving.scheduler import Ticket
+from ..serving.token_text import TokenText
 from ..wire import jsonio
 from ..wire.response import build_response
 from .keep import (
@@ -78,42 +78,6 @@ VIEWER_TRANSPORT = "http_viewer"
 MAX_PENDING_KEEPS = 64
 
 
-# ---- token text ---------------------------------------------------------------------------------
-
-
-class TokenText:
-    """Token ids as text through a local ``tokenizer.json`` (the ``tokenizers`` library; the
-    file is read once, nothing is downloaded)."""
-
-    def __init__(self, path: str) -> None:
-        try:
-            from tokenizers import Tokenizer
-        except ImportError as exc:  # pragma: no cover - depends on the install
-            raise RuntimeError(
-                "ADV_TOKENIZER needs the tokenizers package: pip install tokenizers"
-            ) from exc
-        if not Path(path).is_file():
-            raise RuntimeError(f"ADV_TOKENIZER: {path!r} is not a file (a local tokenizer.json)")
-        self.path = path
-        self._tokenizer = Tokenizer.from_file(path)
-        self._lock = threading.Lock()
-
-    @property
-    def name(self) -> str:
-        return Path(self.path).parent.name or Path(self.path).name
-
-    def texts(self, ids: list[int]) -> dict[str, str]:
-        """id -> the text it decodes to alone (a byte-level piece of a character: U+FFFD)."""
-        size = self._tokenizer.get_vocab_size(with_added_tokens=True)
-        with self._lock:  # (a Tokenizer is not documented as thread-safe)
-            return {
-                str(i): self._tokenizer.decode([i], skip_special_tokens=False)
-                if 0 <= i < size
-                else ""
-                for i in ids
-            }
-
-
 # ---- the routes ---------------------------------------------------------------------------------
 
 # The transport's admission and body reader (transports/http.py), the one the API uses:
@@ -134,7 +98,7 @@ class Viewer:
             settings.viewer_keep_ttl_seconds,
             on_error=lambda op: metrics.stats_store_errors_total.labels(op).inc(),
         )
-        self.token_text = TokenText(settings.tokenizer) if settings.tokenizer else None
+        self.token_text: TokenText | None = engine.token_text
         self._pending: set[asyncio.Task[None]] = set()
 
     async def keep(self, computed: Computed[Any], json_response: bool) -> None:

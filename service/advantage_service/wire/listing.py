@@ -47,6 +47,8 @@ def estimator_listing() -> dict[str, Any]:
                 "diagnostics": list(t.diagnostics),
                 "inputs": list(t.requires(default_params(t.params)).values()),
                 "optional_inputs": list(t.optional),
+                # An input of ``inputs`` the service can make when a request lacks it: how.
+                "derived_inputs": {name: d.how for name, d in t.derives.items()},
             }
             for t in TERMS.values()
         ],

@@ -37,7 +37,14 @@ from ..estimators.pipeline import WHITEN_EPS, check_inputs
 
 __all__ = ["PaddedResult", "compute_padded"]
 
-PER_TOKEN_INPUTS = ("logprobs", "entropy", "sum_pi_squared", "is_weights", "returns")
+PER_TOKEN_INPUTS = (
+    "logprobs",
+    "entropy",
+    "sum_pi_squared",
+    "is_weights",
+    "returns",
+    "planning_mask",
+)
 
 
 def _batch_inputs() -> frozenset[str]:
@@ -46,9 +53,14 @@ def _batch_inputs() -> frozenset[str]:
 
 
 def _token_level(spec: Any) -> bool:
-    """Whether the estimator's advantages vary within a rollout: a token-level term, or an
-    outcome that is per token (OTB)."""
-    return bool(spec.terms) or bool(getattr(OUTCOMES[spec.outcome], "per_token", False))
+    """Whether the estimator reads more than the rows' lengths and rewards: a token-level term,
+    an outcome that is per token (OTB, GTPO), or one that reads a per-token input (GRPO-S)."""
+    outcome = OUTCOMES[spec.outcome]
+    return (
+        bool(spec.terms)
+        or bool(getattr(outcome, "per_token", False))
+        or bool(outcome.requires(spec.outcome_params))
+    )
 
 
 def _request_error(exc: AdvantageError) -> RequestError:
@@ -191,7 +203,8 @@ def _outcome_only(
         )
     check_inputs(batch, spec, wanted)
     scalars = OUTCOMES[spec.outcome].fn(batch, spec.outcome_params)
-    assert isinstance(scalars, torch.Tensor)  # (an outcome per token takes the flat path)
+    if not isinstance(scalars, torch.Tensor):
+        scalars = scalars.advantage  # (a_i, B: an outcome per token takes the flat path)
     per_row = scalars.float()
     if spec.whiten and num_tokens:
         # Whitening over the request's tokens, with each row's value counted once per token.
@@ -223,6 +236,7 @@ def compute_padded(
     sum_pi_squared: Any = None,
     is_weights: Any = None,
     returns: Any = None,
+    planning_mask: Any = None,
     diagnostics: Sequence[str] = (),
     ignore_token_ids: Sequence[int] | None = None,
     namespace: str | None = None,
@@ -253,6 +267,7 @@ def compute_padded(
         "sum_pi_squared": sum_pi_squared,
         "is_weights": is_weights,
         "returns": returns,
+        "planning_mask": planning_mask,
     }
     supported = _batch_inputs()
     for name, values in per_token.items():
@@ -282,6 +297,9 @@ def compute_padded(
             for name, values in per_token.items()
             if values is not None
         }
+        mask_values = inputs.get("planning_mask")
+        if mask_values is not None and mask_values.dtype == torch.bool:
+            inputs["planning_mask"] = mask_values.float()  # a trainer's bool mask: 0/1
         teachers = {
             str(name): padded.gather(values, f"teacher_logprobs.{name}")
             for name, values in (teacher_logprobs or {}).items()

@@ -45,7 +45,7 @@ class ComputeOptions(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., preset: _Optional[str] = ..., estimator_json: _Optional[str] = ..., ignore_token_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., returns: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ComputeRequest(_message.Message):
-    __slots__ = ("request_id", "options", "group_ids", "group_index", "offsets", "tokens", "rewards", "logprobs", "teacher_logprobs", "entropy", "sum_pi_squared", "is_weights", "returns", "prompt_keys")
+    __slots__ = ("request_id", "options", "group_ids", "group_index", "offsets", "tokens", "rewards", "logprobs", "teacher_logprobs", "entropy", "sum_pi_squared", "is_weights", "returns", "prompt_keys", "planning_mask")
     class TeacherLogprobsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class ComputeRequest(_message.Message):
     IS_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     RETURNS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_KEYS_FIELD_NUMBER: _ClassVar[int]
+    PLANNING_MASK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     options: ComputeOptions
     group_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -81,7 +82,8 @@ class ComputeRequest(_message.Message):
     is_weights: Tensor
     returns: Tensor
     prompt_keys: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., options: _Optional[_Union[ComputeOptions, _Mapping]] = ..., group_ids: _Optional[_Iterable[str]] = ..., group_index: _Optional[_Union[Tensor, _Mapping]] = ..., offsets: _Optional[_Union[Tensor, _Mapping]] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ..., rewards: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., teacher_logprobs: _Optional[_Mapping[str, Tensor]] = ..., entropy: _Optional[_Union[Tensor, _Mapping]] = ..., sum_pi_squared: _Optional[_Union[Tensor, _Mapping]] = ..., is_weights: _Optional[_Union[Tensor, _Mapping]] = ..., returns: _Optional[_Union[Tensor, _Mapping]] = ..., prompt_keys: _Optional[_Iterable[str]] = ...) -> None: ...
+    planning_mask: Tensor
+    def __init__(self, request_id: _Optional[str] = ..., options: _Optional[_Union[ComputeOptions, _Mapping]] = ..., group_ids: _Optional[_Iterable[str]] = ..., group_index: _Optional[_Union[Tensor, _Mapping]] = ..., offsets: _Optional[_Union[Tensor, _Mapping]] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ..., rewards: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., teacher_logprobs: _Optional[_Mapping[str, Tensor]] = ..., entropy: _Optional[_Union[Tensor, _Mapping]] = ..., sum_pi_squared: _Optional[_Union[Tensor, _Mapping]] = ..., is_weights: _Optional[_Union[Tensor, _Mapping]] = ..., returns: _Optional[_Union[Tensor, _Mapping]] = ..., prompt_keys: _Optional[_Iterable[str]] = ..., planning_mask: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class Summary(_message.Message):
     __slots__ = ("tokens", "rollouts", "groups", "zero_signal_groups", "device", "compute_ms", "history", "batch_requests", "recorded")
@@ -137,7 +139,7 @@ class ComputeResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., namespace: _Optional[str] = ..., estimator_json: _Optional[str] = ..., group_ids: _Optional[_Iterable[str]] = ..., group_index: _Optional[_Union[Tensor, _Mapping]] = ..., offsets: _Optional[_Union[Tensor, _Mapping]] = ..., advantages: _Optional[_Union[Tensor, _Mapping]] = ..., scalars: _Optional[_Union[Tensor, _Mapping]] = ..., diagnostics: _Optional[_Mapping[str, Tensor]] = ..., summary: _Optional[_Union[Summary, _Mapping]] = ...) -> None: ...
 
 class Rollout(_message.Message):
-    __slots__ = ("group_id", "group_size", "rollout_id", "tokens", "reward", "logprobs", "teacher_logprobs", "entropy", "sum_pi_squared", "is_weights", "returns", "prompt_key")
+    __slots__ = ("group_id", "group_size", "rollout_id", "tokens", "reward", "logprobs", "teacher_logprobs", "entropy", "sum_pi_squared", "is_weights", "returns", "prompt_key", "planning_mask")
     class TeacherLogprobsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +159,7 @@ class Rollout(_message.Message):
     IS_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     RETURNS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_KEY_FIELD_NUMBER: _ClassVar[int]
+    PLANNING_MASK_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     group_size: int
     rollout_id: str
@@ -169,7 +172,8 @@ class Rollout(_message.Message):
     is_weights: Tensor
     returns: Tensor
     prompt_key: str
-    def __init__(self, group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., rollout_id: _Optional[str] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ..., reward: _Optional[float] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., teacher_logprobs: _Optional[_Mapping[str, Tensor]] = ..., entropy: _Optional[_Union[Tensor, _Mapping]] = ..., sum_pi_squared: _Optional[_Union[Tensor, _Mapping]] = ..., is_weights: _Optional[_Union[Tensor, _Mapping]] = ..., returns: _Optional[_Union[Tensor, _Mapping]] = ..., prompt_key: _Optional[str] = ...) -> None: ...
+    planning_mask: Tensor
+    def __init__(self, group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., rollout_id: _Optional[str] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ..., reward: _Optional[float] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., teacher_logprobs: _Optional[_Mapping[str, Tensor]] = ..., entropy: _Optional[_Union[Tensor, _Mapping]] = ..., sum_pi_squared: _Optional[_Union[Tensor, _Mapping]] = ..., is_weights: _Optional[_Union[Tensor, _Mapping]] = ..., returns: _Optional[_Union[Tensor, _Mapping]] = ..., prompt_key: _Optional[str] = ..., planning_mask: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
     __slots__ = ("options", "rollout")

@@ -24,9 +24,11 @@ estimator with ``token_level_rewards``, ``response_mask``, ``index`` (the uids) 
 =========================== ==========================================================
 ``responses``               the token ids (B, T)
 ``old_log_probs``           ``logprobs`` (OPSD, OTB)
-``entropys`` / ``entropy``  ``entropy`` (forking tokens; legacy / v1 trainer)
+``entropys`` / ``entropy``  ``entropy`` (forking tokens, GTPO, GRPO-S; legacy / v1 trainer)
 ``sum_pi_squared``          ``sum_pi_squared`` (OTB)
 ``rollout_is_weights``      ``is_weights`` (OTB, when present)
+``planning_mask``           ``planning_mask`` (HICRA, when present: else the service's
+                            tokenizer finds planning tokens, when it has one)
 ``teacher_log_probs.<c>``   ``teacher_logprobs[<c>]`` (CSCR's pos/neg, OPSD's teacher)
 =========================== ==========================================================
 
@@ -79,6 +81,7 @@ BATCH_INPUTS = {
     "entropy": "entropy",
     "sum_pi_squared": "sum_pi_squared",
     "rollout_is_weights": "is_weights",
+    "planning_mask": "planning_mask",
 }
 TEACHER_PREFIX = "teacher_log_probs."
 # Keywords the patched compute_advantage adds to verl's call of a registered estimator.

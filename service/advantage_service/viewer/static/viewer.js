@@ -280,10 +280,31 @@
       credit.push(["weight w", weight, "weight"]);
     }
     if (v("otb_baseline") !== undefined) credit.push(["OTB baseline", v("otb_baseline"), "otb_baseline"]);
+    const outcome = (estimator.outcome && estimator.outcome.name) || "";
+    if (outcome === "maxrl") {
+      // a_i = (r_i - p) / (p + eps): the group's success rate p divides the centred reward.
+      const rewards = state.view.rows.filter((r) => r.group === row.group).map((r) => r.reward);
+      const p = rewards.reduce((a, b) => a + b, 0) / (rewards.length || 1);
+      credit.push(["MaxRL success rate p", p, "maxrl_rate"]);
+      credit.push(["MaxRL r − p", row.reward - p, "maxrl_centred"]);
+    }
+    if (v("gtpo_reward") !== undefined) {
+      credit.push(["GTPO shaped reward r̃ (entropy share)", v("gtpo_reward"), "gtpo_reward"]);
+    }
+    if (v("grpo_s_reward") !== undefined) {
+      credit.push(["GRPO-S shaped reward (mean entropy)", v("grpo_s_reward"), "grpo_s_reward"]);
+    }
     if (v("ktae_score") !== undefined) credit.push(["bonus: KTAE score", v("ktae_score"), "ktae_score"]);
     if (v("opsd_reward") !== undefined) {
       const coef = (estimator.opsd && estimator.opsd.coef) ?? 1;
       credit.push([`bonus: OPSD ${fmt(coef)} \u00d7 d`, coef * v("opsd_reward"), "opsd_bonus"]);
+    }
+    if (v("planning_mask") !== undefined) {
+      const alpha = (estimator.hicra && estimator.hicra.alpha) ?? 0.2;
+      credit.push(["HICRA planning token", v("planning_mask") === 1 ? "yes" : "no", "planning_mask"]);
+      if (v("hicra_bonus") !== undefined) {
+        credit.push([`HICRA ${fmt(alpha)} × |A| × m`, v("hicra_bonus"), "hicra_bonus"]);
+      }
     }
     if (v("forking_mask") !== undefined) credit.push(["forking mask", v("forking_mask"), "forking_mask"]);
     if (credit.length) {

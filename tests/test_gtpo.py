@@ -1,0 +1,302 @@
+"""GTPO and GRPO-S (estimators/gtpo.py, estimators/grpo_s.py): against the oracle, hand-worked
+shaped rewards, the cases the paper leaves open (entropies of 0, groups without contrast, empty
+rollouts), and the properties the paper states (hypothesis): the entropy term hands out exactly
+alpha2 per rollout and position (reward conservation), correct rollouts gain and wrong ones
+lose, alpha2 = 0 is GRPO, and only entropy ratios matter."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import oracle
+import pytest
+import torch
+from advantage_service import RolloutBatch, compute_batch
+from advantage_service.estimators.grpo_s import grpo_s_advantage
+from advantage_service.estimators.gtpo import gtpo_advantage
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from token_batches import flat_batch
+
+SETTINGS = settings(max_examples=60, deadline=None)
+# The advantages come from float64 sums and differences scaled by a float32 1 / (std + eps).
+TOL = 1e-6
+
+
+def rollout(reward: float, entropy: list[float]) -> dict[str, Any]:
+    return {"reward": reward, "entropy": entropy, "logprobs": [-0.5] * len(entropy)}
+
+
+def gtpo_flat(groups: list[list[dict[str, Any]]], **params: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(shaped rewards, advantages) of the oracle, flat."""
+    pairs = [p for g in groups for p in oracle.gtpo_group(g, **params)]
+    if not pairs:
+        return np.zeros(0), np.zeros(0)
+    return np.concatenate([r for r, _ in pairs]), np.concatenate([a for _, a in pairs])
+
+
+def ours(groups: list[list[dict[str, Any]]], **params: Any) -> Any:
+    batch, fields = flat_batch(groups)
+    return batch, gtpo_advantage(batch, fields["entropy"], with_reward=True, **params)
+
+
+PARAMS = [
+    {},
+    {"alpha1": 0.9, "alpha2": 0.1},
+    {"alpha1": 0.5, "alpha2": 2.0, "correct_threshold": 0.5, "epsilon": 0.0},
+    {"alpha1": 0.0, "alpha2": 1.0, "correct_threshold": -0.25},
+]
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=lambda p: str(p) or "defaults")
+def test_gtpo_matches_the_oracle_on_random_ragged_groups(params: dict[str, Any]) -> None:
+    for seed in range(30):
+        rng = np.random.default_rng(seed)
+        groups = oracle.random_token_groups(rng, group_size=(1, 6), length=(0, 25))
+        _batch, result = ours(groups, **params)
+        reward, advantage = gtpo_flat(groups, **params)
+        np.testing.assert_allclose(result.reward.numpy(), reward, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(result.advantage.numpy(), advantage, rtol=TOL, atol=TOL)
+        means = [
+            float(np.mean(a)) if a.size else 0.0
+            for g in groups
+            for _, a in oracle.gtpo_group(g, **params)
+        ]
+        np.testing.assert_allclose(result.scalars.numpy(), means, rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=lambda p: str(p) or "defaults")
+def test_grpo_s_matches_the_oracle_on_random_ragged_groups(params: dict[str, Any]) -> None:
+    for seed in range(30):
+        rng = np.random.default_rng(100 + seed)
+        groups = oracle.random_token_groups(rng, group_size=(1, 8), length=(0, 12))
+        batch, fields = flat_batch(groups)
+        result = grpo_s_advantage(batch, fields["entropy"], **params)
+        expected = [p for g in groups for p in oracle.grpo_s_group(g, **params)]
+        np.testing.assert_allclose(result.reward.numpy(), [r for r, _ in expected], rtol=TOL)
+        np.testing.assert_allclose(
+            result.advantage.numpy(), [a for _, a in expected], rtol=TOL, atol=TOL
+        )
+
+
+def test_gtpo_shaped_rewards_by_hand() -> None:
+    """alpha1 = 1, alpha2 = 0.1. Correct: entropies [2, 4, 1] and [3, 1]; wrong: [4, 0.5, 3] and
+    [0.5, 4]. t = 0: O+ shares 2/5, 3/5 of d = 2 -> 1 + 0.2 * 0.4 = 1.08, 1.12; O- inverse
+    entropies 1/4, 2 (sum 9/4) -> shares 1/9, 8/9 of h = 2 -> -1 - 0.2/9, -1 - 1.6/9.
+    t = 1: O+ 4/5, 1/5 -> 1.16, 1.04; O- 1/0.5 = 2, 1/4 -> 8/9, 1/9. t = 2: one rollout of
+    each class is left (share 1, d = h = 1): 1.1 and -1.1."""
+    groups = [
+        [
+            rollout(1.0, [2.0, 4.0, 1.0]),
+            rollout(1.0, [3.0, 1.0]),
+            rollout(0.0, [4.0, 0.5, 3.0]),
+            rollout(0.0, [0.5, 4.0]),
+        ]
+    ]
+    _batch, result = ours(groups)
+    expected = [1.08, 1.16, 1.1, 1.12, 1.04]
+    expected += [-1 - 0.2 / 9, -1 - 1.6 / 9, -1.1, -1 - 1.6 / 9, -1 - 0.2 / 9]
+    np.testing.assert_allclose(result.reward.numpy(), expected, rtol=1e-7)
+
+
+def test_gtpo_two_rollouts_of_one_token_is_grpo() -> None:
+    """One correct and one wrong token: r~ = 1.1 and -1.1. Over the group's two tokens R~+ =
+    (1.1, 0): mean 0.55, sample std 0.55 sqrt(2); A+ = 0.55 / (0.55 sqrt 2) = 1/sqrt 2, and A- =
+    -1/sqrt 2 likewise: GRPO's (1 - 0.5) / std(1, 0) for each."""
+    _, result = ours([[rollout(1.0, [0.7]), rollout(0.0, [1.3])]], epsilon=0.0)
+    np.testing.assert_allclose(result.advantage.numpy(), [2**-0.5, -(2**-0.5)], rtol=1e-7)
+
+
+def test_gtpo_entropies_of_zero_share_as_the_docstring_says() -> None:
+    groups = [
+        [
+            rollout(1.0, [0.0]),
+            rollout(1.0, [0.0]),
+            rollout(0.0, [0.0]),
+            rollout(0.0, [2.0]),
+            rollout(0.0, [-1e-5]),  # rounding below 0: an entropy of 0
+        ]
+    ]
+    _batch, result = ours(groups)
+    # O+: every entropy 0, equal shares of d = 2: 1 + 0.1 * 2 * 1/2 = 1.1.
+    # O-: two entropies of 0 share h = 3, the other gets nothing: -1 - 0.1 * 3 / 2 = -1.15, -1.
+    np.testing.assert_allclose(result.reward.numpy(), [1.1, 1.1, -1.15, -1.0, -1.15], rtol=1e-7)
+    assert np.all(np.isfinite(result.advantage.numpy()))
+
+
+def test_gtpo_group_without_contrast_gets_no_advantage() -> None:
+    groups = [
+        [rollout(1.0, [1.0, 2.0]), rollout(1.0, [3.0])],  # all correct
+        [rollout(0.0, [0.5]), rollout(0.0, [2.5, 1.0])],  # all wrong
+        [rollout(1.0, [1.0, 2.0, 0.5])],  # a group of one
+        [rollout(1.0, [1.0]), rollout(0.0, [])],  # contrast, the wrong rollout empty
+    ]
+    _, result = ours(groups)
+    assert result.advantage[:8].tolist() == [0.0] * 8
+    assert result.scalars[:5].tolist() == [0.0] * 5
+    # The last group: its only token is the whole pool of R~+: (x - x) / eps.
+    assert result.advantage[8].abs() < 1e-6
+    assert result.scalars[6] == 0.0  # an empty rollout's mean advantage
+
+
+def test_grpo_s_by_hand_and_its_empty_rollouts() -> None:
+    """Mean entropies 1 and 3 (correct), 0.5 and 2 (wrong), an empty wrong rollout. O+: shares
+    1/4, 3/4 of n+ = 2 -> 1.05, 1.15. O-: inverse means 2, 0.5 (sum 2.5) -> 0.8, 0.2 of n- = 2
+    -> -1.16, -1.04; the empty rollout takes no share: -1."""
+    groups = [
+        [
+            rollout(1.0, [0.5, 1.5]),
+            rollout(1.0, [3.0]),
+            rollout(0.0, [0.25, 0.75]),
+            rollout(0.0, [2.0]),
+            rollout(0.0, []),
+        ]
+    ]
+    batch, fields = flat_batch(groups)
+    result = grpo_s_advantage(batch, fields["entropy"])
+    np.testing.assert_allclose(result.reward.numpy(), [1.05, 1.15, -1.16, -1.04, -1.0])
+    expected = [a for _, a in oracle.grpo_s_group(groups[0])]
+    np.testing.assert_allclose(result.advantage.numpy(), expected, rtol=1e-12)
+    assert result.advantage[0] < result.advantage[1] and result.advantage[2] < result.advantage[3]
+
+
+# ---- properties ---------------------------------------------------------------------------------
+
+
+@st.composite
+def entropy_groups(draw, binary: bool = True, min_size: int = 1) -> list[list[dict[str, Any]]]:
+    """1-3 groups of ``min_size``-6 rollouts, 0-8 tokens each, entropies on a 1/4 grid (ties,
+    zeros), 0/1 rewards (or any in [-1, 2])."""
+    groups = []
+    for _ in range(draw(st.integers(1, 3))):
+        group = []
+        for _ in range(draw(st.integers(min_size, 6))):
+            n = draw(st.integers(0, 8))
+            entropy = draw(st.lists(st.integers(0, 16), min_size=n, max_size=n))
+            reward = (
+                draw(st.sampled_from([0.0, 1.0])) if binary else draw(st.floats(-1, 2, width=16))
+            )
+            group.append(rollout(float(reward), [h / 4 for h in entropy]))
+        groups.append(group)
+    return groups
+
+
+def positions(batch: RolloutBatch) -> list[tuple[int, int, int]]:
+    """(flat index, rollout, position) of every token."""
+    offsets = batch.offsets.tolist()
+    return [
+        (offsets[i] + t, i, t)
+        for i in range(batch.num_rollouts)
+        for t in range(offsets[i + 1] - offsets[i])
+    ]
+
+
+@SETTINGS
+@given(entropy_groups(), st.floats(0.0, 1.0))
+def test_gtpo_conserves_the_reward_at_every_position(groups, alpha2) -> None:
+    """alpha1 + alpha2 = 1 and 0/1 rewards: the shaped rewards of the correct rollouts at a
+    position sum to d_t = their rewards' sum, and the wrong ones' to -h_t (the paper's reward
+    conservation: entropy only moves reward between tokens of one position)."""
+    batch, result = ours(groups, alpha1=1.0 - alpha2, alpha2=alpha2)
+    shaped = result.reward.numpy()
+    group = batch.group_index.tolist()
+    correct = (batch.rewards > 0).tolist()
+    sums: dict[tuple[int, bool, int], list[float]] = {}
+    for p, i, t in positions(batch):
+        sums.setdefault((group[i], correct[i], t), []).append(shaped[p])
+    for (_, is_correct, _), values in sums.items():
+        assert sum(values) == pytest.approx((1 if is_correct else -1) * len(values), abs=1e-5)
+
+
+@SETTINGS
+@given(entropy_groups(), st.floats(0.0, 3.0), st.floats(0.0, 3.0))
+def test_gtpo_correct_rollouts_gain_and_wrong_ones_lose(groups, alpha1, alpha2) -> None:
+    """In a group with tokens in both classes, the advantages of the correct rollouts' tokens
+    sum above 0 and the wrong ones' below."""
+    if alpha1 + alpha2 < 1e-3:
+        alpha1 = 1.0
+    batch, result = ours(groups, alpha1=alpha1, alpha2=alpha2)
+    a = result.advantage.numpy()
+    group = batch.group_index.tolist()
+    correct = (batch.rewards > 0).tolist()
+    totals: dict[tuple[int, bool], float] = {}
+    for p, i, _ in positions(batch):
+        totals[(group[i], correct[i])] = totals.get((group[i], correct[i]), 0.0) + a[p]
+    for (g, is_correct), total in totals.items():
+        if (g, not is_correct) in totals:
+            assert (total > 0) if is_correct else (total < 0), (g, is_correct, total)
+
+
+@SETTINGS
+@given(entropy_groups())
+def test_gtpo_without_the_entropy_term_is_grpo_over_tokens(groups) -> None:
+    """alpha2 = 0, 0/1 rewards: every token gets (r_i - mean) / (std + eps), mean and sample std
+    of the rewards over the group's tokens; 0 in a group without contrast."""
+    batch, result = ours(groups, alpha2=0.0)
+    r = batch.rewards.double().tolist()
+    group = batch.group_index.tolist()
+    pools: dict[int, list[float]] = {}
+    for _, i, _ in positions(batch):
+        pools.setdefault(group[i], []).append(r[i])
+    a = result.advantage.numpy()
+    for p, i, _ in positions(batch):
+        rewards_of_group = {r[j] for j in range(len(r)) if group[j] == group[i]}
+        pool = np.array(pools[group[i]])
+        if len(rewards_of_group) < 2:
+            assert a[p] == 0.0
+        elif pool.min() < pool.max():  # (tokens of one class only: x - mean = 0)
+            expected = (r[i] - pool.mean()) / (pool.std(ddof=1) + 1e-6)
+            assert a[p] == pytest.approx(expected, rel=1e-6, abs=1e-9)
+
+
+@SETTINGS
+@given(entropy_groups(min_size=2))
+def test_grpo_s_without_the_entropy_term_is_grpo(groups) -> None:
+    batch, _ = flat_batch(groups)
+    batch.entropy = torch.tensor([h for g in groups for r in g for h in r["entropy"]])
+    grpo_s = compute_batch(batch, {"outcome": {"name": "grpo_s", "alpha2": 0.0}})
+    grpo = compute_batch(batch, "grpo")
+    torch.testing.assert_close(grpo_s.scalars, grpo.scalars, rtol=1e-6, atol=1e-6)
+
+
+@SETTINGS
+@given(entropy_groups(binary=False), st.sampled_from([0.125, 0.5, 2.0, 8.0]))
+def test_gtpo_and_grpo_s_read_only_entropy_ratios(groups, factor) -> None:
+    """Scaling every entropy (by a power of 2: exactly) changes no advantage."""
+    scaled = [
+        [rollout(r["reward"], [h * factor for h in r["entropy"]]) for r in group]
+        for group in groups
+    ]
+    _, a = ours(groups)
+    _, b = ours(scaled)
+    torch.testing.assert_close(a.advantage, b.advantage, rtol=1e-9, atol=1e-9)
+    batch, fields = flat_batch(groups)
+    batch2, fields2 = flat_batch(scaled)
+    torch.testing.assert_close(
+        grpo_s_advantage(batch, fields["entropy"]).advantage,
+        grpo_s_advantage(batch2, fields2["entropy"]).advantage,
+        rtol=1e-9,
+        atol=1e-9,
+    )
+
+
+@SETTINGS
+@given(entropy_groups(binary=False))
+def test_gtpo_credits_entropy_in_correct_rollouts_and_blames_confidence_in_wrong_ones(groups):
+    """At one position of one group: among correct rollouts, the higher the entropy the higher
+    the shaped reward; among wrong ones, the lower the entropy the lower (more blame)."""
+    batch, result = ours(groups)
+    shaped = result.reward.numpy()
+    h = torch.tensor([max(0.0, x) for g in groups for r in g for x in r["entropy"]]).numpy()
+    group = batch.group_index.tolist()
+    correct = (batch.rewards > 0).tolist()
+    rewards = batch.rewards.tolist()
+    seen: dict[tuple[int, bool, int], list[tuple[float, float, float]]] = {}
+    for p, i, t in positions(batch):
+        seen.setdefault((group[i], correct[i], t), []).append((h[p], shaped[p], rewards[i]))
+    for (_, is_correct, _), tokens in seen.items():
+        for h1, s1, r1 in tokens:
+            for h2, s2, r2 in tokens:
+                if h1 > h2 and (not is_correct or r1 == r2):
+                    assert s1 >= s2 - 1e-6
