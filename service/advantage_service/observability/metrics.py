@@ -256,6 +256,12 @@ class Metrics:
         self.stats_store_up = Gauge(
             "advantage_stats_store_up", "1 when the stats store answered its last call", registry=r
         )
+        self.stats_store_degraded = Gauge(
+            "advantage_stats_store_degraded",
+            "1 while part of the stats store does not answer (a Redis Cluster master down: the "
+            "history of its slots is unavailable until its replica takes over)",
+            registry=r,
+        )
         self.stream_open = Gauge(
             "advantage_stream_open", "Open gRPC StreamCompute calls", registry=r
         )
