@@ -19,7 +19,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from advantage_service.stats import MemoryStatsStore, RedisStatsStore, StatsStore
-from redis_cluster_support import LocalCluster
+from redis_cluster_support import REDIS_CLI, LocalCluster
 from redis_support import REDIS_SERVER
 
 StoreFactory = Callable[..., StatsStore]
@@ -48,8 +48,8 @@ def backend(request: pytest.FixtureRequest) -> str:
 def session_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """One 3-master Redis Cluster for the session (emptied before each test that takes
     ``redis_cluster``)."""
-    if not os.path.exists(REDIS_SERVER):
-        pytest.skip("redis-server is not installed (OS package redis-server)")
+    if not (os.path.exists(REDIS_SERVER) and os.path.exists(REDIS_CLI)):
+        pytest.skip("redis-server or redis-cli is not installed (OS package redis-server)")
     cluster = LocalCluster(tmp_path_factory.mktemp("cluster"), masters=3)
     cluster.start()
     yield cluster

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import redis
-from redis_support import RedisServer
+from stats.redis_support import RedisServer
 
 REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
 BUS_OFFSET = 10_000

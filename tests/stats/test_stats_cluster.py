@@ -28,6 +28,7 @@ from advantage_service.stats.base import COUNTED, DUPLICATE, LOST, RecordKey, Re
 from advantage_service.stats.blobs import TokenStatsUpdate, merge_token_stats
 from advantage_service.stats.redis_cluster import ClusterLayout
 from advantage_service.wire.request import parse_request
+from advantage_service.wire.response import build_response
 from redis_cluster_support import LocalCluster
 from redis_support import RedisServer
 from stats_helpers import assert_token_stats_are_the_sum, random_groups
@@ -328,13 +329,13 @@ async def test_a_32_prompt_request_costs_one_round_trip_per_master_to_read_and_t
             redis_cluster.master_of(layout(store).record_slot(NS, (SPACE, p))) for p in prompts
         }
         assert len(masters) == 3
-        before = layout(store).round_trips
+        before = store.round_trips
         writes = await writes_of(store, body(21, prompts, request_id="rt"))
-        assert layout(store).round_trips - before == 3, "the read: one pipeline per master"
-        before = layout(store).round_trips
+        assert store.round_trips - before == 3, "the read: one pipeline per master"
+        before = store.round_trips
         assert await write(store, [writes]) == [COUNTED]
         # The records (one pipeline per master), then the statistics (one bucket's master).
-        assert layout(store).round_trips - before == 3 + 1
+        assert store.round_trips - before == 3 + 1
     finally:
         await store.close()
 
@@ -360,3 +361,48 @@ async def test_a_cluster_down_at_start_is_found_once_it_answers(tmp_path: Path) 
         await told.close()
         await asks.close()
         cluster.stop()
+
+
+async def test_groups_on_a_master_that_does_not_answer_lose_their_history_alone(
+    redis_cluster: LocalCluster,
+) -> None:
+    """One master unreachable: the groups whose prompts live there are computed as a first
+    visit and their stored history is left as it was; the others read and write theirs. The
+    answer says which (summary.history ``partial``, a ``history`` on each group)."""
+    engine = Engine(Settings(device="cpu", redis_url=redis_cluster.url), Metrics(process=False))
+    await engine.start()
+    store = engine.store
+    assert isinstance(store, RedisStatsStore)
+    prompts = [f"g{i}" for i in range(12)]
+    try:
+        await engine.compute(parse_request(body(41, prompts)), "test")
+        await engine.settle_writes()
+        before = await history(store, prompts)
+        down = redis_cluster.master_of(layout(store).record_slot(NS, (SPACE, prompts[0])))
+        on_down = {
+            p
+            for p in prompts
+            if redis_cluster.master_of(layout(store).record_slot(NS, (SPACE, p))) == down
+        }
+        assert 0 < len(on_down) < len(prompts)
+        block(store, down)
+        computed = await engine.compute(parse_request(body(42, prompts)), "test")
+        await engine.settle_writes()
+        assert store.status == "degraded"
+        want = ["unavailable" if p in on_down else "applied" for p in prompts]
+        assert computed.summary["history"] == "partial"
+        assert computed.summary["group_history"] == want
+        answer = build_response(computed.request, computed.result, computed.summary)
+        assert [g["history"] for g in answer["groups"]] == want
+        assert "group_history" not in answer["summary"]
+        unblock(store)
+        after = await history(store, prompts)
+        for p, old, new in zip(prompts, before, after, strict=True):
+            assert (new == old) == (p in on_down), p
+        assert (await engine.compute(parse_request(body(43, prompts)), "test")).summary[
+            "history"
+        ] == "applied"
+        assert store.status == "up"
+    finally:
+        await engine.flush()
+        engine.close()

@@ -256,6 +256,12 @@ class Metrics:
         self.stats_store_up = Gauge(
             "advantage_stats_store_up", "1 when the stats store answered its last call", registry=r
         )
+        self.stats_store_round_trips_total = Counter(
+            "advantage_stats_store_round_trips_total",
+            "Pipelines the stats store sent to Redis nodes (one per node an operation touches: "
+            "on a Redis Cluster a read or write fans out to the masters of its slots)",
+            registry=r,
+        )
         self.stats_store_degraded = Gauge(
             "advantage_stats_store_degraded",
             "1 while part of the stats store does not answer (a Redis Cluster master down: the "

@@ -216,8 +216,6 @@ class ClusterLayout:
         self._nodes: dict[str, _NodeState] = {}
         self._refresh_at = 0.0
         self._stale = False
-        # Node round trips made (each pipeline sent to one node), for the benchmarks.
-        self.round_trips = 0
 
     # ---- keys --------------------------------------------------------------------------------
 
@@ -383,7 +381,7 @@ class ClusterLayout:
         for attempt in range(2):
             conn = node.acquire_connection()
             try:
-                self.round_trips += 1
+                self.store.count_round_trip()
                 await conn.send_packed_command(chunks, check_health=False)
                 replies: list[Any] = []
                 for _ in commands:

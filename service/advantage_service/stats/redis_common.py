@@ -92,6 +92,7 @@ class RedisBase:
         on_error: OnError | None,
         on_duration: OnDuration | None,
         on_up: OnUp | None,
+        on_round_trip: Callable[[], None] | None,
         merge: Callable[[list[bytes | None]], bytes] | None,
         new_id: Callable[[], str] | None,
     ) -> None:
@@ -111,6 +112,14 @@ class RedisBase:
         self._on_error = on_error
         self._on_duration = on_duration
         self._on_up = on_up
+        self._on_round_trip = on_round_trip
+        # Pipelines sent to Redis nodes (one per node an operation touches).
+        self.round_trips = 0
+
+    def count_round_trip(self) -> None:
+        self.round_trips += 1
+        if self._on_round_trip is not None:
+            self._on_round_trip()
 
     @property
     def stage_ms(self) -> bytes:

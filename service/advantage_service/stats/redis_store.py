@@ -1,8 +1,13 @@
-"""The Redis stats store: shared by every replica, survives restarts of the service.
+"""The Redis stats store: shared by every replica, survives restarts of the service. On one
+Redis (this layout, unchanged since the stateful-term protocol) or on a Redis Cluster (the
+cluster layout, below): the store asks the node of its URL which at its first contact.
 
-Layout (``P`` = prefix, ``{N}`` = the namespace percent-encoded, in braces so that a Redis
-Cluster keeps a namespace's keys in one slot, which multi-key scripts need). The statistics
-format is in :mod:`.blobs`; records are the terms' opaque bytes.
+One Redis
+---------
+
+Layout (``P`` = prefix, ``{N}`` = the namespace percent-encoded, in braces: one namespace's keys
+share a hash slot). The statistics format is in :mod:`.blobs`; records are the terms' opaque
+bytes.
 
 - ``P:{N}:<space>:<key>``: string, one record of a term (key space ``history``: a prompt's
   key-token history, keyed by prompt id).
@@ -56,6 +61,58 @@ again; the connection pools reconnect by themselves, so no restart is needed. An
 nothing more can be evicted) fails that operation only (counted, no backoff): reads go on, and
 a refused write pipeline commits nothing (the commit script is refused as a whole; staged
 records expire).
+
+A Redis Cluster
+---------------
+
+One namespace in one slot would put a training run's whole history on one master; the cluster
+layout (:mod:`.redis_cluster`, with its key names) spreads it instead, and keeps every guarantee
+above without a script that spans slots:
+
+- **Records** are hashed by (namespace, key space, key): a run's prompts spread over all 16384
+  slots, so over every master (within 3% of their mean for 10k prompts on 3 masters).
+- **Statistics** go to ``buckets`` tables per namespace (``ADV_REDIS_CLUSTER_BUCKETS``, 16),
+  each in a slot of its own with its own deltas, compacted record and lock (compaction is the
+  one above, per bucket). A request's statistics go to the bucket of its request id (a request
+  without an id: the bucket of its write), so no key is written by every request;
+  ``token_stats`` reads every bucket (one pipeline per master) and merges them.
+- **Counted, per slot.** A write (the writer's round: several requests, :meth:`record_requests`)
+  is cut into parts, one per slot. Each part is a pipeline to that slot's master: stage its
+  records, then one script that, atomically on that slot, finds the part's own write key (a
+  resent part: applied before, nothing to do), else checks the claims *in this slot* of every
+  request id that wrote into the part and, only if none was claimed, claims them all and moves
+  the records into place. A part where some ids were counted before applies nothing; the store
+  folds its records again without those requests (``refold``: the term's fold of the other
+  visits) and sends it again (same write id). Parts of other slots apply meanwhile. So a
+  request id is counted once in each slot it touches, whoever writes it: a resend (to any
+  replica, at any time within the TTL) applies only the parts an earlier write left missing
+  (a master that was down) and repeats none, and two replicas writing the same request at once
+  each apply the parts they claimed first, the other's parts without it.
+- **Complete before counted.** The records go first (every part at once, one pipeline per
+  master); only the requests whose every part is now written (by this write or an earlier one)
+  go on to the second step, their statistics, one part per bucket, claimed the same way. So the
+  statistics (``rollouts_counted``) count a request only once its history is all written, and
+  exactly once: the request is ``counted`` by the write that claimed its statistics,
+  ``duplicate`` for the others, ``lost`` (with ``advantage_stats_requests_total{outcome=
+  "lost"}``) while a part is missing; a resend completes it then.
+- **Round trips.** From the service's side a request still makes one read and one write; the
+  read is one pipeline per master its keys live on (3 for 32 prompts on 3 masters, sent at
+  once), the write one per master for the records and then one per master holding the buckets
+  written (coalesced writes of many requests share them).
+- **A master down.** Its slots' parts fail, the others go on: a read answers the records it got
+  and names the keys it could not read (the groups go without history and their records are not
+  written: ``summary.history`` ``partial``, each group's ``history``), a write leaves the
+  requests with a part there ``lost``; the node is skipped for a backoff interval and the view of
+  the slots refreshed until its replica takes over (``/readyz``: ``degraded``). Only when no
+  master answers is the store ``down``.
+- **What a failover can lose.** Redis replicates asynchronously: a master acknowledges a write
+  before its replicas have it. A master that dies in that moment (typically under a millisecond
+  of writes) takes them along and its replica is promoted without them. The service cannot see
+  it (Redis said yes): those prompts' history misses its last visits (their next visit reads the
+  older record: history is a decayed estimate, it goes on), those statistics are not counted,
+  and those claims are gone (a resend of such a request within the TTL would be counted
+  again). Nothing acknowledged is lost while the cluster is healthy, nor by a failover once the
+  replica has caught up.
 """
 
 from __future__ import annotations
@@ -168,7 +225,8 @@ class RedisStatsStore(RedisBase):
     keys a namespace's statistics are spread over.
 
     ``on_error(op)``: an operation failed or was skipped during backoff; ``on_duration(op, s)``:
-    an attempted operation's wall time; ``on_up(bool)``: reachability changed. ``op`` is one of
+    an attempted operation's wall time; ``on_up(bool)``: reachability changed;
+    ``on_round_trip()``: a pipeline was sent to a Redis node. ``op`` is one of
     ``read_history`` (a read of records: the terms' history), ``record``, ``compact`` (a
     compaction a write triggered), ``token_stats``, ``ping``. Status is ``down`` until the first
     successful operation (call :meth:`ping` at startup). ``socket_timeout`` bounds every socket
@@ -197,6 +255,7 @@ class RedisStatsStore(RedisBase):
         on_error: OnError | None = None,
         on_duration: OnDuration | None = None,
         on_up: OnUp | None = None,
+        on_round_trip: Callable[[], None] | None = None,
         merge: Callable[[list[bytes | None]], bytes] | None = None,
         new_id: Callable[[], str] | None = None,
         **redis_kwargs: Any,
@@ -211,6 +270,7 @@ class RedisStatsStore(RedisBase):
             on_error=on_error,
             on_duration=on_duration,
             on_up=on_up,
+            on_round_trip=on_round_trip,
             merge=merge,
             new_id=new_id,
         )
@@ -462,6 +522,7 @@ class RedisStatsStore(RedisBase):
         for attempt in range(2):
             conn = await pool.get_connection()
             try:
+                self.count_round_trip()
                 await conn.send_packed_command(chunks, check_health=False)
                 return [await conn.read_response() for _ in commands]
             except RedisConnectionError:
