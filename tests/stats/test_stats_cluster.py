@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import redis
 import torch
+from advantage_client.grpc_client import compute_response_dict
 from advantage_service.config import Settings
 from advantage_service.estimators.ktae_history import SPACE
 from advantage_service.estimators.state import WriteOptions
@@ -27,6 +30,8 @@ from advantage_service.stats import RedisStatsStore, StatsUpdate
 from advantage_service.stats.base import COUNTED, DUPLICATE, LOST, RecordKey, RequestWrite
 from advantage_service.stats.blobs import TokenStatsUpdate, merge_token_stats
 from advantage_service.stats.redis_cluster import ClusterLayout
+from advantage_service.transports.arrow import RESPONSE_METADATA, encode_response
+from advantage_service.transports.grpc_codec import encode_compute_response
 from advantage_service.wire.request import parse_request
 from advantage_service.wire.response import build_response
 from redis_cluster_support import LocalCluster
@@ -329,6 +334,9 @@ async def test_a_32_prompt_request_costs_one_round_trip_per_master_to_read_and_t
             redis_cluster.master_of(layout(store).record_slot(NS, (SPACE, p))) for p in prompts
         }
         assert len(masters) == 3
+        # (every master has run the write script once: it is sent by its digest)
+        warm = await writes_of(store, body(20, prompts))
+        assert await write(store, [warm]) == [COUNTED]
         before = store.round_trips
         writes = await writes_of(store, body(21, prompts, request_id="rt"))
         assert store.round_trips - before == 3, "the read: one pipeline per master"
@@ -336,6 +344,19 @@ async def test_a_32_prompt_request_costs_one_round_trip_per_master_to_read_and_t
         assert await write(store, [writes]) == [COUNTED]
         # The records (one pipeline per master), then the statistics (one bucket's master).
         assert store.round_trips - before == 3 + 1
+        # Masters that do not know the script (restarted, or promoted replicas) answer NOSCRIPT
+        # to its digest: those parts go again once, with its text (which loads it: the
+        # statistics part after them finds it), and apply once.
+        for port in redis_cluster.masters():
+            with redis_cluster.client(port) as client:
+                client.script_flush()
+        before = store.round_trips
+        again = await writes_of(store, body(22, prompts, request_id="rt-2"))
+        assert await write(store, [again]) == [COUNTED]
+        assert store.round_trips - before == 3 + (3 + 3) + 1
+        assert_token_stats_are_the_sum(
+            await statistics(store), [w.tokens for w in (warm, writes, again)]
+        )
     finally:
         await store.close()
 
@@ -395,6 +416,18 @@ async def test_groups_on_a_master_that_does_not_answer_lose_their_history_alone(
         answer = build_response(computed.request, computed.result, computed.summary)
         assert [g["history"] for g in answer["groups"]] == want
         assert "group_history" not in answer["summary"]
+        # gRPC carries it in Summary.group_history, which the client puts on the groups as the
+        # JSON answer does; Arrow in its summary.
+        message = encode_compute_response(computed.request, computed.result, computed.summary)
+        assert list(message.summary.group_history) == want
+        as_json = compute_response_dict(message)
+        assert [g["history"] for g in as_json["groups"]] == want
+        assert "group_history" not in as_json["summary"]
+        arrow = pa.ipc.open_stream(
+            encode_response(computed.request, computed.result, computed.summary)
+        ).read_all()
+        meta = json.loads(arrow.schema.metadata[RESPONSE_METADATA])
+        assert meta["summary"]["group_history"] == want
         unblock(store)
         after = await history(store, prompts)
         for p, old, new in zip(prompts, before, after, strict=True):
@@ -406,3 +439,33 @@ async def test_groups_on_a_master_that_does_not_answer_lose_their_history_alone(
     finally:
         await engine.flush()
         engine.close()
+
+
+def test_adv_redis_cluster_chooses_the_cluster_client_before_redis_answers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from advantage_service.serving.assembly import stats_store
+
+    url = "redis://127.0.0.1:1/0"  # nothing listens there
+    monkeypatch.setenv("ADV_REDIS_CLUSTER", "true")
+    monkeypatch.setenv("ADV_REDIS_CLUSTER_BUCKETS", "4")
+    told = stats_store(Settings(device="cpu", redis_url=url), Metrics(process=False))
+    monkeypatch.delenv("ADV_REDIS_CLUSTER")
+    asks = stats_store(Settings(device="cpu", redis_url=url), Metrics(process=False))
+    assert isinstance(told, RedisStatsStore) and isinstance(asks, RedisStatsStore)
+    assert told.cluster is not None and told.cluster.buckets == 4
+    assert asks.cluster is None and told.status == asks.status == "down"
+
+
+async def test_a_redis_that_refuses_info_is_taken_for_one_redis(tmp_path: Path) -> None:
+    """Some managed Redis services refuse INFO: the store cannot ask, and uses one Redis."""
+    server = RedisServer(tmp_path / "no-info", extra_args=["--rename-command", "INFO", ""])
+    server.start()
+    store = RedisStatsStore(server.url)
+    try:
+        assert await store.ping() and store.cluster is None and store.status == "up"
+        assert await write(store, [await writes_of(store, body(61, ["p"]))]) == [COUNTED]
+        assert await history(store, ["p"]) != [None]
+    finally:
+        await store.close()
+        server.stop()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import time
 import zlib
 from collections.abc import Collection, Sequence
@@ -40,6 +41,7 @@ from redis.exceptions import (
     AskError,
     ClusterDownError,
     MovedError,
+    NoScriptError,
     RedisClusterException,
     RedisError,
     ResponseError,
@@ -127,6 +129,9 @@ return {1, pending, 0}
 """
 
 
+COMMIT_PART_SHA = hashlib.sha1(COMMIT_PART).hexdigest().encode()
+
+
 @functools.cache
 def slot_tags() -> tuple[str, ...]:
     """For every hash slot, the shortest string (base 36) whose slot it is."""
@@ -166,6 +171,8 @@ class Part:
     result: list[Any] | BaseException | None = None
     # The node importing the slot, after an ASK reply.
     asking: ClusterNode | None = None
+    # The last command by the script's text, for a node that answers NOSCRIPT to its digest.
+    fallback: list[bytes] | None = None
 
 
 @dataclass
@@ -533,7 +540,7 @@ class ClusterLayout:
         # Each round leaves out one request of a part at least: it ends.
         while todo:
             parts = [self._record_part(namespace, p, requests, records, write) for p in todo]
-            await self.run(parts)
+            await self._run_parts(parts)
             again = []
             for pending, part in zip(todo, parts, strict=True):
                 reply = _script_reply(part)
@@ -581,17 +588,35 @@ class ClusterLayout:
             *(f"{base}:claim:{rid}".encode() for rid in ids),
             *pairs,
         ]
-        commands.append(self._commit(keys, write, len(ids), delta=False, lock=""))
-        return Part(pending.slot, commands)
+        by_digest, by_text = self._commit(keys, write, len(ids), delta=False, lock="")
+        return Part(pending.slot, [*commands, by_digest], fallback=by_text)
 
     def _commit(
         self, keys: list[bytes], write: str, ids: int, *, delta: bool, lock: str
-    ) -> list[bytes]:
+    ) -> tuple[list[bytes], list[bytes]]:
+        """The commit script's command by its digest (a write has a part per slot it touches,
+        and the script's text would travel with each), and by its text (for a node that does
+        not know it yet: see :meth:`_run_parts`)."""
         store = self.store
         args = [write.encode(), b"%d" % store.ttl_seconds, b"%d" % store.ttl_seconds]
         args += [b"%d" % ids, b"%d" % ANONYMOUS_CLAIM_TTL, b"1" if delta else b"0"]
         args += [b"%d" % store.compact_after, lock.encode(), b"%d" % store.lock_ms]
-        return command(b"EVAL", COMMIT_PART, b"%d" % len(keys), *keys, *args)
+        tail = [b"%d" % len(keys), *keys, *args]
+        return command(b"EVALSHA", COMMIT_PART_SHA, *tail), command(b"EVAL", COMMIT_PART, *tail)
+
+    async def _run_parts(self, parts: Sequence[Part]) -> None:
+        """:meth:`run` for parts that end with the commit script; those sent to a node that had
+        not loaded it (NOSCRIPT: nothing of them applied) go again with the script's text."""
+        await self.run(parts)
+        unknown = []
+        for part in parts:
+            result = part.result
+            if isinstance(result, list) and result and isinstance(result[-1], NoScriptError):
+                assert part.fallback is not None
+                part.commands[-1] = part.fallback
+                unknown.append(part)
+        if unknown:
+            await self.run(unknown)
 
     async def _write_statistics(
         self,
@@ -621,7 +646,7 @@ class ClusterLayout:
                 )
                 for b, table in zip(order, tables, strict=True)
             ]
-            await self.run(parts)
+            await self._run_parts(parts)
             again: dict[int, list[int]] = {}
             for bucket, part in zip(order, parts, strict=True):
                 members = todo[bucket]
@@ -670,8 +695,8 @@ class ClusterLayout:
             keys.lock,
             staged,
         ]
-        commands.append(self._commit(script_keys, write, len(ids), delta=True, lock=lock))
-        return Part(self.bucket_slot(namespace, bucket), commands)
+        by_digest, by_text = self._commit(script_keys, write, len(ids), delta=True, lock=lock)
+        return Part(self.bucket_slot(namespace, bucket), [*commands, by_digest], fallback=by_text)
 
     # ---- reading the statistics -------------------------------------------------------------
 

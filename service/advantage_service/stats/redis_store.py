@@ -127,6 +127,7 @@ import redis.asyncio as redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 
 from .base import (
     LOST,
@@ -341,7 +342,10 @@ class RedisStatsStore(RedisBase):
         """The cluster layout, or None for one Redis; asks the node once (raises when it does
         not answer: the caller's operation failed)."""
         if not self._mode_known:
-            info = await self._client.info("cluster")
+            try:
+                info = await self._client.info("cluster")
+            except ResponseError:  # (INFO not allowed, as on some managed Redis: one Redis)
+                info = {}
             if str(info.get("cluster_enabled", 0)) == "1":
                 log.info("stats store: the Redis node runs in cluster mode: the cluster layout")
                 self.cluster = self._make_cluster()

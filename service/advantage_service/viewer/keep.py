@@ -444,7 +444,10 @@ class RedisKeep:
         """Ask the node once whether it runs in cluster mode (raises when it does not answer)."""
         if self._mode_known:
             return
-        info = await self._reader.info("cluster")
+        try:
+            info = await self._reader.info("cluster")
+        except ResponseError:  # (INFO not allowed, as on some managed Redis: one Redis)
+            info = {}
         if str(info.get("cluster_enabled", 0)) == "1":
             await self.close()
             self._cluster_clients()
