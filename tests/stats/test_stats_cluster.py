@@ -469,3 +469,44 @@ async def test_a_redis_that_refuses_info_is_taken_for_one_redis(tmp_path: Path) 
     finally:
         await store.close()
         server.stop()
+
+
+async def test_the_store_follows_a_slot_moved_to_another_master(tmp_path: Path) -> None:
+    """A slot migrated while the store's view is old: a key already moved answers ASK on the
+    old master (the store asks the importing one), and once the slot is moved every master
+    answers MOVED (the store updates its view). Reads and writes go on, nothing lost."""
+    cluster = LocalCluster(tmp_path / "moving", masters=3)
+    cluster.start()
+    store = RedisStatsStore(cluster.url)
+    prompts = [f"m{i}" for i in range(12)]
+    try:
+        assert await write(store, [await writes_of(store, body(71, prompts))]) == [COUNTED]
+        before = await history(store, prompts)
+        moving = prompts[0]
+        slot = layout(store).record_slot(NS, (SPACE, moving))
+        source = cluster.master_of(slot)
+        target = next(port for port in cluster.masters() if port != source)
+        ids = {}
+        for port in (source, target):
+            with cluster.client(port) as client:
+                ids[port] = client.execute_command("CLUSTER MYID").decode()
+        key = layout(store).record_key(NS, (SPACE, moving))
+        with cluster.client(target) as client:
+            client.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", ids[source])
+        with cluster.client(source) as client:
+            client.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", ids[target])
+            client.execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", key)
+        assert await history(store, prompts) == before, "ASK"
+        for port in cluster.masters():
+            with cluster.client(port) as client:
+                client.execute_command("CLUSTER SETSLOT", slot, "NODE", ids[target])
+        assert await history(store, prompts) == before, "MOVED"
+        assert layout(store).client.nodes_manager.get_node_from_slot(slot).port == target
+        again = await writes_of(store, body(72, prompts, request_id="after-move"))
+        assert await write(store, [again]) == [COUNTED]
+        after = await history(store, prompts)
+        assert all(a != b for a, b in zip(after, before, strict=True))
+        assert store.status == "up"
+    finally:
+        await store.close()
+        cluster.stop()

@@ -298,11 +298,11 @@ class ClusterLayout:
         """Ping every master at once (those in their backoff count as failed): True when one
         answered at least (the store is up, maybe degraded); raises when none did."""
         await self._view()
-        parts = [Part(0, [command(b"PING")], asking=node) for node in self.client.get_primaries()]
+        pings = [(node, Part(0, [command(b"PING")])) for node in self.client.get_primaries()]
         await asyncio.gather(
-            *(self._run_node(p.asking, [p], self.read_timeout) for p in parts if p.asking)
+            *(self._run_node(node, [part], self.read_timeout) for node, part in pings)
         )
-        if not parts or all(_failed_part(p) for p in parts):
+        if not pings or all(_failed_part(part) for _, part in pings):
             raise RedisConnectionError("no master of the Redis Cluster answered")
         return True
 
