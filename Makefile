@@ -38,11 +38,13 @@ serve: $(SERVE_STAMP)
 	$(BIN)/advantage-service serve
 
 # Real services the tests start themselves (on free ports, in temporary directories):
-# redis-server, prometheus with its promtool (the observability tests), and a headless chromium
-# with its chromedriver (the viewer's browser tests; Selenium uses the driver on PATH).
+# redis-server (single nodes and Redis Clusters; redis-cli joins them), haproxy (replicas behind
+# a load balancer), prometheus with its promtool (the observability tests), and a headless
+# chromium with its chromedriver (the viewer's browser tests; Selenium uses the driver on PATH).
 test-deps:
 	@missing=""; \
-	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
+	{ command -v redis-server && command -v redis-cli; } >/dev/null 2>&1 || missing="$$missing redis-server"; \
+	command -v haproxy >/dev/null 2>&1 || missing="$$missing haproxy"; \
 	{ command -v prometheus && command -v promtool; } >/dev/null 2>&1 || missing="$$missing prometheus"; \
 	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
 	command -v chromedriver >/dev/null 2>&1 || missing="$$missing chromium-driver"; \
@@ -65,6 +67,7 @@ bench: install
 	$(BIN)/python bench/bench_trainers.py
 	$(BIN)/python bench/bench_fleet.py
 	$(BIN)/python bench/bench_merge.py
+	$(BIN)/python bench/bench_cluster.py
 
 # The learning demo (README, "A learning demo"): the tiny TRL model trained with GRPO and with
 # KTAE (history per prompt) through a service it starts; writes trl_demo.png and trl_demo.json.

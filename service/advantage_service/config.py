@@ -28,6 +28,20 @@ class Settings(BaseSettings):
     redis_url: str | None = Field(
         default=None, description="Redis for the stats store; unset: the embedded in-memory store"
     )
+    redis_cluster: bool | None = Field(
+        default=None,
+        description="the Redis of ADV_REDIS_URL is a Redis Cluster (true: use the cluster "
+        "client, even while that node is down at start; false: one Redis); unset: ask the node "
+        "(INFO cluster) once it answers",
+    )
+    redis_cluster_buckets: int = Field(
+        default=16,
+        ge=1,
+        le=16384,
+        description="on a Redis Cluster, the keys each namespace's vocabulary statistics are "
+        "spread over (a request writes one of them; reading the statistics reads them all); "
+        "part of the stored layout: keep it for a namespace's life",
+    )
     stats_compression: Compression = Field(
         default="none",
         description="zstd: KTAE history records in Redis about 8-11x smaller, for CPU per request",

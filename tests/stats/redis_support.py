@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from process_support import free_port
@@ -29,9 +30,12 @@ def _answers_ping(port: int) -> bool:
 class RedisServer:
     """One redis-server process on a fixed port, restartable."""
 
-    def __init__(self, directory: Path, port: int | None = None) -> None:
+    def __init__(
+        self, directory: Path, port: int | None = None, extra_args: Sequence[str] = ()
+    ) -> None:
         self.directory = directory
         self.port = port or free_port()
+        self.extra_args = list(extra_args)
         self.process: subprocess.Popen[bytes] | None = None
         self.log = directory / f"redis-{self.port}.log"
 
@@ -48,6 +52,7 @@ class RedisServer:
             "--port", str(self.port), "--bind", "127.0.0.1",
             "--save", "", "--appendonly", "no", "--dir", str(self.directory),
             "--daemonize", "no", "--logfile", str(self.log),
+            *self.extra_args,
         ]
         # fmt: on
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -57,6 +57,9 @@ class _Unreachable:
     async def read_records(self, namespace: str, keys: Any) -> None:
         return None
 
+    async def read_partly(self, namespace: str, keys: Any) -> None:
+        return None
+
 
 async def update_of(store: StatsStore, body: dict[str, Any], *, read: bool = True) -> StatsUpdate:
     """What a request would write (not written): after a successful read of ``store``, or after

@@ -20,7 +20,7 @@ from advantage_service.stats.blobs import (
     encode_token_stats,
     merge_token_stats,
 )
-from advantage_service.stats.redis_store import _command
+from advantage_service.stats.redis_common import command as _command
 from redis.asyncio.connection import Connection
 
 COLUMNS = ("correct", "wrong", "occurrences", "key_sum", "key_count", "sens_sum", "sens_count")

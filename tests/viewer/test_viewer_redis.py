@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,6 +23,8 @@ from advantage_service.observability.metrics import Metrics
 from advantage_service.serving.engine import Engine
 from advantage_service.transports.http import create_app
 from advantage_service.viewer.keep import KeptRequest, RedisKeep
+from redis.crc import key_slot
+from stats.redis_cluster_support import LocalCluster
 from stats.redis_support import RedisServer
 from viewer.viewer_support import ktae_request
 
@@ -89,6 +92,30 @@ async def test_a_request_kept_by_one_replica_opens_on_another(redis_server: Redi
         assert await listed(one) == ids and await listed(other) == ids
         gone = await one.get("/viewer/api/requests/shared-1", params=NS)
         assert gone.status_code == 404 and "not among the last 4" in gone.json()["error"]["message"]
+
+
+async def test_kept_requests_on_a_redis_cluster_open_on_another_replica(
+    tmp_path: Path,
+) -> None:
+    """On a Redis Cluster (found from one node's URL) a namespace's kept requests live in one
+    slot of it, through the cluster client; every replica lists and opens them."""
+    cluster = LocalCluster(tmp_path / "cluster", masters=3)
+    cluster.start()
+    try:
+        index, _, _ = RedisKeep(cluster.url, 1, 1, 1).keys("team-a")
+        holder = cluster.master_of(key_slot(index.encode()))
+        # (the URL of a node that does not hold the namespace's slot)
+        url = next(node.url for port, node in cluster.nodes.items() if port != holder)
+        async with replica(url) as one, replica(url) as other:
+            answer = await compute(one, ktae_request("on-cluster", seed=5))
+            assert await listed(other) == ["on-cluster"]
+            kept = (await other.get("/viewer/api/requests/on-cluster", params=NS)).json()
+            assert kept["response"] == answer
+            assert errors(one, "viewer_keep") == errors(other, "viewer_read") == 0
+        with cluster.client(holder) as client:
+            assert client.zcard(index) == 1
+    finally:
+        cluster.stop()
 
 
 def kept(request_id: str, tokens: int) -> KeptRequest:

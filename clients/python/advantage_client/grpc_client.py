@@ -164,7 +164,7 @@ def flat_response_result(response: pb.ComputeResponse, req: FlatRequest) -> Padd
 
 
 def summary_dict(summary: pb.Summary) -> dict[str, Any]:
-    return {
+    out = {
         "tokens": summary.tokens,
         "rollouts": summary.rollouts,
         "groups": summary.groups,
@@ -177,6 +177,10 @@ def summary_dict(summary: pb.Summary) -> dict[str, Any]:
         # (unset: nothing recorded, or a server of an earlier release)
         "recorded": summary.recorded if summary.HasField("recorded") else None,
     }
+    if summary.group_history:
+        # (per group, what its history read gave; the JSON answer has it on each group)
+        out["group_history"] = list(summary.group_history)
+    return out
 
 
 def compute_response_dict(response: pb.ComputeResponse) -> dict[str, Any]:
@@ -192,12 +196,18 @@ def compute_response_dict(response: pb.ComputeResponse) -> dict[str, Any]:
     rows = [
         dict(zip(columns, values, strict=True)) for values in zip(*columns.values(), strict=True)
     ]
+    groups = nest_rows(list(response.group_ids), from_tensor(response.group_index), rows)
+    summary = summary_dict(response.summary)
+    per_group = summary.pop("group_history", None)
+    if per_group is not None:
+        for group, history in zip(groups, per_group, strict=True):
+            group["history"] = history
     return {
         "request_id": response.request_id,
         "namespace": response.namespace,
         "estimator": json.loads(response.estimator_json),
-        "groups": nest_rows(list(response.group_ids), from_tensor(response.group_index), rows),
-        "summary": summary_dict(response.summary),
+        "groups": groups,
+        "summary": summary,
     }
 
 

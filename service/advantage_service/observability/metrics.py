@@ -241,6 +241,10 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        # Every outcome exported from the start (at 0), so that a rate over "lost|refused" is
+        # 0 on a healthy service rather than no data, and an alert or panel reads a value.
+        for outcome in ("counted", "duplicate", "lost", "refused"):
+            self.stats_requests_total.labels(outcome)
         self.stats_write_backlog = Gauge(
             "advantage_stats_write_backlog",
             "Requests whose statistics were accepted and are not yet written; at "
@@ -255,6 +259,18 @@ class Metrics:
         )
         self.stats_store_up = Gauge(
             "advantage_stats_store_up", "1 when the stats store answered its last call", registry=r
+        )
+        self.stats_store_round_trips_total = Counter(
+            "advantage_stats_store_round_trips_total",
+            "Pipelines the stats store sent to Redis nodes (one per node an operation touches: "
+            "on a Redis Cluster a read or write fans out to the masters of its slots)",
+            registry=r,
+        )
+        self.stats_store_degraded = Gauge(
+            "advantage_stats_store_degraded",
+            "1 while part of the stats store does not answer (a Redis Cluster master down: the "
+            "history of its slots is unavailable until its replica takes over)",
+            registry=r,
         )
         self.stream_open = Gauge(
             "advantage_stream_open", "Open gRPC StreamCompute calls", registry=r

@@ -15,13 +15,18 @@ def stats_store(settings: Settings, metrics: Metrics) -> StatsStore:
     if not settings.redis_url:
         metrics.stats_store_up.set(1)
         return make_store(None, ttl_seconds=settings.stats_ttl_seconds)
-    return make_store(
+    store = make_store(
         settings.redis_url,
         ttl_seconds=settings.stats_ttl_seconds,
+        cluster=settings.redis_cluster,
+        buckets=settings.redis_cluster_buckets,
         on_error=lambda op: metrics.stats_store_errors_total.labels(op).inc(),
         on_duration=lambda op, sec: metrics.stats_store_duration_seconds.labels(op).observe(sec),
         on_up=lambda up: metrics.stats_store_up.set(1 if up else 0),
+        on_round_trip=metrics.stats_store_round_trips_total.inc,
     )
+    metrics.stats_store_degraded.set_function(lambda: float(store.status == "degraded"))
+    return store
 
 
 def authenticator(settings: Settings, metrics: Metrics) -> Authenticator:

@@ -69,11 +69,13 @@ def summarize(
     history: str = "none",
     batch_requests: int = 1,
     recorded: bool | None = None,
+    group_history: list[str] | None = None,
 ) -> dict[str, Any]:
     """The response's summary. ``recorded``: whether the service's writer accepted the
-    request's statistics (None: nothing is recorded, as in-process)."""
+    request's statistics (None: nothing is recorded, as in-process). ``group_history``: per
+    group, what its history read gave (the JSON answer puts it on each group)."""
     batch = req.batch
-    return {
+    summary = {
         "tokens": batch.num_tokens,
         "rollouts": batch.num_rollouts,
         "groups": batch.num_groups,
@@ -84,6 +86,9 @@ def summarize(
         "batch_requests": batch_requests,
         "recorded": recorded,
     }
+    if group_history is not None:
+        summary["group_history"] = group_history
+    return summary
 
 
 def compute(request: Mapping[str, Any], device: str = "auto") -> dict[str, Any]:

@@ -202,7 +202,8 @@ class Engine:
         await self.store.close()
 
     def stats_store_status(self) -> str:
-        """``memory`` (embedded store), ``up`` or ``down`` (Redis)."""
+        """``memory`` (embedded store), ``up``, ``degraded`` (part of a Redis Cluster does not
+        answer) or ``down`` (Redis)."""
         return self.store.status
 
     async def refresh_stats_store(self) -> str:
@@ -355,7 +356,13 @@ class Engine:
                 assert done.result is not None
                 recorded = self.writer.accept(session, done.result)
                 summary = summarize(
-                    req, self.device, done.seconds * 1000.0, history, done.shared, recorded
+                    req,
+                    self.device,
+                    done.seconds * 1000.0,
+                    history,
+                    done.shared,
+                    recorded,
+                    session.group_history(history),
                 )
                 call.summary = summary
                 encoded = (

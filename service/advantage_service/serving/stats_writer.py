@@ -15,9 +15,10 @@ The writer works in rounds, on one worker thread of its own at lower priority (b
 writes costs CPU that must not slow the next request's computation): a round takes every
 accepted request waiting, builds each one's writes, folds them per namespace (``fold_writes``:
 each record key written once, its visits folded in the order the requests were answered, the
-statistics summed) and hands each namespace's update to the store in one call that claims every
-request id of the round with it. When the store answers that some of those ids were counted
-before, the round writes again without their requests, so a resent request id is counted once.
+statistics summed) and hands each namespace's update to the store in one call
+(``StatsStore.record_requests``) that claims every request id of the round with it, so a resent
+request id is counted once: the store folds again, without the requests counted before, what
+they would have changed (the whole update on one Redis, the parts they touch on a cluster).
 The busier the service, the more requests a round holds and the less each one costs.
 """
 
@@ -28,24 +29,25 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 
 from ..estimators import AdvantageResult
 from ..estimators.state import WriteOptions
 from ..stats import StatsStore, StatsUpdate
-from .term_state import PendingWrites, StateSession, fold_writes
+from ..stats.base import COUNTED, DUPLICATE, LOST, RecordKey, RequestWrite
+from .term_state import PendingWrites, StateSession, fold_records, fold_writes
 
 log = logging.getLogger("advantage_service.stats_writer")
 
 # Niceness of the statistics worker (and the torch threads it starts, which inherit it).
 STATS_NICENESS = 10
 
-# Outcomes of a request's statistics (advantage_stats_requests_total{outcome}).
-COUNTED = "counted"  # the store counted them
-DUPLICATE = "duplicate"  # the client's request id was counted before: not again
-LOST = "lost"  # accepted (recorded: true), then the store failed or the service stopped first
+# Outcomes of a request's statistics (advantage_stats_requests_total{outcome}): the store's
+# COUNTED, DUPLICATE and LOST (accepted, answered recorded: true, then the store or a part of
+# it failed, or the service stopped first), and
 REFUSED = "refused"  # not accepted (recorded: false): the store is unreachable, or shutting down
+Records = dict[RecordKey, bytes]
 
 
 def _lower_priority() -> None:
@@ -205,32 +207,26 @@ class StatsWriter:
     async def _commit(
         self, store: StatsStore, writes: list[PendingWrites], update: StatsUpdate
     ) -> None:
-        """Hand one namespace's folded ``update`` to the store; without the requests whose ids
-        were counted before, again, until it is written (each try leaves one out at least)."""
+        """Hand one namespace's folded ``update`` to the store, with each request's share of it
+        and the means to fold it again without the requests whose ids were counted before."""
         loop = asyncio.get_running_loop()
         namespace = writes[0].namespace
-        while True:
-            ids = [w.request_id for w in writes if w.request_id is not None]
-            try:
-                claimed = await store.record_many(namespace, ids, update)
-            except Exception:  # (a store fault, not an outage: counted, the service goes on)
-                log.exception("statistics write of %d requests failed", len(writes))
-                self._error("record")
-                claimed = None
-            if claimed is None:
-                self._outcome(LOST, len(writes))
-                return
-            if not claimed:
-                self._outcome(COUNTED, len(writes))
-                return
-            counted_before = set(claimed)
-            rest = [w for w in writes if w.request_id not in counted_before]
-            self._outcome(DUPLICATE, len(writes) - len(rest))
-            if not rest or len(rest) == len(writes):
-                self._outcome(LOST, len(rest))  # (a store that answers ids it was not given)
-                return
-            writes = rest
-            update = await loop.run_in_executor(self._executor, fold_writes, writes, self.options)
+        requests = [RequestWrite(w.request_id, tuple(w.records), w.tokens) for w in writes]
+
+        async def refold(keys: Collection[RecordKey], without: Collection[str]) -> Records:
+            rest = [w for w in writes if w.request_id is None or w.request_id not in without]
+            return await loop.run_in_executor(
+                self._executor, fold_records, rest, self.options, set(keys)
+            )
+
+        try:
+            outcomes = await store.record_requests(namespace, requests, update, refold)
+        except Exception:  # (a store fault, not an outage: counted, the service goes on)
+            log.exception("statistics write of %d requests failed", len(writes))
+            self._error("record")
+            outcomes = [LOST] * len(writes)
+        for outcome in (COUNTED, DUPLICATE, LOST):
+            self._outcome(outcome, sum(1 for o in outcomes if o == outcome))
 
     async def settle(self, timeout: float | None = None) -> int:
         """Wait (up to ``timeout`` s) until every accepted request is written; the number of

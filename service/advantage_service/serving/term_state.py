@@ -10,7 +10,9 @@ Per request, a :class:`StateSession`:
    term's prior on a worker thread, on the computation's device;
 2. the request is computed with that context and answered;
 3. :meth:`~StateSession.settle` says what the read gave (the summary's ``history``: ``none``,
-   ``applied`` or ``unavailable``);
+   ``applied``, ``empty``, ``partial`` or ``unavailable``; per group,
+   :meth:`~StateSession.group_history`). Keys the store could not read (part of a Redis Cluster
+   down) count as a first visit and are not written: their stored records stay as they are;
 4. :meth:`~StateSession.writes` (tensor work: run it on a worker) builds what the request
    writes: each term's records (only where its read succeeded; a term that folds gives its
    visit values) and the vocabulary statistics (counted for every request, plus the columns
@@ -23,7 +25,7 @@ Per request, a :class:`StateSession`:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,13 +96,26 @@ def fold_writes(writes: Sequence[PendingWrites], options: WriteOptions) -> Stats
     """One update with what ``writes`` (in the order they were answered) would leave written
     one after the other: each key's visits folded in order by its term (one record per key),
     the vocabulary statistics summed. Tensor work: run it on a worker."""
+    return StatsUpdate(
+        records=fold_records(writes, options),
+        tokens=merge_token_stats([w.tokens for w in writes]),
+    )
+
+
+def fold_records(
+    writes: Sequence[PendingWrites],
+    options: WriteOptions,
+    keys: Collection[RecordKey] | None = None,
+) -> dict[RecordKey, bytes]:
+    """The records of :func:`fold_writes`, only those of ``keys`` when given (a store folds
+    again the keys of one part of a write without the requests counted before)."""
     visits: dict[RecordKey, list[Any]] = {}
     for write in writes:
         for key, visit in write.records.items():
-            visits.setdefault(key, []).append(visit)
+            if keys is None or key in keys:
+                visits.setdefault(key, []).append(visit)
     spaces = _spaces()
-    records = {key: spaces[key[0]].record_bytes(seen, options) for key, seen in visits.items()}
-    return StatsUpdate(records=records, tokens=merge_token_stats([w.tokens for w in writes]))
+    return {key: spaces[key[0]].record_bytes(seen, options) for key, seen in visits.items()}
 
 
 class StateSession:
@@ -121,6 +136,10 @@ class StateSession:
         self._keys = read_keys(req)
         self._reads: dict[str, PendingRead[Any]] = {name: PendingRead() for name in self._keys}
         self._priors: dict[str, Any] = {}
+        # What the read found: per term, whether each of its keys had a record; the keys that
+        # could not be read.
+        self._found: dict[str, list[bool]] = {}
+        self._unread: set[RecordKey] = set()
         self._task: asyncio.Task[bool] | None = None
         if self._keys:
             self._task = asyncio.get_running_loop().create_task(self._read())
@@ -137,15 +156,20 @@ class StateSession:
             if state is not None and state.space is not None
             for key in self._keys[name]
         ]
-        records = await self.store.read_records(self.req.namespace, keys)
-        if records is None:
-            for read in self._reads.values():
-                read.resolve(None)
+        read = await self.store.read_partly(self.req.namespace, keys)
+        if read is None:
+            for pending in self._reads.values():
+                pending.resolve(None)
             return False
+        records = read.records
+        # Keys on a part of the store that did not answer: computed as a first visit, never
+        # written (the record is still there, unread).
+        self._unread = {keys[i] for i in read.unread}
         start = 0
         for name, state in spaces.items():
             assert state is not None and state.decode is not None
             mine = records[start : start + len(self._keys[name])]
+            self._found[name] = [record is not None for record in mine]
             start += len(mine)
             try:
                 prior = await asyncio.to_thread(state.decode, mine, self.device)
@@ -169,9 +193,11 @@ class StateSession:
 
     async def settle(self) -> str:
         """Wait for the read: the summary's ``history``. ``none``: nothing to read;
-        ``unavailable``: the store could not be read; ``applied``: earlier requests contributed
-        to at least one group; ``empty``: the read succeeded and no group had anything stored
-        (a prompt's first visit, or after its history expired)."""
+        ``unavailable``: the store could not be read; ``partial``: some groups' records could
+        not be read (part of a Redis Cluster did not answer) and the others' were;
+        ``applied``: earlier requests contributed to at least one group; ``empty``: the read
+        succeeded and no group had anything stored (a prompt's first visit, or after its
+        history expired)."""
         if self._task is None:
             return "none"
         try:
@@ -180,11 +206,34 @@ class StateSession:
             answered = False
         if not answered or len(self._priors) < len(self._keys):
             return "unavailable"
+        if self._unread:
+            return "partial"
         for name, prior in self._priors.items():
             state = TERMS[name].state
             if state is None or state.contributed is None or state.contributed(prior):
                 return "applied"
         return "empty"
+
+    def group_history(self, history: str) -> list[str] | None:
+        """Per group, what its history read gave (call after :meth:`settle`, which answered
+        ``history``): ``applied`` (a record was found), ``empty`` or ``unavailable``; None when
+        the request reads no history, or its terms' keys are not one per group."""
+        groups = self.req.batch.num_groups
+        per_group = {name: keys for name, keys in self._keys.items() if len(keys) == groups}
+        if history == "none" or not per_group:
+            return None
+        if history == "unavailable":
+            return ["unavailable"] * groups
+        out = []
+        for g in range(groups):
+            unread = found = False
+            for name, keys in per_group.items():
+                state = TERMS[name].state
+                assert state is not None and state.space is not None
+                unread |= (state.space, keys[g]) in self._unread
+                found |= self._found.get(name, [False] * groups)[g]
+            out.append("unavailable" if unread else "applied" if found else "empty")
+        return out
 
     def update(self, result: AdvantageResult) -> StatsUpdate:
         """What the request alone writes (call after :meth:`settle`): the records of the terms
@@ -203,7 +252,14 @@ class StateSession:
             if writes.records:
                 if prior is None or state.space is None:
                     raise ValueError(f"term {name!r} wrote records without a prior read")
-                records.update({(state.space, k): v for k, v in writes.records.items()})
+                space = state.space
+                records.update(
+                    {
+                        (space, k): v
+                        for k, v in writes.records.items()
+                        if (space, k) not in self._unread
+                    }
+                )
             for column, values in writes.columns.items():
                 if (
                     column not in state.columns
@@ -289,6 +345,7 @@ def token_statistics(
 __all__ = [
     "PendingWrites",
     "StateSession",
+    "fold_records",
     "fold_writes",
     "read_keys",
     "reads_state",

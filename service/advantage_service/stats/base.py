@@ -30,9 +30,18 @@ the store's first write claims the id, and writes of a request that did not clai
 (records and statistics unchanged). The request itself is still computed and answered.
 
 The service's writer coalesces the writes of many requests into one update per namespace
-(:meth:`StatsStore.record_many`): it claims every request id of the update together with it, or
-none of them and nothing at all when one was already claimed (the writer then leaves those
-requests out and writes the rest), so each request is still counted exactly once.
+(:meth:`StatsStore.record_requests`), so each request is still counted exactly once:
+
+- a store that applies a write whole (in memory, one Redis: :meth:`StatsStore.record_many`)
+  claims every request id of the update together with it, or none of them and nothing at all
+  when one was already claimed; :func:`record_whole` then leaves those requests out, folds the
+  rest again and writes them;
+- a store that writes in parts (a Redis Cluster: one part per hash slot) claims and applies each
+  part atomically on its own: a request id is counted once *per part*. A part where one of its
+  ids was counted before applies nothing and is folded again without those requests; the
+  other parts apply, so a resend completes the parts an earlier write left missing and repeats
+  none. A request's statistics are written only once every part of its records is, and it is
+  ``counted`` by the write whose statistics part claimed it.
 
 The order of calls per request (read, compute, answer, then write) has one owner:
 ``advantage_service.term_state.StateSession``.
@@ -40,18 +49,26 @@ The order of calls per request (read, compute, answer, then write) has one owner
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Final, Literal, Protocol
 
 import numpy as np
 
-from .blobs import TokenStatsUpdate
+from .blobs import TokenStatsUpdate, merge_token_stats
 
 ORDERS = ("key", "sensitivity", "occurrences")
-StoreStatus = Literal["memory", "up", "down"]
+# degraded: a Redis Cluster of which some masters answer and some do not (their slots' history
+# and statistics are unavailable, the rest is served).
+StoreStatus = Literal["memory", "up", "degraded", "down"]
 # (key space, key) of a record.
 RecordKey = tuple[str, str]
+
+# What became of a request's writes (record_requests).
+COUNTED: Final = "counted"  # written, and its statistics counted by this write
+DUPLICATE: Final = "duplicate"  # its request id's statistics were counted before: not again
+LOST: Final = "lost"  # not (completely) written: the store, or a part of it, was unreachable
+Outcome = Literal["counted", "duplicate", "lost"]
 
 
 @dataclass
@@ -61,6 +78,32 @@ class StatsUpdate:
 
     records: dict[RecordKey, bytes]
     tokens: TokenStatsUpdate
+
+
+@dataclass(frozen=True)
+class Read:
+    """What a read of records gave: ``records`` in the order of the keys (None for a key
+    without one, or not read), and the positions of the keys that could not be read (a part of
+    a Redis Cluster that did not answer)."""
+
+    records: list[bytes | None]
+    unread: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class RequestWrite:
+    """One request's share of a coalesced write: the client's ``request_id`` (None: no
+    idempotency), the record ``keys`` it writes (its visits are folded into the update's
+    records) and its vocabulary statistics ``tokens``."""
+
+    request_id: str | None
+    keys: tuple[RecordKey, ...]
+    tokens: TokenStatsUpdate
+
+
+# refold(keys, without): the records of ``keys`` folded again from the visits of every request
+# of the write except those whose id is in ``without`` (a key only they wrote is left out).
+Refold = Callable[[Collection[RecordKey], Collection[str]], Awaitable[dict[RecordKey, bytes]]]
 
 
 # ---- reading the statistics back ------------------------------------------------------------
@@ -128,7 +171,8 @@ class StatsStore(Protocol):
 
     @property
     def status(self) -> StoreStatus:
-        """``memory`` (embedded), ``up`` or ``down`` (Redis, as of the last operation)."""
+        """``memory`` (embedded), ``up``, ``degraded`` (part of a Redis Cluster unreachable)
+        or ``down`` (Redis, as of the last operations)."""
         ...
 
     async def read_records(
@@ -136,6 +180,11 @@ class StatsStore(Protocol):
     ) -> list[bytes | None] | None:
         """The records of ``keys`` in order (None for a key without one); None when the store is
         unreachable."""
+        ...
+
+    async def read_partly(self, namespace: str, keys: Sequence[RecordKey]) -> Read | None:
+        """:meth:`read_records`, answering what could be read when only part of the store
+        answers (a Redis Cluster with a master down); None when nothing could be read."""
         ...
 
     async def record(self, namespace: str, request_id: str | None, update: StatsUpdate) -> bool:
@@ -154,8 +203,22 @@ class StatsStore(Protocol):
 
         ``[]``: applied and claimed. When some of ``request_ids`` were already claimed in
         ``namespace``, nothing is applied or claimed and the answer lists those ids (the caller
-        writes again without their requests). None when the store is unreachable.
+        writes again without their requests). None when the store is unreachable. (A store
+        that writes in parts, a Redis Cluster, takes at most one request id here: several
+        requests go through :meth:`record_requests`.)
         """
+        ...
+
+    async def record_requests(
+        self,
+        namespace: str,
+        requests: Sequence[RequestWrite],
+        update: StatsUpdate,
+        refold: Refold,
+    ) -> list[Outcome]:
+        """Write ``update``, the folded writes of ``requests`` (in that order), each request
+        counted once under its id: what became of each request (see the module's docstring).
+        ``refold`` folds the records again without requests counted before."""
         ...
 
     @property
@@ -175,15 +238,74 @@ class StatsStore(Protocol):
     async def close(self) -> None: ...
 
 
+class WholeWrites(Protocol):
+    async def record_many(
+        self, namespace: str, request_ids: Sequence[str], update: StatsUpdate
+    ) -> list[str] | None: ...
+
+
+async def record_whole(
+    store: WholeWrites,
+    namespace: str,
+    requests: Sequence[RequestWrite],
+    update: StatsUpdate,
+    refold: Refold,
+) -> list[Outcome]:
+    """:meth:`StatsStore.record_requests` for a store that applies a write whole: the update
+    with every request id, again without the requests whose ids were counted before (folded
+    again), until it is written (each try leaves one out at least)."""
+    outcomes: list[Outcome] = [LOST] * len(requests)
+    left = list(range(len(requests)))
+    while True:
+        ids = [rid for i in left if (rid := requests[i].request_id) is not None]
+        claimed = await store.record_many(namespace, ids, update)
+        if claimed is None:
+            return outcomes
+        if not claimed:
+            for i in left:
+                outcomes[i] = COUNTED
+            return outcomes
+        before = set(claimed)
+        rest = [i for i in left if requests[i].request_id not in before]
+        if not rest or len(rest) == len(left):
+            # (nothing left to write, or a store that answers ids it was not given)
+            for i in left:
+                if requests[i].request_id in before:
+                    outcomes[i] = DUPLICATE
+            return outcomes
+        for i in left:
+            if requests[i].request_id in before:
+                outcomes[i] = DUPLICATE
+        left = rest
+        kept = set(rest)
+        without = {
+            r.request_id
+            for i, r in enumerate(requests)
+            if i not in kept and r.request_id is not None
+        }
+        keys = {key for i in rest for key in requests[i].keys}
+        records = await refold(keys, without)
+        update = StatsUpdate(records, merge_token_stats([requests[i].tokens for i in rest]))
+
+
 __all__ = [
+    "COUNTED",
+    "DUPLICATE",
+    "LOST",
     "ORDERS",
     "OnDuration",
     "OnError",
     "OnUp",
+    "Outcome",
+    "Read",
     "RecordKey",
+    "Refold",
+    "RequestWrite",
     "StatsStore",
     "StatsUpdate",
     "StoreStatus",
+    "WholeWrites",
     "check_order",
+    "record_whole",
     "token_stats_response",
 ]

@@ -18,7 +18,18 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .base import RecordKey, StatsUpdate, StoreStatus, check_order, token_stats_response
+from .base import (
+    Outcome,
+    Read,
+    RecordKey,
+    Refold,
+    RequestWrite,
+    StatsUpdate,
+    StoreStatus,
+    check_order,
+    record_whole,
+    token_stats_response,
+)
 from .blobs import TokenStatsUpdate, empty_token_stats, merge_token_stats, token_columns
 
 DEFAULT_TTL_SECONDS = 7 * 24 * 3600
@@ -88,6 +99,10 @@ class MemoryStatsStore:
         entries = [self._records.get((namespace, key)) for key in keys]
         return [e[1] if e is not None and e[0] > now else None for e in entries]
 
+    async def read_partly(self, namespace: str, keys: Sequence[RecordKey]) -> Read | None:
+        records = await self.read_records(namespace, keys)
+        return None if records is None else Read(records)
+
     @property
     def writable(self) -> bool:
         return True
@@ -124,6 +139,15 @@ class MemoryStatsStore:
         while len(self._tokens) > self.max_namespaces:
             del self._tokens[next(iter(self._tokens))]
         return []
+
+    async def record_requests(
+        self,
+        namespace: str,
+        requests: Sequence[RequestWrite],
+        update: StatsUpdate,
+        refold: Refold,
+    ) -> list[Outcome]:
+        return await record_whole(self, namespace, requests, update, refold)
 
     def _drop_record(self, key: tuple[str, RecordKey]) -> None:
         entry = self._records.pop(key, None)

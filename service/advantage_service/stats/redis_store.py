@@ -1,8 +1,13 @@
-"""The Redis stats store: shared by every replica, survives restarts of the service.
+"""The Redis stats store: shared by every replica, survives restarts of the service. On one
+Redis (this layout, unchanged since the stateful-term protocol) or on a Redis Cluster (the
+cluster layout, below): the store asks the node of its URL which at its first contact.
 
-Layout (``P`` = prefix, ``{N}`` = the namespace percent-encoded, in braces so that a Redis
-Cluster keeps a namespace's keys in one slot, which multi-key scripts need). The statistics
-format is in :mod:`.blobs`; records are the terms' opaque bytes.
+One Redis
+---------
+
+Layout (``P`` = prefix, ``{N}`` = the namespace percent-encoded, in braces: one namespace's keys
+share a hash slot). The statistics format is in :mod:`.blobs`; records are the terms' opaque
+bytes.
 
 - ``P:{N}:<space>:<key>``: string, one record of a term (key space ``history``: a prompt's
   key-token history, keyed by prompt id).
@@ -56,56 +61,108 @@ again; the connection pools reconnect by themselves, so no restart is needed. An
 nothing more can be evicted) fails that operation only (counted, no backoff): reads go on, and
 a refused write pipeline commits nothing (the commit script is refused as a whole; staged
 records expire).
+
+A Redis Cluster
+---------------
+
+One namespace in one slot would put a training run's whole history on one master; the cluster
+layout (:mod:`.redis_cluster`, with its key names) spreads it instead, and keeps every guarantee
+above without a script that spans slots:
+
+- **Records** are hashed by (namespace, key space, key): a run's prompts spread over all 16384
+  slots, so over every master (within 3% of their mean for 10k prompts on 3 masters).
+- **Statistics** go to ``buckets`` tables per namespace (``ADV_REDIS_CLUSTER_BUCKETS``, 16),
+  each in a slot of its own with its own deltas, compacted record and lock (compaction is the
+  one above, per bucket). A request's statistics go to the bucket of its request id (a request
+  without an id: the bucket of its write), so no key is written by every request;
+  ``token_stats`` reads every bucket (one pipeline per master) and merges them.
+- **Counted, per slot.** A write (the writer's round: several requests, :meth:`record_requests`)
+  is cut into parts, one per slot. Each part is a pipeline to that slot's master: stage its
+  records, then one script that, atomically on that slot, finds the part's own write key (a
+  resent part: applied before, nothing to do), else checks the claims *in this slot* of every
+  request id that wrote into the part and, only if none was claimed, claims them all and moves
+  the records into place. A part where some ids were counted before applies nothing; the store
+  folds its records again without those requests (``refold``: the term's fold of the other
+  visits) and sends it again (same write id). Parts of other slots apply meanwhile. So a
+  request id is counted once in each slot it touches, whoever writes it: a resend (to any
+  replica, at any time within the TTL) applies only the parts an earlier write left missing
+  (a master that was down) and repeats none, and two replicas writing the same request at once
+  each apply the parts they claimed first, the other's parts without it.
+- **Complete before counted.** The records go first (every part at once, one pipeline per
+  master); only the requests whose every part is now written (by this write or an earlier one)
+  go on to the second step, their statistics, one part per bucket, claimed the same way. So the
+  statistics (``rollouts_counted``) count a request only once its history is all written, and
+  exactly once: the request is ``counted`` by the write that claimed its statistics,
+  ``duplicate`` for the others, ``lost`` (with ``advantage_stats_requests_total{outcome=
+  "lost"}``) while a part is missing; a resend completes it then.
+- **Round trips.** From the service's side a request still makes one read and one write; the
+  read is one pipeline per master its keys live on (3 for 32 prompts on 3 masters, sent at
+  once), the write one per master for the records and then one per master holding the buckets
+  written (coalesced writes of many requests share them).
+- **A master down.** Its slots' parts fail, the others go on: a read answers the records it got
+  and names the keys it could not read (the groups go without history and their records are not
+  written: ``summary.history`` ``partial``, each group's ``history``), a write leaves the
+  requests with a part there ``lost``; the node is skipped for a backoff interval and the view of
+  the slots refreshed until its replica takes over (``/readyz``: ``degraded``). Only when no
+  master answers is the store ``down``.
+- **What a failover can lose.** Redis replicates asynchronously: a master acknowledges a write
+  before its replicas have it. A master that dies in that moment (typically under a millisecond
+  of writes) takes them along and its replica is promoted without them. The service cannot see
+  it (Redis said yes): those prompts' history misses its last visits (their next visit reads the
+  older record: history is a decayed estimate, it goes on), those statistics are not counted,
+  and those claims are gone (a resend of such a request within the TTL would be counted
+  again). Nothing acknowledged is lost while the cluster is healthy, nor by a failover once the
+  replica has caught up.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import logging
-import time
-import uuid
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any
 from urllib.parse import quote
 
 import redis.asyncio as redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
 from .base import (
+    LOST,
     OnDuration,
     OnError,
     OnUp,
+    Outcome,
+    Read,
     RecordKey,
+    Refold,
+    RequestWrite,
     StatsUpdate,
     StoreStatus,
     check_order,
+    record_whole,
     token_stats_response,
 )
-from .blobs import (
-    TokenStatsUpdate,
-    decode_token_stats,
-    encode_token_stats,
-    merge_token_stats,
-    token_columns,
-)
+from .blobs import encode_token_stats, token_columns
 from .memory import DEFAULT_TTL_SECONDS
+from .redis_cluster import DEFAULT_BUCKETS, ClusterLayout
+from .redis_common import (
+    ANONYMOUS_CLAIM_TTL,
+    DEFAULT_COMPACT_AFTER,
+    DEFAULT_LOCK_MS,
+    DeltaKeys,
+    RedisBase,
+    Unavailable,
+    command,
+    merge_records,
+    merge_tables,
+)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "adv"
-# Claims of writes without a request id only guard against resends of their own pipeline.
-ANONYMOUS_CLAIM_TTL = 300
-STAGE_MS = 60_000
-DEFAULT_COMPACT_AFTER = 8
-DEFAULT_LOCK_MS = 30_000
-COMPACT_ROUNDS = 8
-# Arguments longer than this go to the socket as their own buffer, not copied into the command.
-INLINE_ARG_BYTES = 1 << 16
 
 # KEYS: 1 tokdelta, 2 tokstats, 3 toklock, 4 staged delta, 5 the write's own claim (used when it
 # claims no request id), then ARGV[7] request id claims, then pairs (staged record, record).
@@ -157,38 +214,20 @@ end
 return {1, pending, 0}
 """
 
-# KEYS: 1 toklock, 2 staged record, 3 tokstats, 4 tokdelta. ARGV: 1 lock value, 2 deltas
-# merged, 3 TTL, 4 compact after, 5 lock ms. Answers {committed, 1 when the caller keeps the
-# lock to go on (compact_after or more deltas still pending)}; {0, 0} (nothing changed) when the
-# lock is no longer the caller's.
-COMMIT_COMPACTION = b"""
-if redis.call('GET', KEYS[1]) ~= ARGV[1] or redis.call('EXISTS', KEYS[2]) == 0 then
-  redis.call('DEL', KEYS[2])
-  return {0, 0}
-end
-redis.call('RENAME', KEYS[2], KEYS[3])
-redis.call('EXPIRE', KEYS[3], ARGV[3])
-redis.call('LTRIM', KEYS[4], ARGV[2], -1)
-if redis.call('LLEN', KEYS[4]) >= tonumber(ARGV[4]) then
-  redis.call('PEXPIRE', KEYS[1], ARGV[5])
-  return {1, 1}
-end
-redis.call('DEL', KEYS[1])
-return {1, 0}
-"""
 
-T = TypeVar("T")
+class RedisStatsStore(RedisBase):
+    """The Redis :class:`~advantage_service.stats.base.StatsStore` (redis-py asyncio, hiredis),
+    on one Redis or on a Redis Cluster.
 
-
-class _Unavailable(Exception):
-    """The operation did not reach Redis (it failed, or the store is in backoff)."""
-
-
-class RedisStatsStore:
-    """The Redis :class:`~advantage_service.stats.base.StatsStore` (redis-py asyncio, hiredis).
+    ``cluster``: None (the default) asks the node of ``url`` whether it runs in cluster mode
+    (``INFO cluster``) at the first operation that reaches it, and uses the cluster layout
+    (:mod:`.redis_cluster`, redis-py's ``RedisCluster``) when it does; True uses it from the
+    start (the node may be down then); False never asks. ``buckets``: on a cluster, how many
+    keys a namespace's statistics are spread over.
 
     ``on_error(op)``: an operation failed or was skipped during backoff; ``on_duration(op, s)``:
-    an attempted operation's wall time; ``on_up(bool)``: reachability changed. ``op`` is one of
+    an attempted operation's wall time; ``on_up(bool)``: reachability changed;
+    ``on_round_trip()``: a pipeline was sent to a Redis node. ``op`` is one of
     ``read_history`` (a read of records: the terms' history), ``record``, ``compact`` (a
     compaction a write triggered), ``token_stats``, ``ping``. Status is ``down`` until the first
     successful operation (call :meth:`ping` at startup). ``socket_timeout`` bounds every socket
@@ -196,7 +235,7 @@ class RedisStatsStore:
     those of writes and compactions, which run after the response and may carry megabytes.
     ``compact_after``: pending statistics deltas that trigger a compaction; ``lock_ms``: how
     long a compactor may hold the lock. Extra keyword arguments go to
-    ``redis.asyncio.Redis.from_url``.
+    ``redis.asyncio.Redis.from_url`` (and ``RedisCluster.from_url``).
     """
 
     def __init__(
@@ -212,21 +251,30 @@ class RedisStatsStore:
         backoff_max: float = 4.0,
         compact_after: int = DEFAULT_COMPACT_AFTER,
         lock_ms: int = DEFAULT_LOCK_MS,
+        cluster: bool | None = None,
+        buckets: int = DEFAULT_BUCKETS,
         on_error: OnError | None = None,
         on_duration: OnDuration | None = None,
         on_up: OnUp | None = None,
+        on_round_trip: Callable[[], None] | None = None,
         merge: Callable[[list[bytes | None]], bytes] | None = None,
         new_id: Callable[[], str] | None = None,
         **redis_kwargs: Any,
     ) -> None:
-        # merge and new_id are seams for the race tests: a compaction that merges slowly, a
-        # write pipeline resent with the same claim.
-        self.merge = merge if merge is not None else merge_records
-        self.new_id = new_id if new_id is not None else (lambda: uuid.uuid4().hex)
-        self.prefix = prefix
-        self.ttl_seconds = int(ttl_seconds)
-        self.compact_after = max(1, int(compact_after))
-        self.lock_ms = int(lock_ms)
+        super().__init__(
+            prefix=prefix,
+            ttl_seconds=ttl_seconds,
+            backoff_initial=backoff_initial,
+            backoff_max=backoff_max,
+            compact_after=compact_after,
+            lock_ms=lock_ms,
+            on_error=on_error,
+            on_duration=on_duration,
+            on_up=on_up,
+            on_round_trip=on_round_trip,
+            merge=merge,
+            new_id=new_id,
+        )
         options = {
             "socket_connect_timeout": connect_timeout,
             # One immediate retry on a broken connection (a pooled socket that died with a
@@ -239,16 +287,24 @@ class RedisStatsStore:
         }
         self._client = redis.Redis.from_url(url, socket_timeout=socket_timeout, **options)
         self._writer = redis.Redis.from_url(url, socket_timeout=write_timeout, **options)
-        self._backoff_initial = backoff_initial
-        self._backoff_max = backoff_max
-        self._backoff = backoff_initial
-        self._retry_at = 0.0
-        self._up = False
-        self._on_error = on_error
-        self._on_duration = on_duration
-        self._on_up = on_up
 
-    # ---- keys ------------------------------------------------------------------------------
+        def layout() -> ClusterLayout:
+            return ClusterLayout(
+                self,
+                url,
+                socket_timeout=socket_timeout,
+                write_timeout=write_timeout,
+                connect_timeout=connect_timeout,
+                buckets=buckets,
+                **redis_kwargs,
+            )
+
+        self._make_cluster = layout
+        self.cluster: ClusterLayout | None = layout() if cluster else None
+        # Known once the node answered INFO cluster (or told by ``cluster``).
+        self._mode_known = cluster is not None
+
+    # ---- keys (one Redis) --------------------------------------------------------------------
 
     def _ns(self, namespace: str) -> str:
         return f"{self.prefix}:{{{quote(namespace, safe='')}}}"
@@ -272,94 +328,105 @@ class RedisStatsStore:
     def request_key(self, namespace: str, request_id: str) -> str:
         return f"{self._ns(namespace)}:claim:{request_id}"
 
-    # ---- reachability ------------------------------------------------------------------------
+    def delta_keys(self, namespace: str) -> DeltaKeys:
+        return DeltaKeys(
+            delta=self.delta_key(namespace).encode(),
+            compacted=self.compacted_key(namespace).encode(),
+            lock=self.lock_key(namespace).encode(),
+            stage=f"{self._ns(namespace)}:stage",
+        )
+
+    # ---- which layout ------------------------------------------------------------------------
+
+    async def _layout(self) -> ClusterLayout | None:
+        """The cluster layout, or None for one Redis; asks the node once (raises when it does
+        not answer: the caller's operation failed)."""
+        if not self._mode_known:
+            try:
+                info = await self._client.info("cluster")
+            except ResponseError:  # (INFO not allowed, as on some managed Redis: one Redis)
+                info = {}
+            if str(info.get("cluster_enabled", 0)) == "1":
+                log.info("stats store: the Redis node runs in cluster mode: the cluster layout")
+                self.cluster = self._make_cluster()
+            self._mode_known = True
+        return self.cluster
+
+    async def _resolve(self, op: str) -> ClusterLayout | None:
+        """:meth:`_layout` for an operation outside :meth:`_call` (raises Unavailable)."""
+        if self._mode_known:
+            return self.cluster
+        return await self._call(op, self._layout)
 
     @property
     def status(self) -> StoreStatus:
-        return "up" if self._up else "down"
-
-    def _mark(self, up: bool) -> None:
-        if up:
-            self._backoff, self._retry_at = self._backoff_initial, 0.0
-        else:
-            self._retry_at = time.monotonic() + self._backoff
-            self._backoff = min(self._backoff * 2, self._backoff_max)
-        if up != self._up:
-            self._up = up
-            if up:
-                log.info("stats store: Redis reachable")
-            if self._on_up is not None:
-                self._on_up(up)
-
-    def _skipping(self, op: str) -> bool:
-        """True (and counted) while in backoff after a failure: no attempt, no encoding."""
-        if time.monotonic() < self._retry_at:
-            if self._on_error is not None:
-                self._on_error(op)
-            return True
-        return False
-
-    async def _call(self, op: str, fn: Callable[[], Awaitable[T]]) -> T:
-        """Run ``fn`` against Redis, or raise _Unavailable (counted, with backoff)."""
-        if self._skipping(op):
-            raise _Unavailable(op)
-        start = time.perf_counter()
-        try:
-            result = await fn()
-        except ResponseError as exc:
-            # Redis answered, with an error: this operation failed (e.g. "OOM command not
-            # allowed" once maxmemory is reached and nothing more can be evicted), but Redis is
-            # up, so there is no backoff: reads (never refused for memory) go on.
-            log.warning("stats store: Redis refused %s: %s", op, exc)
-            self._mark(True)
-            if self._on_error is not None:
-                self._on_error(op)
-            raise _Unavailable(op) from exc
-        except (TimeoutError, RedisError, OSError) as exc:
-            if self._up:
-                log.warning("stats store: Redis unreachable (%s: %s)", op, exc)
-            self._mark(False)
-            if self._on_error is not None:
-                self._on_error(op)
-            raise _Unavailable(op) from exc
-        finally:
-            if self._on_duration is not None:
-                self._on_duration(op, time.perf_counter() - start)
-        self._mark(True)
-        return result
+        if not self._up:
+            return "down"
+        if self.cluster is not None and self.cluster.degraded:
+            return "degraded"
+        return "up"
 
     async def ping(self) -> bool:
         async def run() -> bool:
+            layout = await self._layout()
+            if layout is not None:
+                return await layout.ping()
             # Both pools: reads and writes go over separate connections.
             return bool(await self._client.ping()) and bool(await self._writer.ping())
 
         try:
             return await self._call("ping", run)
-        except _Unavailable:
+        except Unavailable:
             return False
 
     async def close(self) -> None:
         await self._client.aclose()
         await self._writer.aclose()
+        if self.cluster is not None:
+            await self.cluster.close()
 
-    # ---- records ---------------------------------------------------------------------------
+    # ---- records -----------------------------------------------------------------------------
 
     async def read_records(
         self, namespace: str, keys: Sequence[RecordKey]
     ) -> list[bytes | None] | None:
         if self._skipping("read_history"):
             return None
-        commands = [_command(b"GET", self.record_key(namespace, key).encode()) for key in keys]
+        commands = [command(b"GET", self.record_key(namespace, key).encode()) for key in keys]
+
+        async def run() -> list[bytes | None]:
+            layout = await self._layout()
+            if layout is not None:
+                return await layout.read_records(namespace, keys)
+            return await self._execute(self._client, commands)
+
         try:
-            return await self._call("read_history", lambda: self._execute(self._client, commands))
-        except _Unavailable:
+            return await self._call("read_history", run)
+        except Unavailable:
             return None
 
-    # ---- writes ----------------------------------------------------------------------------
+    async def read_partly(self, namespace: str, keys: Sequence[RecordKey]) -> Read | None:
+        if self._skipping("read_history"):
+            return None
+        try:
+            layout = await self._resolve("read_history")
+        except Unavailable:
+            return None
+        if layout is None:
+            records = await self.read_records(namespace, keys)
+            return None if records is None else Read(records)
+        try:
+            read = await self._call("read_history", lambda: layout.read_partly(namespace, keys))
+        except Unavailable:
+            return None
+        if read.unread:
+            # (counted: part of the cluster did not answer; the store is up, degraded)
+            self.count_error("read_history")
+            if len(read.unread) == len(keys):
+                return None
+        return read
 
-    @property
-    def writable(self) -> bool:
-        return time.monotonic() >= self._retry_at
+    # ---- writes ------------------------------------------------------------------------------
 
     async def record(self, namespace: str, request_id: str | None, update: StatsUpdate) -> bool:
         ids = [] if request_id is None else [request_id]
@@ -368,21 +435,44 @@ class RedisStatsStore:
     async def record_many(
         self, namespace: str, request_ids: Sequence[str], update: StatsUpdate
     ) -> list[str] | None:
+        ids = list(dict.fromkeys(request_ids))
         if self._skipping("record"):
             return None
-        ids = list(dict.fromkeys(request_ids))
+        try:
+            layout = await self._resolve("record")
+        except Unavailable:
+            return None
+        if layout is not None:
+            return await layout.record_many(namespace, ids, update)
         lock = self.new_id()
         commands = await asyncio.to_thread(self._writes, namespace, ids, update, lock)
         try:
             replies = await self._call("record", lambda: self._execute(self._writer, commands))
-        except _Unavailable:
+        except Unavailable:
             return None
         counted, _pending, compact, *claimed = replies[-1]
         if compact:
-            await self.compact(namespace, lock)
+            await self.compact_deltas(self._execute_writes, self.delta_keys(namespace), lock)
         if counted:
             return []
         return [ids[int(i) - 1] for i in claimed]
+
+    async def record_requests(
+        self,
+        namespace: str,
+        requests: Sequence[RequestWrite],
+        update: StatsUpdate,
+        refold: Refold,
+    ) -> list[Outcome]:
+        if self._skipping("record"):
+            return [LOST] * len(requests)
+        try:
+            layout = await self._resolve("record")
+        except Unavailable:
+            return [LOST] * len(requests)
+        if layout is not None:
+            return await layout.record_requests(namespace, requests, update, refold)
+        return await record_whole(self, namespace, requests, update, refold)
 
     def _writes(
         self, namespace: str, request_ids: Sequence[str], update: StatsUpdate, lock: str
@@ -390,16 +480,16 @@ class RedisStatsStore:
         """The write pipeline: stage the records and the delta, then commit (claiming every
         one of ``request_ids``, or, without any, a claim of the write's own)."""
         claim = self.new_id()
-        stage_ms = b"%d" % min(STAGE_MS, 1000 * self.ttl_seconds)
+        stage_ms = self.stage_ms
         staged_delta = self.stage_key(namespace, claim, "d").encode()
         commands = [
-            _command(b"RPUSH", staged_delta, encode_token_stats(update.tokens)),
-            _command(b"PEXPIRE", staged_delta, stage_ms),
+            command(b"RPUSH", staged_delta, encode_token_stats(update.tokens)),
+            command(b"PEXPIRE", staged_delta, stage_ms),
         ]
         pairs: list[bytes] = []
         for i, (key, record) in enumerate(update.records.items()):
             staged = self.stage_key(namespace, claim, i).encode()
-            commands.append(_command(b"SET", staged, record, b"PX", stage_ms))
+            commands.append(command(b"SET", staged, record, b"PX", stage_ms))
             pairs += [staged, self.record_key(namespace, key).encode()]
         keys = [
             self.delta_key(namespace).encode(),
@@ -414,45 +504,15 @@ class RedisStatsStore:
         args = [claim.encode(), b"%d" % self.ttl_seconds, b"%d" % self.ttl_seconds]
         args += [b"%d" % self.compact_after, lock.encode(), b"%d" % self.lock_ms]
         args += [b"%d" % len(request_ids), b"%d" % ANONYMOUS_CLAIM_TTL]
-        commands.append(_command(b"EVAL", COMMIT_WRITE, b"%d" % len(keys), *keys, *args))
+        commands.append(command(b"EVAL", COMMIT_WRITE, b"%d" % len(keys), *keys, *args))
         return commands
 
     async def compact(self, namespace: str, lock: str) -> None:
         """Merge the pending deltas into the compacted record, holding the lock ``lock``."""
-        compacted, delta = self.compacted_key(namespace), self.delta_key(namespace)
-        # At most 2 * compact_after deltas at once (a backlog left by a dead compactor is
-        # worked off over the next writes), so that one compaction's memory stays bounded.
-        last = b"%d" % (2 * self.compact_after - 1)
-        reads = [
-            _command(b"GET", compacted.encode()),
-            _command(b"LRANGE", delta.encode(), b"0", last),
-        ]
+        await self.compact_deltas(self._execute_writes, self.delta_keys(namespace), lock)
 
-        async def run(last_round: bool) -> bool:
-            current, deltas = await self._execute(self._writer, reads)
-            merged = await asyncio.to_thread(self.merge, [current, *deltas])
-            staged = self.stage_key(namespace, lock, "c").encode()
-            keys = [self.lock_key(namespace).encode(), staged, compacted.encode(), delta.encode()]
-            go_on_at = 2**62 if last_round else self.compact_after
-            args = [lock.encode(), b"%d" % len(deltas), b"%d" % self.ttl_seconds]
-            args += [b"%d" % go_on_at, b"%d" % self.lock_ms]
-            stage_ms = b"%d" % min(STAGE_MS, 1000 * self.ttl_seconds)
-            _, (_, go_on) = await self._execute(
-                self._writer,
-                [
-                    _command(b"SET", staged, merged, b"PX", stage_ms),
-                    _command(b"EVAL", COMMIT_COMPACTION, b"4", *keys, *args),
-                ],
-            )
-            return bool(go_on)
-
-        # While writes race ahead, go on with the lock, a few rounds per call at most. On
-        # failure the deltas stay pending; the lock expires after lock_ms.
-        with contextlib.suppress(_Unavailable):
-            for round_ in range(COMPACT_ROUNDS):
-                last_round = round_ == COMPACT_ROUNDS - 1
-                if not await self._call("compact", functools.partial(run, last_round)):
-                    break
+    async def _execute_writes(self, commands: list[list[bytes]]) -> list[Any]:
+        return await self._execute(self._writer, commands)
 
     async def _execute(self, client: redis.Redis, commands: list[list[bytes]]) -> list[Any]:
         """Send RESP-encoded ``commands`` in one write and read their replies: one round trip.
@@ -466,6 +526,7 @@ class RedisStatsStore:
         for attempt in range(2):
             conn = await pool.get_connection()
             try:
+                self.count_round_trip()
                 await conn.send_packed_command(chunks, check_health=False)
                 return [await conn.read_response() for _ in commands]
             except RedisConnectionError:
@@ -480,46 +541,28 @@ class RedisStatsStore:
                 await pool.release(conn)
         raise AssertionError("unreachable")
 
-    # ---- reading the statistics ---------------------------------------------------------------
+    # ---- reading the statistics -------------------------------------------------------------
 
     async def token_stats(self, namespace: str, order: str, limit: int) -> dict[str, Any] | None:
         check_order(order)
         commands = [
-            _command(b"GET", self.compacted_key(namespace).encode()),
-            _command(b"LRANGE", self.delta_key(namespace).encode(), b"0", b"-1"),
+            command(b"GET", self.compacted_key(namespace).encode()),
+            command(b"LRANGE", self.delta_key(namespace).encode(), b"0", b"-1"),
         ]
+
+        async def run() -> list[bytes | None]:
+            layout = await self._layout()
+            if layout is not None:
+                return await layout.statistics_records(namespace)
+            current, deltas = await self._execute(self._client, commands)
+            return [current, *deltas]
+
         try:
-            current, deltas = await self._call(
-                "token_stats", lambda: self._execute(self._client, commands)
-            )
-        except _Unavailable:
+            records = await self._call("token_stats", run)
+        except Unavailable:
             return None
-        table = await asyncio.to_thread(_merge_tables, [current, *deltas])
+        table = await asyncio.to_thread(merge_tables, records)
         return token_stats_response(namespace, table.rollouts, token_columns(table), order, limit)
 
 
-def _merge_tables(records: list[bytes | None]) -> TokenStatsUpdate:
-    """The sum of statistics records (absent or foreign ones count as empty)."""
-    return merge_token_stats([t for t in map(decode_token_stats, records) if t is not None])
-
-
-def merge_records(records: list[bytes | None]) -> bytes:
-    return encode_token_stats(_merge_tables(records))
-
-
-def _command(*args: bytes) -> list[bytes]:
-    """One RESP command as buffers for the socket; long arguments stay their own buffer."""
-    out: list[bytes] = []
-    small = [b"*%d\r\n" % len(args)]
-    for arg in args:
-        if len(arg) > INLINE_ARG_BYTES:
-            small.append(b"$%d\r\n" % len(arg))
-            out += [b"".join(small), arg]
-            small = [b"\r\n"]
-        else:
-            small.append(b"$%d\r\n%s\r\n" % (len(arg), arg))
-    out.append(b"".join(small))
-    return out
-
-
-__all__ = ["DEFAULT_PREFIX", "RedisStatsStore"]
+__all__ = ["DEFAULT_PREFIX", "RedisStatsStore", "merge_records"]

@@ -135,10 +135,12 @@ class Summary(BaseModel):
     zero_signal_groups: int = Field(description="groups whose rollouts all had the same reward")
     device: str
     compute_ms: float
-    history: Literal["none", "applied", "empty", "unavailable"] = Field(
+    history: Literal["none", "applied", "empty", "partial", "unavailable"] = Field(
         description="applied: earlier visits contributed to at least one group; empty: the "
-        "read succeeded and no group had history; unavailable: the stats store could not be "
-        "read (computed without history); none: no history asked for"
+        "read succeeded and no group had history; partial: some groups' history could not be "
+        "read (part of a Redis Cluster did not answer; each group's `history` says which), the "
+        "others' was; unavailable: the stats store could not be read (computed without "
+        "history); none: no history asked for"
     )
     batch_requests: int = Field(
         description="requests computed together in this computation (dynamic batching; 1: "
@@ -168,6 +170,12 @@ RolloutOut = create_model(  # type: ignore[call-overload]
 class GroupOut(BaseModel):
     id: str
     rollouts: list[RolloutOut]  # type: ignore[valid-type]
+    history: Literal["applied", "empty", "unavailable"] | None = Field(
+        None,
+        description="when the request reads history: what this group's read gave (applied: "
+        "earlier visits contributed; empty: nothing stored; unavailable: not read, computed as "
+        "a first visit and not written)",
+    )
 
 
 class AdvantageResponse(BaseModel):
@@ -259,7 +267,10 @@ class Health(BaseModel):
 
 class Readiness(BaseModel):
     ready: bool
-    stats_store: Literal["memory", "up", "down"]
+    stats_store: Literal["memory", "up", "degraded", "down"] = Field(
+        description="degraded: a Redis Cluster of which some masters do not answer (history "
+        "of their slots is unavailable, the rest is served); down: the store does not answer"
+    )
     reason: str | None = None
 
 

@@ -20,7 +20,9 @@ viewer's route answers.
   (``advantage_stats_store_errors_total{op="viewer_keep"}``, reads ``op="viewer_read"``) and
   never fails a request; after a connection failure the store skips (and counts) for a
   backoff interval (0.25 s doubling to 4 s), as the stats store does. A read that cannot reach
-  Redis raises :class:`KeepUnavailable` (the routes answer 503).
+  Redis raises :class:`KeepUnavailable` (the routes answer 503). On a Redis Cluster (found as
+  the stats store finds it, or ``ADV_REDIS_CLUSTER``) the same keys, through redis-py's cluster
+  client: a namespace's keys share one slot.
 """
 
 from __future__ import annotations
@@ -38,10 +40,11 @@ from urllib.parse import quote
 import numpy as np
 import orjson
 import redis.asyncio as redis
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from ..serving.engine import Computed
 from ..wire import jsonio
@@ -298,6 +301,7 @@ class RedisKeep:
         connect_timeout: float = 0.5,
         backoff_initial: float = 0.25,
         backoff_max: float = 4.0,
+        cluster: bool | None = None,
         on_error: OnError | None = None,
     ) -> None:
         self.per_namespace = per_namespace
@@ -309,8 +313,22 @@ class RedisKeep:
             "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
             "decode_responses": False,
         }
-        self._reader = redis.Redis.from_url(url, socket_timeout=socket_timeout, **options)
-        self._writer = redis.Redis.from_url(url, socket_timeout=write_timeout, **options)
+        self._reader: Any = redis.Redis.from_url(url, socket_timeout=socket_timeout, **options)
+        self._writer: Any = redis.Redis.from_url(url, socket_timeout=write_timeout, **options)
+
+        def cluster_clients() -> None:
+            # A namespace's three keys share a hash slot: the script and the read pipelines
+            # go to that slot's master (redis-py's cluster client routes them).
+            del options["retry"]
+            self._reader = RedisCluster.from_url(url, socket_timeout=socket_timeout, **options)
+            self._writer = RedisCluster.from_url(url, socket_timeout=write_timeout, **options)
+            self._script = self._writer.register_script(KEEP_SCRIPT)
+
+        self._cluster_clients = cluster_clients
+        # (unset: asked of the node, as the stats store does, at the first call that reaches it)
+        self._mode_known = cluster is not None
+        if cluster:
+            cluster_clients()
         self._script = self._writer.register_script(KEEP_SCRIPT)
         self._on_error = on_error
         self._backoff_initial = backoff_initial
@@ -371,8 +389,9 @@ class RedisKeep:
             b"%d" % self.ttl_seconds,
         ]
         try:
+            await self._mode()
             kept_now = await self._script(keys=self.keys(kept.namespace), args=args)
-        except (RedisError, OSError, TimeoutError) as exc:
+        except (RedisError, RedisClusterException, OSError, TimeoutError) as exc:
             self._failed(KEEP_OP, exc)
             return False
         self._ok()
@@ -411,14 +430,28 @@ class RedisKeep:
             self._failed(READ_OP, None)
             raise KeepUnavailable("in backoff after a failure")
         try:
+            await self._mode()
             async with self._reader.pipeline(transaction=False) as pipe:
                 await queue(pipe)
                 replies: list[Any] = await pipe.execute()
-        except (RedisError, OSError, TimeoutError) as exc:
+        except (RedisError, RedisClusterException, OSError, TimeoutError) as exc:
             self._failed(READ_OP, exc)
             raise KeepUnavailable(str(exc)) from exc
         self._ok()
         return replies
+
+    async def _mode(self) -> None:
+        """Ask the node once whether it runs in cluster mode (raises when it does not answer)."""
+        if self._mode_known:
+            return
+        try:
+            info = await self._reader.info("cluster")
+        except ResponseError:  # (INFO not allowed, as on some managed Redis: one Redis)
+            info = {}
+        if str(info.get("cluster_enabled", 0)) == "1":
+            await self.close()
+            self._cluster_clients()
+        self._mode_known = True
 
     async def close(self) -> None:
         await self._reader.aclose()
@@ -431,10 +464,14 @@ def make_keep_store(
     max_bytes: int,
     ttl_seconds: int,
     on_error: OnError | None = None,
+    cluster: bool | None = None,
 ) -> KeepStore:
-    """Redis when ``url`` is set (and keeping is on), else memory."""
+    """Redis when ``url`` is set (and keeping is on), else memory. ``cluster``: as the stats
+    store's (``ADV_REDIS_CLUSTER``)."""
     if url and per_namespace > 0:
-        return RedisKeep(url, per_namespace, max_bytes, ttl_seconds, on_error=on_error)
+        return RedisKeep(
+            url, per_namespace, max_bytes, ttl_seconds, cluster=cluster, on_error=on_error
+        )
     return MemoryKeep(per_namespace, max_bytes)
 
 

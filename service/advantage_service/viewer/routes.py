@@ -97,6 +97,7 @@ class Viewer:
             settings.viewer_keep_bytes,
             settings.viewer_keep_ttl_seconds,
             on_error=lambda op: metrics.stats_store_errors_total.labels(op).inc(),
+            cluster=settings.redis_cluster,
         )
         self.token_text: TokenText | None = engine.token_text
         self._pending: set[asyncio.Task[None]] = set()

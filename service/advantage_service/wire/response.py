@@ -38,10 +38,19 @@ def build_response(
     group_index = batch.group_index.cpu().numpy()
     order = np.argsort(group_index, kind="stable")
     sizes = batch.group_sizes.cpu().tolist()
+    # Per group, what its history read gave (when the request reads history): on the group.
+    summary = dict(summary)
+    per_group = summary.pop("group_history", None)
     groups = []
     start = 0
-    for gid, size in zip(batch.group_ids, sizes, strict=True):
-        groups.append({"id": gid, "rollouts": [rows[i] for i in order[start : start + size]]})
+    for g, (gid, size) in enumerate(zip(batch.group_ids, sizes, strict=True)):
+        group: dict[str, Any] = {
+            "id": gid,
+            "rollouts": [rows[i] for i in order[start : start + size]],
+        }
+        if per_group is not None:
+            group["history"] = per_group[g]
+        groups.append(group)
         start += size
     return {
         "request_id": req.request_id,

@@ -86,7 +86,7 @@ class ComputeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., options: _Optional[_Union[ComputeOptions, _Mapping]] = ..., group_ids: _Optional[_Iterable[str]] = ..., group_index: _Optional[_Union[Tensor, _Mapping]] = ..., offsets: _Optional[_Union[Tensor, _Mapping]] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ..., rewards: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., teacher_logprobs: _Optional[_Mapping[str, Tensor]] = ..., entropy: _Optional[_Union[Tensor, _Mapping]] = ..., sum_pi_squared: _Optional[_Union[Tensor, _Mapping]] = ..., is_weights: _Optional[_Union[Tensor, _Mapping]] = ..., returns: _Optional[_Union[Tensor, _Mapping]] = ..., prompt_keys: _Optional[_Iterable[str]] = ..., planning_mask: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class Summary(_message.Message):
-    __slots__ = ("tokens", "rollouts", "groups", "zero_signal_groups", "device", "compute_ms", "history", "batch_requests", "recorded")
+    __slots__ = ("tokens", "rollouts", "groups", "zero_signal_groups", "device", "compute_ms", "history", "batch_requests", "recorded", "group_history")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class Summary(_message.Message):
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     BATCH_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RECORDED_FIELD_NUMBER: _ClassVar[int]
+    GROUP_HISTORY_FIELD_NUMBER: _ClassVar[int]
     tokens: int
     rollouts: int
     groups: int
@@ -105,7 +106,8 @@ class Summary(_message.Message):
     history: str
     batch_requests: int
     recorded: bool
-    def __init__(self, tokens: _Optional[int] = ..., rollouts: _Optional[int] = ..., groups: _Optional[int] = ..., zero_signal_groups: _Optional[int] = ..., device: _Optional[str] = ..., compute_ms: _Optional[float] = ..., history: _Optional[str] = ..., batch_requests: _Optional[int] = ..., recorded: _Optional[bool] = ...) -> None: ...
+    group_history: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tokens: _Optional[int] = ..., rollouts: _Optional[int] = ..., groups: _Optional[int] = ..., zero_signal_groups: _Optional[int] = ..., device: _Optional[str] = ..., compute_ms: _Optional[float] = ..., history: _Optional[str] = ..., batch_requests: _Optional[int] = ..., recorded: _Optional[bool] = ..., group_history: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ComputeResponse(_message.Message):
     __slots__ = ("request_id", "namespace", "estimator_json", "group_ids", "group_index", "offsets", "advantages", "scalars", "diagnostics", "summary")

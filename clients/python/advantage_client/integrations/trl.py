@@ -58,7 +58,7 @@ TRANSPORTS = ("inprocess", "http", "grpc")
 # Codes after which the service could not answer at all (the client's retries spent): only then
 # may the opt-in local fallback step in; a request the service refused is never papered over.
 UNREACHABLE = frozenset(("unavailable", "timeout", "overloaded", "saturated"))
-HISTORY_OUTCOMES = ("applied", "empty", "unavailable")
+HISTORY_OUTCOMES = ("applied", "empty", "partial", "unavailable")
 TeacherHook = Callable[[list[dict[str, Any]], torch.Tensor, torch.Tensor], Mapping[str, Any]]
 
 

@@ -1,0 +1,764 @@
+"""The stats store's layout on a Redis Cluster (redis-py's ``RedisCluster``: its view of the
+slots and nodes, its connections to each node), used by :class:`.RedisStatsStore` when the
+node of ``ADV_REDIS_URL`` runs in cluster mode. The design is in :mod:`.redis_store`.
+
+Every slot ``s`` has a *tag* ``T(s)``: a short string whose hash slot is ``s`` (a table made
+once). Keys (``P`` = prefix, ``N`` = the namespace percent-encoded):
+
+- ``P:{T(s)}:N:<space>:<key>``: a record, where ``s`` = ``CRC16("N:<space>:<key>") mod 16384``:
+  one namespace's records spread over every slot, so over every master;
+- ``P:{T(s)}:N:claim:<request id>``: the request's part in slot ``s`` was counted;
+  ``P:{T(s)}:N:write:<write>``: the write's part in slot ``s`` was applied (five minutes: it
+  makes a resent part apply nothing); ``P:{T(s)}:N:stage:<write>:<i>``: staged records;
+- ``P:{N:b<b>}:tokdelta``, ``:tokstats``, ``:toklock``, ``:claim:<request id>``,
+  ``:write:<write>``, ``:stage:...``: statistics bucket ``b`` (``0 <= b < buckets``), its own
+  slot; a request's statistics go to bucket ``CRC32(request id) mod buckets`` (a request without
+  an id: the bucket of its write), so no key is written by every request.
+
+Each node of a slot receives one pipeline per operation (all the parts of its slots), sent
+concurrently to every node: one round trip from the service's side, one per node it touches
+(at most the number of masters). A node that does not answer fails only its own slots' parts
+and is skipped for a backoff interval (doubling, as the store's); the view of the cluster is
+refreshed (``CLUSTER SLOTS``) while a node is failing and on a ``MOVED`` reply, so the store
+follows a failover without a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import time
+import zlib
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    MovedError,
+    NoScriptError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from .base import (
+    COUNTED,
+    DUPLICATE,
+    LOST,
+    Outcome,
+    Read,
+    RecordKey,
+    Refold,
+    RequestWrite,
+    StatsUpdate,
+)
+from .blobs import TokenStatsUpdate, encode_token_stats, merge_token_stats
+from .redis_common import (
+    ANONYMOUS_CLAIM_TTL,
+    Commands,
+    DeltaKeys,
+    PartlyUnavailable,
+    command,
+)
+
+if TYPE_CHECKING:
+    from .redis_common import RedisBase
+
+DEFAULT_BUCKETS = 16
+# The view of the cluster is refreshed at most this often while a node fails.
+REFRESH_SECONDS = 0.5
+# Redirections (MOVED, ASK) followed per part of an operation.
+REDIRECTS = 2
+
+# One slot's part of a write. KEYS: 1 the write's own key in this slot, then ARGV[4] claims,
+# then pairs (staged record, record), then, when ARGV[6] is 1, the statistics bucket's tokdelta,
+# tokstats, toklock and staged delta. ARGV: 1 the write's id, 2 claim TTL, 3 TTL, 4 claims,
+# 5 TTL of the write's own key, 6 has a delta, 7 compact after, 8 lock value, 9 lock ms.
+# Answers {1, pending deltas, 1 when the caller now holds the compaction lock} when applied
+# (now, or before by the same write); {0, 0, 0, positions of the claims found} when one of the
+# part's request ids was counted in this slot before: nothing is claimed or applied then.
+COMMIT_PART = b"""
+local n = tonumber(ARGV[4])
+local delta = ARGV[6] == '1'
+local last = #KEYS
+if delta then last = last - 4 end
+local function discard()
+  for i = n + 2, last, 2 do redis.call('DEL', KEYS[i]) end
+  if delta then redis.call('DEL', KEYS[last + 4]) end
+end
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  discard()
+  return {1, 0, 0}
+end
+local claimed = {0, 0, 0}
+for i = 2, n + 1 do
+  if redis.call('EXISTS', KEYS[i]) == 1 then claimed[#claimed + 1] = i - 1 end
+end
+if #claimed > 3 then
+  discard()
+  return claimed
+end
+for i = 2, n + 1 do redis.call('SET', KEYS[i], ARGV[1], 'EX', ARGV[2]) end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[5])
+for i = n + 2, last, 2 do
+  if redis.call('EXISTS', KEYS[i]) == 1 then
+    redis.call('RENAME', KEYS[i], KEYS[i + 1])
+    redis.call('EXPIRE', KEYS[i + 1], ARGV[3])
+  end
+end
+if not delta then return {1, 0, 0} end
+local d = last + 1
+redis.call('LMOVE', KEYS[d + 3], KEYS[d], 'LEFT', 'RIGHT')
+redis.call('DEL', KEYS[d + 3])
+redis.call('EXPIRE', KEYS[d], ARGV[3])
+redis.call('EXPIRE', KEYS[d + 1], ARGV[3])
+local pending = redis.call('LLEN', KEYS[d])
+if pending >= tonumber(ARGV[7])
+    and redis.call('SET', KEYS[d + 2], ARGV[8], 'NX', 'PX', ARGV[9]) then
+  return {1, pending, 1}
+end
+return {1, pending, 0}
+"""
+
+
+COMMIT_PART_SHA = hashlib.sha1(COMMIT_PART).hexdigest().encode()
+
+
+@functools.cache
+def slot_tags() -> tuple[str, ...]:
+    """For every hash slot, the shortest string (base 36) whose slot it is."""
+    tags: list[str | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
+    left = REDIS_CLUSTER_HASH_SLOTS
+    i = 0
+    while left:
+        tag = _base36(i)
+        slot = key_slot(tag.encode())
+        if tags[slot] is None:
+            tags[slot] = tag
+            left -= 1
+        i += 1
+    return tuple(t for t in tags if t is not None)
+
+
+def _base36(i: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    out = digits[i % 36]
+    while i >= 36:
+        i //= 36
+        out = digits[i % 36] + out
+    return out
+
+
+class NodeFailed(Exception):
+    """A node did not answer (or is in its backoff after failing)."""
+
+
+@dataclass
+class Part:
+    """Commands for one slot; ``result`` their replies (an error reply in place), or the
+    exception that failed the whole part."""
+
+    slot: int
+    commands: Commands
+    result: list[Any] | BaseException | None = None
+    # The node importing the slot, after an ASK reply.
+    asking: ClusterNode | None = None
+    # The last command by the script's text, for a node that answers NOSCRIPT to its digest.
+    fallback: list[bytes] | None = None
+
+
+@dataclass
+class _NodeState:
+    retry_at: float = 0.0
+    backoff: float = 0.0
+
+
+@dataclass
+class _Pending:
+    """A part of a write still to be applied: its keys, their records, its request ids."""
+
+    slot: int
+    keys: list[RecordKey]
+    requests: list[int]
+    excluded: set[str] = field(default_factory=set)
+
+
+class ClusterLayout:
+    """The cluster's side of :class:`.RedisStatsStore` (reachability and settings are the
+    store's: ``store``)."""
+
+    def __init__(
+        self,
+        store: RedisBase,
+        url: str,
+        *,
+        socket_timeout: float,
+        write_timeout: float,
+        connect_timeout: float,
+        buckets: int,
+        **redis_kwargs: Any,
+    ) -> None:
+        self.store = store
+        self.buckets = max(1, int(buckets))
+        self.read_timeout = socket_timeout
+        # Sends use the write timeout (writes carry megabytes); reads pass the read timeout.
+        self.client = RedisCluster.from_url(
+            url,
+            socket_timeout=write_timeout,
+            socket_connect_timeout=connect_timeout,
+            decode_responses=False,
+            socket_read_size=1 << 20,
+            # The other masters go on serving while one shard has none.
+            require_full_coverage=False,
+            **redis_kwargs,
+        )
+        self._nodes: dict[str, _NodeState] = {}
+        self._refresh_at = 0.0
+        self._stale = False
+
+    # ---- keys --------------------------------------------------------------------------------
+
+    def _ns(self, namespace: str) -> str:
+        return quote(namespace, safe="")
+
+    def record_slot(self, namespace: str, key: RecordKey) -> int:
+        space, name = key
+        return key_slot(f"{self._ns(namespace)}:{space}:{name}".encode())
+
+    def _in_slot(self, slot: int, namespace: str) -> str:
+        return f"{self.store.prefix}:{{{slot_tags()[slot]}}}:{self._ns(namespace)}"
+
+    def record_key(self, namespace: str, key: RecordKey) -> bytes:
+        space, name = key
+        slot = self.record_slot(namespace, key)
+        return f"{self._in_slot(slot, namespace)}:{space}:{name}".encode()
+
+    def _bucket_of(self, name: str) -> int:
+        return zlib.crc32(name.encode()) % self.buckets
+
+    def _bucket(self, namespace: str, bucket: int) -> str:
+        return f"{self.store.prefix}:{{{self._ns(namespace)}:b{bucket}}}"
+
+    def bucket_slot(self, namespace: str, bucket: int) -> int:
+        return key_slot(self._bucket(namespace, bucket).encode())
+
+    def delta_keys(self, namespace: str, bucket: int) -> DeltaKeys:
+        base = self._bucket(namespace, bucket)
+        return DeltaKeys(
+            delta=f"{base}:tokdelta".encode(),
+            compacted=f"{base}:tokstats".encode(),
+            lock=f"{base}:toklock".encode(),
+            stage=f"{base}:stage",
+        )
+
+    # ---- reachability ------------------------------------------------------------------------
+
+    @property
+    def degraded(self) -> bool:
+        """Some masters of the cluster's current view did not answer their last call."""
+        primaries = {node.name for node in self.client.get_primaries()}
+        return any(name in primaries for name in self._nodes)
+
+    def _failed(self, node: ClusterNode) -> None:
+        state = self._nodes.get(node.name)
+        if state is None:
+            state = self._nodes[node.name] = _NodeState(backoff=self.store._backoff_initial)
+        state.retry_at = time.monotonic() + state.backoff
+        state.backoff = min(state.backoff * 2, self.store._backoff_max)
+        self._stale = True
+
+    def _answered(self, node: ClusterNode) -> None:
+        self._nodes.pop(node.name, None)
+
+    def _skipped(self, node: ClusterNode) -> bool:
+        state = self._nodes.get(node.name)
+        return state is not None and time.monotonic() < state.retry_at
+
+    async def _view(self) -> None:
+        """Make sure the client knows the cluster's slots; refresh them (at most every
+        REFRESH_SECONDS) after a node failed. Raises when no node answers."""
+        await self.client.initialize()
+        now = time.monotonic()
+        if self._stale and now >= self._refresh_at:
+            self._refresh_at = now + REFRESH_SECONDS
+            self._stale = False
+            await self.client.nodes_manager.initialize()
+            known = self.client.nodes_manager.nodes_cache
+            self._nodes = {name: state for name, state in self._nodes.items() if name in known}
+
+    async def ping(self) -> bool:
+        """Ping every master at once (those in their backoff count as failed): True when one
+        answered at least (the store is up, maybe degraded); raises when none did."""
+        await self._view()
+        pings = [(node, Part(0, [command(b"PING")])) for node in self.client.get_primaries()]
+        await asyncio.gather(
+            *(self._run_node(node, [part], self.read_timeout) for node, part in pings)
+        )
+        if not pings or all(_failed_part(part) for _, part in pings):
+            raise RedisConnectionError("no master of the Redis Cluster answered")
+        return True
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    # ---- sending -----------------------------------------------------------------------------
+
+    async def run(self, parts: Sequence[Part], timeout: float | None = None) -> None:
+        """Send every part to the master of its slot: one pipeline per node, all nodes at once;
+        each part gets its replies or its failure. Follows MOVED and ASK replies (the view is
+        updated) up to REDIRECTS times. Raises when the cluster cannot be reached at all."""
+        await self._view()
+        todo = list(parts)
+        for hop in range(REDIRECTS + 1):
+            by_node: dict[str, tuple[ClusterNode, list[Part]]] = {}
+            for part in todo:
+                try:
+                    node = part.asking or self.client.nodes_manager.get_node_from_slot(part.slot)
+                except (RedisClusterException, RedisError) as exc:  # (a slot no node serves)
+                    part.result = exc
+                    self._stale = True
+                    continue
+                by_node.setdefault(node.name, (node, []))[1].append(part)
+            await asyncio.gather(
+                *(self._run_node(node, group, timeout) for node, group in by_node.values())
+            )
+            redirected = []
+            for part in todo:
+                error = _redirect(part.result)
+                if error is None or hop == REDIRECTS:
+                    continue
+                part.asking = None
+                if isinstance(error, MovedError):
+                    await self.client.nodes_manager.move_slot(error)
+                else:
+                    part.asking = self.client.nodes_manager.get_node(
+                        host=error.host, port=error.port
+                    )
+                    if part.asking is None:
+                        continue
+                redirected.append(part)
+            if not redirected:
+                break
+            todo = redirected
+
+    async def _run_node(self, node: ClusterNode, parts: list[Part], timeout: float | None) -> None:
+        if self._skipped(node):
+            for part in parts:
+                part.result = NodeFailed(node.name)
+            return
+        commands: Commands = []
+        for part in parts:
+            if part.asking is not None:
+                # (a slot being migrated: ASKING lets the importing node answer the next command)
+                commands += [c for cmd in part.commands for c in (ASKING, cmd)]
+            else:
+                commands += part.commands
+        try:
+            replies = await self._send(node, commands, timeout)
+        except (TimeoutError, RedisError, OSError) as exc:
+            self._failed(node)
+            for part in parts:
+                part.result = exc
+            return
+        self._answered(node)
+        start = 0
+        for part in parts:
+            count = len(part.commands) * (2 if part.asking is not None else 1)
+            mine = replies[start : start + count]
+            start += count
+            part.result = mine[1::2] if part.asking is not None else mine
+            if any(isinstance(r, (ClusterDownError, TryAgainError)) for r in part.result):
+                self._stale = True
+
+    async def _send(
+        self, node: ClusterNode, commands: Commands, timeout: float | None
+    ) -> list[Any]:
+        """``commands`` to ``node`` in one write, their replies (error replies in place): one
+        round trip. A broken pooled connection is retried once at once on a fresh one (safe:
+        reads, and the idempotent parts of writes)."""
+        chunks = [chunk for cmd in commands for chunk in cmd]
+        for attempt in range(2):
+            conn = node.acquire_connection()
+            try:
+                self.store.count_round_trip()
+                await conn.send_packed_command(chunks, check_health=False)
+                replies: list[Any] = []
+                for _ in commands:
+                    try:
+                        replies.append(await conn.read_response(timeout=timeout))
+                    except ResponseError as exc:
+                        replies.append(exc)
+                return replies
+            except RedisConnectionError:
+                await conn.disconnect()
+                if attempt:
+                    raise
+            except BaseException:
+                # Replies may be left unread: the connection cannot be reused.
+                await conn.disconnect()
+                raise
+            finally:
+                node.release(conn)
+        raise AssertionError("unreachable")
+
+    async def run_one(self, slot: int, commands: Commands, timeout: float | None = None) -> Any:
+        """``commands`` on the master of ``slot``: their replies; raises the part's failure
+        (an error reply among them included)."""
+        part = Part(slot, commands)
+        await self.run([part], timeout)
+        result = part.result
+        if isinstance(result, BaseException):
+            raise PartlyUnavailable(str(result)) from result
+        assert result is not None
+        for reply in result:
+            if isinstance(reply, BaseException):
+                raise reply
+        return result
+
+    # ---- records -----------------------------------------------------------------------------
+
+    async def read_records(self, namespace: str, keys: Sequence[RecordKey]) -> list[bytes | None]:
+        """The records of ``keys``; raises PartlyUnavailable when a node did not answer."""
+        read = await self.read_partly(namespace, keys)
+        if read.unread:
+            raise PartlyUnavailable(f"{len(read.unread)} of {len(keys)} records not read")
+        return read.records
+
+    async def read_partly(self, namespace: str, keys: Sequence[RecordKey]) -> Read:
+        """The records of ``keys``, those on nodes that did not answer left unread."""
+        parts = [
+            Part(
+                self.record_slot(namespace, key), [command(b"GET", self.record_key(namespace, key))]
+            )
+            for key in keys
+        ]
+        await self.run(parts, self.read_timeout)
+        records: list[bytes | None] = []
+        unread = set()
+        for i, part in enumerate(parts):
+            if _failed_part(part):
+                unread.add(i)
+                records.append(None)
+            else:
+                assert isinstance(part.result, list)
+                records.append(part.result[0])
+        return Read(records, frozenset(unread))
+
+    # ---- writes ------------------------------------------------------------------------------
+
+    async def record_many(
+        self, namespace: str, request_ids: Sequence[str], update: StatsUpdate
+    ) -> list[str] | None:
+        """One request's write (at most one id: several requests of a write go through
+        :meth:`record_requests`, which keeps each one's share apart)."""
+        if len(request_ids) > 1:
+            raise ValueError(
+                "on a Redis Cluster a write counts each request in parts: write several "
+                "requests with record_requests"
+            )
+        rid = request_ids[0] if request_ids else None
+        request = RequestWrite(rid, tuple(update.records), update.tokens)
+
+        async def refold(keys: Collection[RecordKey], without: Collection[str]) -> Records:
+            return {} if rid in without else {k: update.records[k] for k in keys}
+
+        (outcome,) = await self.record_requests(namespace, [request], update, refold)
+        if outcome == COUNTED:
+            return []
+        return None if outcome == LOST or rid is None else [rid]
+
+    async def record_requests(
+        self,
+        namespace: str,
+        requests: Sequence[RequestWrite],
+        update: StatsUpdate,
+        refold: Refold,
+    ) -> list[Outcome]:
+        """Write the records part by part (one per slot), then the statistics of the requests
+        whose every part is written (one part per bucket): see :mod:`.redis_store`."""
+        store = self.store
+        if store._skipping("record"):
+            return [LOST] * len(requests)
+        write = store.new_id()
+        lock = store.new_id()
+        start = time.perf_counter()
+        outcomes: list[Outcome] = [LOST] * len(requests)
+        try:
+            failed = await self._write_records(namespace, requests, update, refold, write)
+            written = [i for i in range(len(requests)) if i not in failed]
+            compact = await self._write_statistics(
+                namespace, requests, written, write, lock, outcomes
+            )
+        except (TimeoutError, RedisError, RedisClusterException, OSError) as exc:
+            # (the cluster could not be reached at all: the store's backoff)
+            store.unreachable("record", exc)
+            return outcomes
+        finally:
+            if store._on_duration is not None:
+                store._on_duration("record", time.perf_counter() - start)
+        store._mark(True)
+        if failed or LOST in outcomes:
+            store.count_error("record")
+        for bucket in compact:
+            slot = self.bucket_slot(namespace, bucket)
+            await store.compact_deltas(
+                functools.partial(self.run_one, slot), self.delta_keys(namespace, bucket), lock
+            )
+        return outcomes
+
+    async def _write_records(
+        self,
+        namespace: str,
+        requests: Sequence[RequestWrite],
+        update: StatsUpdate,
+        refold: Refold,
+        write: str,
+    ) -> set[int]:
+        """Apply the records part by part; the requests with a part that failed."""
+        records = dict(update.records)
+        writers: dict[RecordKey, list[int]] = {}
+        for i, request in enumerate(requests):
+            for key in request.keys:
+                writers.setdefault(key, []).append(i)
+        by_slot: dict[int, _Pending] = {}
+        for key in records:
+            slot = self.record_slot(namespace, key)
+            pending = by_slot.setdefault(slot, _Pending(slot, [], []))
+            pending.keys.append(key)
+        for pending in by_slot.values():
+            pending.requests = sorted({i for key in pending.keys for i in writers.get(key, [])})
+        failed: set[int] = set()
+        todo = list(by_slot.values())
+        # Each round leaves out one request of a part at least: it ends.
+        while todo:
+            parts = [self._record_part(namespace, p, requests, records, write) for p in todo]
+            await self._run_parts(parts)
+            again = []
+            for pending, part in zip(todo, parts, strict=True):
+                reply = _script_reply(part)
+                if reply is None:
+                    failed.update(pending.requests)
+                    continue
+                if reply[0]:
+                    continue
+                ids = _part_ids(pending, requests)
+                claimed = {ids[int(i) - 1] for i in reply[3:]}
+                if not claimed:
+                    failed.update(pending.requests)
+                    continue
+                pending.excluded |= claimed
+                pending.requests = [
+                    i for i in pending.requests if requests[i].request_id not in claimed
+                ]
+                folded = await refold(pending.keys, pending.excluded)
+                records.update(folded)
+                pending.keys = [key for key in pending.keys if key in folded]
+                if pending.keys:
+                    again.append(pending)
+            todo = again
+        return failed
+
+    def _record_part(
+        self,
+        namespace: str,
+        pending: _Pending,
+        requests: Sequence[RequestWrite],
+        records: dict[RecordKey, bytes],
+        write: str,
+    ) -> Part:
+        base = self._in_slot(pending.slot, namespace)
+        commands: Commands = []
+        pairs: list[bytes] = []
+        stage_ms = self.store.stage_ms
+        for i, key in enumerate(pending.keys):
+            staged = f"{base}:stage:{write}:{i}".encode()
+            commands.append(command(b"SET", staged, records[key], b"PX", stage_ms))
+            pairs += [staged, self.record_key(namespace, key)]
+        ids = _part_ids(pending, requests)
+        keys = [
+            f"{base}:write:{write}".encode(),
+            *(f"{base}:claim:{rid}".encode() for rid in ids),
+            *pairs,
+        ]
+        by_digest, by_text = self._commit(keys, write, len(ids), delta=False, lock="")
+        return Part(pending.slot, [*commands, by_digest], fallback=by_text)
+
+    def _commit(
+        self, keys: list[bytes], write: str, ids: int, *, delta: bool, lock: str
+    ) -> tuple[list[bytes], list[bytes]]:
+        """The commit script's command by its digest (a write has a part per slot it touches,
+        and the script's text would travel with each), and by its text (for a node that does
+        not know it yet: see :meth:`_run_parts`)."""
+        store = self.store
+        args = [write.encode(), b"%d" % store.ttl_seconds, b"%d" % store.ttl_seconds]
+        args += [b"%d" % ids, b"%d" % ANONYMOUS_CLAIM_TTL, b"1" if delta else b"0"]
+        args += [b"%d" % store.compact_after, lock.encode(), b"%d" % store.lock_ms]
+        tail = [b"%d" % len(keys), *keys, *args]
+        return command(b"EVALSHA", COMMIT_PART_SHA, *tail), command(b"EVAL", COMMIT_PART, *tail)
+
+    async def _run_parts(self, parts: Sequence[Part]) -> None:
+        """:meth:`run` for parts that end with the commit script; those sent to a node that had
+        not loaded it (NOSCRIPT: nothing of them applied) go again with the script's text."""
+        await self.run(parts)
+        unknown = []
+        for part in parts:
+            result = part.result
+            if isinstance(result, list) and result and isinstance(result[-1], NoScriptError):
+                assert part.fallback is not None
+                part.commands[-1] = part.fallback
+                unknown.append(part)
+        if unknown:
+            await self.run(unknown)
+
+    async def _write_statistics(
+        self,
+        namespace: str,
+        requests: Sequence[RequestWrite],
+        written: list[int],
+        write: str,
+        lock: str,
+        outcomes: list[Outcome],
+    ) -> list[int]:
+        """Count the statistics of the ``written`` requests, one part per bucket (setting
+        their ``outcomes``); the buckets whose compaction lock this write now holds."""
+        by_bucket: dict[int, list[int]] = {}
+        for i in written:
+            rid = requests[i].request_id
+            bucket = self._bucket_of(rid if rid is not None else write)
+            by_bucket.setdefault(bucket, []).append(i)
+        compact: list[int] = []
+        todo = dict(by_bucket)
+        while todo:
+            order = list(todo)
+            groups = [[requests[i].tokens for i in todo[b]] for b in order]
+            tables = await asyncio.to_thread(_merge_each, groups)
+            parts = [
+                self._statistics_part(
+                    namespace, b, table, [requests[i] for i in todo[b]], write, lock
+                )
+                for b, table in zip(order, tables, strict=True)
+            ]
+            await self._run_parts(parts)
+            again: dict[int, list[int]] = {}
+            for bucket, part in zip(order, parts, strict=True):
+                members = todo[bucket]
+                reply = _script_reply(part)
+                if reply is None:
+                    continue  # (their outcome stays LOST)
+                if reply[0]:
+                    for i in members:
+                        outcomes[i] = COUNTED
+                    if reply[2]:
+                        compact.append(bucket)
+                    continue
+                ids = [rid for i in members if (rid := requests[i].request_id) is not None]
+                claimed = {ids[int(p) - 1] for p in reply[3:]}
+                rest = [i for i in members if requests[i].request_id not in claimed]
+                for i in members:
+                    if requests[i].request_id in claimed:
+                        outcomes[i] = DUPLICATE
+                if rest and len(rest) < len(members):
+                    again[bucket] = rest
+            todo = again
+        return compact
+
+    def _statistics_part(
+        self,
+        namespace: str,
+        bucket: int,
+        table: TokenStatsUpdate,
+        members: list[RequestWrite],
+        write: str,
+        lock: str,
+    ) -> Part:
+        keys = self.delta_keys(namespace, bucket)
+        base = self._bucket(namespace, bucket)
+        staged = f"{base}:stage:{write}:d".encode()
+        ids = [r.request_id for r in members if r.request_id is not None]
+        commands = [
+            command(b"RPUSH", staged, encode_token_stats(table)),
+            command(b"PEXPIRE", staged, self.store.stage_ms),
+        ]
+        script_keys = [
+            f"{base}:write:{write}".encode(),
+            *(f"{base}:claim:{rid}".encode() for rid in ids),
+            keys.delta,
+            keys.compacted,
+            keys.lock,
+            staged,
+        ]
+        by_digest, by_text = self._commit(script_keys, write, len(ids), delta=True, lock=lock)
+        return Part(self.bucket_slot(namespace, bucket), [*commands, by_digest], fallback=by_text)
+
+    # ---- reading the statistics -------------------------------------------------------------
+
+    async def statistics_records(self, namespace: str) -> list[bytes | None]:
+        """Every bucket's compacted record and pending deltas; raises PartlyUnavailable when a
+        node did not answer (the statistics would be short)."""
+        parts = []
+        for bucket in range(self.buckets):
+            keys = self.delta_keys(namespace, bucket)
+            commands = [
+                command(b"GET", keys.compacted),
+                command(b"LRANGE", keys.delta, b"0", b"-1"),
+            ]
+            parts.append(Part(self.bucket_slot(namespace, bucket), commands))
+        await self.run(parts, self.read_timeout)
+        out: list[bytes | None] = []
+        for part in parts:
+            result = part.result
+            if isinstance(result, BaseException) or result is None:
+                raise PartlyUnavailable(f"slot {part.slot}: {result}")
+            current, deltas = result
+            if isinstance(current, BaseException) or isinstance(deltas, BaseException):
+                raise PartlyUnavailable(f"slot {part.slot}: {current} {deltas}")
+            out += [current, *deltas]
+        return out
+
+
+Records = dict[RecordKey, bytes]
+ASKING = command(b"ASKING")
+
+
+def _redirect(result: list[Any] | BaseException | None) -> AskError | None:
+    """The first MOVED or ASK reply among a part's replies."""
+    if isinstance(result, list):
+        for reply in result:
+            if isinstance(reply, AskError):  # (MovedError is an AskError)
+                return reply
+    return None
+
+
+def _merge_each(groups: list[list[TokenStatsUpdate]]) -> list[TokenStatsUpdate]:
+    return [merge_token_stats(tables) for tables in groups]
+
+
+def _failed_part(part: Part) -> bool:
+    result = part.result
+    return not isinstance(result, list) or any(isinstance(r, BaseException) for r in result)
+
+
+def _script_reply(part: Part) -> list[Any] | None:
+    """The reply of a part's commit script; None when the part failed."""
+    result = part.result
+    if not isinstance(result, list) or not result:
+        return None
+    reply = result[-1]
+    if isinstance(reply, BaseException) or not isinstance(reply, list):
+        return None
+    return reply
+
+
+def _part_ids(pending: _Pending, requests: Sequence[RequestWrite]) -> list[str]:
+    return [rid for i in pending.requests if (rid := requests[i].request_id) is not None]
+
+
+__all__ = ["DEFAULT_BUCKETS", "ClusterLayout", "slot_tags"]
