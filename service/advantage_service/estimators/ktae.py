@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..batch import RolloutBatch, Span, repeat_runs
+from ..batch import RolloutBatch, Span, fresh, repeat_runs
 from ..errors import RequestError
 from .baselines import group_sum
 from .fisher import fisher_two_sided_grouped, margin_grid
@@ -415,10 +415,15 @@ class KeyTokenTables:
         return self.spread(torch.arange(m, dtype=torch.int32, device=self.group.device), m)
 
 
-def gather_tables(values: torch.Tensor, table: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+def gather_tables(
+    values: torch.Tensor, table: torch.Tensor, fill: float = 0.0, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Per-table ``values`` (M,) at each token of ``table`` (:meth:`KeyTokenTables.
-    table_of_token`): (N,), ``fill`` at tokens not tabulated."""
-    return torch.cat([values, values.new_full((1,), fill)]).index_select(0, table)
+    table_of_token`): (N,) (into ``out`` when given), ``fill`` at tokens not tabulated."""
+    extended = torch.cat([values, values.new_full((1,), fill)])
+    if out is None:
+        return extended.index_select(0, table)
+    return torch.index_select(extended, 0, table, out=out)
 
 
 def _nonzero(flags: torch.Tensor) -> torch.Tensor:
@@ -482,8 +487,10 @@ def tabulate(
     if ignore is not None and ignore.numel():
         not_ignored = ~torch.isin(batch.tokens, ignore.to(batch.tokens.dtype))
         keep = not_ignored if keep is None else keep & not_ignored
-    # (a multiply, not <<: the shift has no vectorised CPU kernel)
-    key |= tokens.to(key_dtype, copy=True).mul_(1 << low_bits)
+    # The token ids' bits are 0 in the prefix, so adding them is or-ing them, in one pass and no
+    # temporary (a multiply, not <<: the shift has no vectorised CPU kernel). A dropped token's
+    # key leaves the sign it was marked with here, but it is left out below by ``keep``.
+    key.add_(tokens if tokens.dtype == key_dtype else tokens.to(key_dtype), alpha=1 << low_bits)
     kept_at = None
     if keep is not None:
         kept_at = _nonzero(keep)
@@ -491,13 +498,14 @@ def tabulate(
     key, order = torch.sort(key)
     if kept_at is not None:  # (order: positions in the batch, not among the kept tokens)
         order = kept_at.index_select(0, order)
-    table_key = key >> rank_bits
+    new_rollout = torch.ones_like(key, dtype=torch.bool)
+    torch.ne(key[1:], key[:-1], out=new_rollout[1:])
+    # (in place: the keys are the tables' now)
+    table_key = key.bitwise_right_shift_(rank_bits)
     is_correct = table_key & 1
     table_key >>= 1
-    new_table = torch.ones_like(key, dtype=torch.bool)
+    new_table = torch.ones_like(new_rollout)
     torch.ne(table_key[1:], table_key[:-1], out=new_table[1:])
-    new_rollout = torch.ones_like(new_table)
-    torch.ne(key[1:], key[:-1], out=new_rollout[1:])
     # Run bounds: each table's first sorted position, then the end.
     first = _nonzero(new_table)
     bounds = torch.cat([first, first.new_full((1,), key.numel())])
@@ -560,13 +568,17 @@ def statistics_diagnostics(
     names = [name for name in STATISTICS if name in wanted]
     if not names:
         return {}
+    # One fresh block for every row: fresh memory costs a page fault per page on first touch,
+    # which one large allocation (huge pages on the CPU) mostly avoids; the rows are contiguous.
+    block = fresh((len(names), batch.num_tokens), torch.float32, batch.device)
+    rows = dict(zip(names, block, strict=True))
     n_c, n_w = totals[:, 0], totals[:, 1]
     out: dict[str, torch.Tensor] = {}
     if "ktae_n_correct" in wanted or "ktae_n_wrong" in wanted:
         group_of_token = batch.per_token(batch.group_index)
         for name, column in (("ktae_n_correct", n_c), ("ktae_n_wrong", n_w)):
             if name in wanted:
-                out[name] = column.float().index_select(0, group_of_token)
+                out[name] = torch.index_select(column.float(), 0, group_of_token, out=rows[name])
     per_table = [name for name in names if name not in out]
     if not per_table:
         return out
@@ -585,14 +597,14 @@ def statistics_diagnostics(
     for name in per_table:
         per_table_values = values[name]
         if per_table_values is None:  # (tf off)
-            out[name] = torch.zeros(batch.num_tokens, dtype=torch.float32, device=batch.device)
+            out[name] = rows[name].zero_()
             continue
         if name == "ktae_p":
             per_table_values = per_table_values.masked_fill(~contrast, 1.0)
         elif name == "ktae_tf":
             per_table_values = per_table_values.masked_fill(~contrast, 0.0)
         fill = 1.0 if name == "ktae_p" else 0.0
-        out[name] = gather_tables(per_table_values.float(), table, fill)
+        out[name] = gather_tables(per_table_values.float(), table, fill, out=rows[name])
     return {name: out[name] for name in names}
 
 
