@@ -33,7 +33,7 @@ from .ktae_history import (
     prompt_ids,
 )
 from .registry import Param, TermContext, TermOutput, register_term
-from .state import TermState, TermWrites, WriteOptions
+from .state import TermState, TermWrites, TokenCounts, WriteOptions
 
 # "p is 1" within float rounding: such a token carries no evidence, so its Fisher factor is 0.
 P_IS_ONE = 1.0 - 1e-6
@@ -305,15 +305,18 @@ def _tf(
     return tf_contrast(occ_c, occ_w, group, len_c, len_w, params["tf_k1"], params["tf_b"])
 
 
-def _merged_counts(tables: KeyTokenTables, prior: HistoryPrior) -> torch.Tensor:
-    """float64 (M, 4): each table's a, b, occ_c, occ_w with the prior's added."""
+def _merged_counts(
+    tables: KeyTokenTables, prior: HistoryPrior
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 (M, 4): each table's a, b, occ_c, occ_w with the prior's added; and int64 (M,)
+    where each table's row is in its prompt's stored history (-1: none), for the write."""
     # (the prior's counts of each table, 0 for tokens it lacks)
-    merged = prior.lookup(tables.group, tables.token)
+    merged, rows = prior.lookup_rows(tables.group, tables.token)
     merged[:, 0] += tables.a
     merged[:, 1] += tables.b
     merged[:, 2] += tables.occ_c
     merged[:, 3] += tables.occ_w
-    return merged
+    return merged, rows
 
 
 def _association_with_prior(
@@ -614,13 +617,15 @@ def statistics_diagnostics(
 @dataclass
 class KtaeState:
     """What a KTAE computation leaves for its writes: the tables, their scores, which groups
-    were scored (contrast in the merged counts), and each group's own totals float64 (G, 4)
-    n_c, n_w, len_c, len_w."""
+    were scored (contrast in the merged counts), each group's own totals float64 (G, 4)
+    n_c, n_w, len_c, len_w, and, with history, each table's row in its prompt's stored
+    history (int64 (M,), -1: none; what the lookup found, so the write need not search)."""
 
     tables: KeyTokenTables
     score: torch.Tensor
     scored: torch.Tensor
     totals: torch.Tensor
+    stored_rows: torch.Tensor | None = None
 
 
 def _select(state: KtaeState, span: Span) -> KtaeState:
@@ -630,6 +635,7 @@ def _select(state: KtaeState, span: Span) -> KtaeState:
         score=state.score[m_lo:m_hi],
         scored=state.scored[span.groups],
         totals=state.totals[span.groups],
+        stored_rows=None if state.stored_rows is None else state.stored_rows[m_lo:m_hi],
     )
 
 
@@ -647,11 +653,13 @@ def _writes(
     """History records (when the visit read its prior) and the key scores of the scored tables
     (``key_sum``, ``key_count``: their mean is the token's key score)."""
     tables = state.tables
-    scored = state.scored.index_select(0, tables.group)
-    token = tables.token[scored]
-    columns = {
-        "key_sum": (token, state.score[scored].double()),
-        "key_count": (token, torch.ones_like(token)),
+    token, score = tables.token, state.score
+    if not bool(state.scored.all()):
+        scored = state.scored.index_select(0, tables.group)
+        token, score = token[scored], score[scored]
+    columns: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {
+        "key_sum": (token, score.double()),
+        "key_count": (token, None),
     }
     records: dict[str, HistoryVisit] = {}
     if prior is not None and params["history"] != "none":
@@ -664,8 +672,43 @@ def _writes(
             current,
             prior,
             float(params["history_decay"]),
+            state.stored_rows,
         )
-    return TermWrites(records=dict(records), columns=columns)
+    return TermWrites(records=dict(records), columns=columns, counts=_counts(tables, params))
+
+
+def _counts(tables: KeyTokenTables, params: Mapping[str, Any]) -> TokenCounts | None:
+    """The request's vocabulary counts (:class:`TokenCounts`) from its tables, when they hold
+    every token of the batch and split the rollouts as the statistics do (reward > 0): per
+    token id, the sums of its tables' counts over the groups. None otherwise (groups left out
+    without contrast, ignored ids, another threshold): the engine counts them itself."""
+    if tables.order.numel() != tables.num_tokens or params["correct_threshold"] != 0.0:
+        return None
+    token = tables.token.cpu().numpy()
+    columns = (tables.a, tables.b, tables.run)
+    a, b, run = (c.cpu().numpy().astype(np.float64, copy=False) for c in columns)
+    largest = int(token.max()) if token.size else -1
+    if largest < max(4 * token.size, 1 << 20):
+        size, ids = largest + 1, token
+        occurrences = np.bincount(ids, weights=run, minlength=size)
+        uniq = np.flatnonzero(occurrences)
+        occurrences = occurrences[uniq]
+    else:
+        uniq, inverse = np.unique(token, return_inverse=True)
+        size, ids = uniq.size, inverse.reshape(-1)
+        occurrences = np.bincount(ids, weights=run, minlength=size)
+
+    def summed(values: np.ndarray) -> np.ndarray:
+        per_id = np.bincount(ids, weights=values, minlength=size)
+        return per_id if per_id.size == uniq.size else per_id[uniq]
+
+    # (whole counts summed in float64: exact)
+    return TokenCounts(
+        ids=uniq.astype(np.int64),
+        correct=summed(a).astype(np.int64),
+        wrong=summed(b).astype(np.int64),
+        occurrences=occurrences.astype(np.int64),
+    )
 
 
 def _fold(visits: Sequence[HistoryVisit], options: WriteOptions) -> bytes:
@@ -740,6 +783,7 @@ def ktae(batch: RolloutBatch, params: Mapping[str, Any], ctx: TermContext) -> Te
     prior: HistoryPrior | None = None if ctx.read is None else ctx.read.result()
     g = tables.group
     tf: torch.Tensor | None
+    stored_rows = None
     if prior is None:
         assoc = association_lookup(n_c, n_w, g, tables.a, tables.b, params, parts=stats)
         counts = (tables.a, tables.b)
@@ -752,7 +796,7 @@ def ktae(batch: RolloutBatch, params: Mapping[str, Any], ctx: TermContext) -> Te
             len_w + prior.len_w,
         )
         contrast = (n_c > 0) & (n_w > 0)
-        merged = _merged_counts(tables, prior)
+        merged, stored_rows = _merged_counts(tables, prior)
         assoc = _association_with_prior(merged, g, n_c, n_w, params)
         counts = (merged[:, 0], merged[:, 1])
         occ_c, occ_w = merged[:, 2].contiguous(), merged[:, 3].contiguous()
@@ -771,7 +815,7 @@ def ktae(batch: RolloutBatch, params: Mapping[str, Any], ctx: TermContext) -> Te
                 batch, tables, table, merged_totals, assoc, counts, tf, wanted
             ),
         },
-        state=KtaeState(tables, score, contrast, totals),
+        state=KtaeState(tables, score, contrast, totals, stored_rows),
     )
 
 
