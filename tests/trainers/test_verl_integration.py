@@ -369,9 +369,7 @@ def test_prompt_keys_hash_each_prompts_own_tokens_once_per_uid() -> None:
     fetched = adv_verl.prompt_hashes(
         [torch.tensor([9, 8, 1, 2]), torch.tensor([5, 6, 7])], np.array(["b", "a"])
     )
-    token = adv_verl._V1_STEP.set(
-        {"estimator": fn, "prompt_keys": (np.array(["b", "a"]), fetched)}
-    )
+    token = adv_verl._V1_STEP.set({"estimator": fn, "prompt_keys": (np.array(["b", "a"]), fetched)})
     try:
         assert list(adv_verl._prompt_keys(data, fn, np.array(["a", "b", "a"]))) == [
             want[0],
