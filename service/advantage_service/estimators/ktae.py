@@ -12,7 +12,6 @@ more rollout containing the token. Everything after the sort is elementwise or a
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -403,9 +402,9 @@ class KeyTokenTables:
     def spread(self, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """Per-table ``values`` (M,) -> per-token (N,), ``fill`` at tokens that were not
         tabulated."""
-        every = self.order.numel() == self.num_tokens
-        new = torch.empty if every else functools.partial(torch.full, fill_value=fill)
-        out = new((self.num_tokens,), dtype=values.dtype, device=values.device)
+        out = fresh((self.num_tokens,), values.dtype, values.device)
+        if self.order.numel() != self.num_tokens:
+            out.fill_(fill)
         # (scatter_: ~3x faster than out[order] = ... on CPU; with the batch positions in
         # order, one scatter places every tabulated token, a masked second pass none)
         return out.scatter_(0, self.order, repeat_runs(values, self._starts(), self.order.numel()))
@@ -443,10 +442,10 @@ def _compress(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return values[keep]
 
 
-def _segment_sums(flags: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+def _segment_sums(flags: torch.Tensor, bounds: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     """Sum of ``flags`` over each run [bounds[i], bounds[i + 1]) of the sorted positions,
-    float64 (M,): differences of one cumulative sum at the run bounds."""
-    total = torch.zeros(flags.numel() + 1, dtype=torch.int32, device=flags.device)
+    float64 (M,): differences of one cumulative sum at the run bounds. ``total``: int32
+    scratch (K + 1,) starting with 0, shared by the sums (one fresh array, not one each)."""
     torch.cumsum(flags, 0, dtype=torch.int32, out=total[1:])
     at_bounds = total.index_select(0, bounds).double()
     return at_bounds[1:] - at_bounds[:-1]
@@ -500,7 +499,9 @@ def tabulate(
         key = _compress(key, keep)
     key, order = torch.sort(key)
     if kept_at is not None:  # (order: positions in the batch, not among the kept tokens)
-        order = kept_at.index_select(0, order)
+        order = torch.index_select(
+            kept_at, 0, order, out=fresh((order.numel(),), torch.int64, order.device)
+        )
     new_rollout = torch.ones_like(key, dtype=torch.bool)
     torch.ne(key[1:], key[:-1], out=new_rollout[1:])
     # (in place: the keys are the tables' now)
@@ -513,9 +514,11 @@ def tabulate(
     first = _nonzero(new_table)
     bounds = torch.cat([first, first.new_full((1,), key.numel())])
     starts = bounds[:-1]
-    occ_c = _segment_sums(is_correct, bounds)
-    a = _segment_sums(new_rollout & is_correct.bool(), bounds)
-    present = _segment_sums(new_rollout, bounds)
+    scratch = fresh((key.numel() + 1,), torch.int32, key.device)
+    scratch[:1] = 0
+    occ_c = _segment_sums(is_correct, bounds, scratch)
+    a = _segment_sums(new_rollout & is_correct.bool(), bounds, scratch)
+    present = _segment_sums(new_rollout, bounds, scratch)
     run = bounds[1:] - starts
     heads = table_key.index_select(0, starts).long()
     token = heads & ((1 << vocab_bits) - 1)
