@@ -442,6 +442,17 @@ def _compress(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return values[keep]
 
 
+def _positions(kept_at: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``kept_at[order]``: the batch positions of the sorted kept tokens (int64)."""
+    if order.device.type == "cpu":
+        # In place over ``order`` (numpy's take without its buffer: each index is read before
+        # its slot is written), no fresh array.
+        out = order.numpy()
+        np.take(kept_at.numpy(), out, out=out, mode="clip")
+        return order
+    return kept_at.index_select(0, order)
+
+
 def _segment_sums(flags: torch.Tensor, bounds: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     """Sum of ``flags`` over each run [bounds[i], bounds[i + 1]) of the sorted positions,
     float64 (M,): differences of one cumulative sum at the run bounds. ``total``: int32
@@ -499,9 +510,7 @@ def tabulate(
         key = _compress(key, keep)
     key, order = torch.sort(key)
     if kept_at is not None:  # (order: positions in the batch, not among the kept tokens)
-        order = torch.index_select(
-            kept_at, 0, order, out=fresh((order.numel(),), torch.int64, order.device)
-        )
+        order = _positions(kept_at, order)
     new_rollout = torch.ones_like(key, dtype=torch.bool)
     torch.ne(key[1:], key[:-1], out=new_rollout[1:])
     # (in place: the keys are the tables' now)
