@@ -193,7 +193,8 @@ class Association:
     """Per table (M,) float64: ``strength`` (w_F F + w_IG IG) / (w_F + w_IG) and ``h`` (Cohen's
     h), 0 where the group has no contrast (no correct or no wrong rollout); and, when the
     statistics diagnostics ask for them, the parts: ``p`` (the Fisher p-value), ``fisher``
-    (F = exp(-2p), 0 where p is 1) and ``ig`` (bits), F and IG 0 without contrast as well."""
+    (F = exp(-2p), 0 where p is 1) and ``ig`` (bits), F and IG 0 without contrast as well
+    (float32 when gathered for the diagnostics alone, which are float32)."""
 
     strength: torch.Tensor
     h: torch.Tensor
@@ -206,7 +207,8 @@ class Association:
         ``parts``."""
 
         def pick(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.reshape(-1).index_select(0, at)
+            # (rounded on the small grid, then gathered: the float32 of the gathered value)
+            return None if t is None else t.reshape(-1).float().index_select(0, at)
 
         return Association(
             strength=self.strength.reshape(-1).index_select(0, at),
@@ -588,15 +590,14 @@ def statistics_diagnostics(
     block = fresh((len(names), batch.num_tokens), torch.float32, batch.device)
     rows = dict(zip(names, block, strict=True))
     n_c, n_w = totals[:, 0], totals[:, 1]
-    out: dict[str, torch.Tensor] = {}
     if "ktae_n_correct" in wanted or "ktae_n_wrong" in wanted:
-        group_of_token = batch.per_token(batch.group_index)
+        group_of_token = batch.per_token(batch.group_index.to(torch.int32))
         for name, column in (("ktae_n_correct", n_c), ("ktae_n_wrong", n_w)):
             if name in wanted:
-                out[name] = torch.index_select(column.float(), 0, group_of_token, out=rows[name])
-    per_table = [name for name in names if name not in out]
+                torch.index_select(column.float(), 0, group_of_token, out=rows[name])
+    per_table = [name for name in names if name not in ("ktae_n_correct", "ktae_n_wrong")]
     if not per_table:
-        return out
+        return rows
     assert table is not None and parts is not None
     assert parts.p is not None and parts.fisher is not None and parts.ig is not None
     contrast = ((n_c > 0) & (n_w > 0)).index_select(0, tables.group)
@@ -609,18 +610,21 @@ def statistics_diagnostics(
         "ktae_h": parts.h,
         "ktae_tf": tf,
     }
-    for name in per_table:
+    # The per-table float32 values, each followed by its value at tokens outside the tables,
+    # in one fresh block (each gathered from its row by the tokens' tables).
+    m = tables.group.numel()
+    source = fresh((len(per_table), m + 1), torch.float32, batch.device)
+    for name, row in zip(per_table, source, strict=True):
         per_table_values = values[name]
         if per_table_values is None:  # (tf off)
-            out[name] = rows[name].zero_()
+            rows[name].zero_()
             continue
-        if name == "ktae_p":
-            per_table_values = per_table_values.masked_fill(~contrast, 1.0)
-        elif name == "ktae_tf":
-            per_table_values = per_table_values.masked_fill(~contrast, 0.0)
-        fill = 1.0 if name == "ktae_p" else 0.0
-        out[name] = gather_tables(per_table_values.float(), table, fill, out=rows[name])
-    return {name: out[name] for name in names}
+        row[:m].copy_(per_table_values)
+        row[m] = 1.0 if name == "ktae_p" else 0.0
+        if name in ("ktae_p", "ktae_tf"):
+            row[:m].masked_fill_(~contrast, 1.0 if name == "ktae_p" else 0.0)
+        torch.index_select(row, 0, table, out=rows[name])
+    return rows
 
 
 # ---- state across requests: history per prompt, key scores in the vocabulary statistics --------
