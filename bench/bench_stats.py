@@ -39,6 +39,12 @@ Prints per backend, medians over the visits after the first (history present):
 
 Pass --threads 1 on a machine with few cores: torch's intra-op threads then do not fight
 redis-server and the event loop for the cores, and the timings are stable.
+
+``--writer``: only the writer's cost, quickly (no engine, no Redis): per visit, the request's
+statistics update (``StateSession.update``: the history records and the vocabulary statistics,
+what the writer's worker builds after the answer) against its computation (given its prior),
+timed interleaved ``--repeats`` times, wall and CPU time; the ratio of the medians over the
+visits after the first (goal: update <= 0.5x the computation).
 """
 
 from __future__ import annotations
@@ -74,7 +80,7 @@ from advantage_service.estimators.ktae_history import (
     decode_history,
     prompt_ids,
 )
-from advantage_service.estimators.state import Compression, PendingRead
+from advantage_service.estimators.state import Compression, PendingRead, WriteOptions
 from advantage_service.observability.metrics import Metrics
 from advantage_service.serving.engine import Engine
 from advantage_service.serving.term_state import StateSession
@@ -287,6 +293,40 @@ async def run_backend(
     return summary
 
 
+async def writer_cost(
+    device: torch.device, visits: int, repeats: int, compression: Compression
+) -> dict[str, float]:
+    """The writer's cost per request against the request's computation (see the module's
+    docstring, ``--writer``): medians in seconds, and their ratios."""
+    spec = resolve_estimator(ESTIMATOR)
+    store = MemoryStatsStore()
+    rows: list[dict[str, float]] = []
+    for visit in range(visits):
+        batch = training_batch(seed=visit, teacher=True).to(device)
+        req = ComputeRequest(batch, spec, f"writer-{visit}", "bench", client_request_id=True)
+        session = StateSession(store, req, device, WriteOptions(compression))
+        await session.settle()
+        ctx = session.context
+        result = compute_batch(batch, spec, device, context=ctx)
+        times: dict[str, list[float]] = defaultdict(list)
+        for _ in range(repeats):
+            for name, fn in (
+                ("compute", lambda b=batch, c=ctx: compute_batch(b, spec, device, context=c)),
+                ("update", lambda s=session, r=result: s.update(r)),
+            ):
+                start_cpu = time.process_time()
+                _, seconds = timed(fn, device)  # type: ignore[arg-type]
+                times[name].append(seconds)
+                times[f"{name}_cpu"].append(time.process_time() - start_cpu)
+        assert await session.record(session.update(result))
+        rows.append({k: statistics.median(v) for k, v in times.items()})
+    later = rows[1:] or rows
+    out = {k: statistics.median(r[k] for r in later) for k in rows[0]}
+    out["ratio"] = out["update"] / out["compute"]
+    out["ratio_cpu"] = out["update_cpu"] / out["compute_cpu"]
+    return out
+
+
 def report(name: str, s: dict[str, Any], visits: int) -> None:
     ms = {k: 1000.0 * v for k, v in s.items() if k.endswith("_s")}
     print(f"\n== {name} ==")
@@ -339,11 +379,26 @@ async def main() -> None:
         default="memory,redis,redis-zstd",
         help="comma-separated: memory, redis, redis-zstd (Redis with compressed history)",
     )
+    parser.add_argument(
+        "--writer", action="store_true", help="only the writer's update against the computation"
+    )
+    parser.add_argument("--compression", default="none", choices=("none", "zstd"))
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     results: dict[str, Any] = {"device": device.type, "torch_threads": torch.get_num_threads()}
+    if args.writer:
+        cost = await writer_cost(device, args.visits, args.repeats, args.compression)
+        ms = {k: 1000.0 * v for k, v in cost.items() if not k.startswith("ratio")}
+        print(
+            f"writer, {results['torch_threads']} torch threads, {device.type}, history records "
+            f"{args.compression}: update {ms['update']:.1f} ms (CPU {ms['update_cpu']:.1f}), its "
+            f"computation {ms['compute']:.1f} ms (CPU {ms['compute_cpu']:.1f}): update / "
+            f"computation {cost['ratio']:.2f}x (CPU time {cost['ratio_cpu']:.2f}x; goal <= 0.5)"
+        )
+        print(json.dumps({**results, "writer": cost}, indent=1))
+        return
     for backend in args.backends.split(","):
         if backend == "memory":
             results[backend] = await run_backend(

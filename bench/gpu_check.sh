@@ -16,3 +16,9 @@ if command -v redis-server >/dev/null; then
 fi
 "$PY" bench/bench_merge.py --device cuda
 "$PY" bench/bench_merge.py --device cpu
+# The writer's update against the computation with the batch on the GPU (no Redis needed), and
+# the verl adapter against verl's own GRPO on GPU tensors (when verl is installed).
+"$PY" bench/bench_stats.py --writer --device cuda --visits 5 --repeats 5
+if "$PY" -c "import verl" 2>/dev/null; then
+  "$PY" bench/bench_trainers.py --device cuda --no-remote --repeats 11
+fi

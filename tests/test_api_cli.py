@@ -12,6 +12,8 @@ import pytest
 import torch
 from advantage_service import RolloutBatch, compute, compute_batch
 from advantage_service.estimators import ktae as ktae_module
+from advantage_service.estimators import resolve_estimator
+from advantage_service.estimators.pipeline import estimator_diagnostics
 from oracle import PRESETS, random_request
 
 
@@ -163,6 +165,43 @@ def test_compute_batch_equals_compute(preset):
     assert flat.scalars.dtype == torch.float32
 
 
+@pytest.mark.parametrize(
+    "estimator",
+    ["ktae", "cscr", {"outcome": "rloo", "ktae": {"tf": False}, "cscr": {}, "opsd": {}}],
+    ids=["ktae", "cscr", "rloo_ktae_cscr_opsd"],
+)
+def test_compute_batch_returns_no_diagnostics_unless_asked_with_the_same_numbers(estimator):
+    # As the server computes only what `return` asks for, so does the library: the default is
+    # none, a name or a list asks for those alone, "all" for every one the estimator makes.
+    spec = resolve_estimator(estimator)
+    req = random_request(
+        np.random.default_rng(21),
+        estimator=estimator,
+        n_groups=(3, 4),
+        logprobs=True,
+        teachers=["pos", "neg"],
+    )
+    batch = flat_from_request(req)
+    plain = compute_batch(batch, estimator, "cpu")
+    assert plain.diagnostics == {}
+    every = compute_batch(batch, estimator, "cpu", diagnostics="all")
+    produced = set(estimator_diagnostics(spec)) - {"scalar"}
+    assert set(every.diagnostics) == produced and produced
+    first = sorted(produced)[0]
+    one = compute_batch(batch, estimator, "cpu", diagnostics=first)
+    assert set(one.diagnostics) == {first}
+    torch.testing.assert_close(one.diagnostics[first], every.diagnostics[first], rtol=0, atol=0)
+    for other in (every, one):
+        assert torch.equal(other.advantages, plain.advantages)
+        assert torch.equal(other.scalars, plain.scalars)
+    if "ktae_score" in produced:
+        # The score is the bonus the advantages were built from: A = a_i + kt (no weights here).
+        kt = every.diagnostics["ktae_score"]
+        if "cscr_weight" not in produced and "opsd_reward" not in produced:
+            a_i = plain.scalars[batch.rollout_of_token]
+            torch.testing.assert_close(plain.advantages, a_i + kt, rtol=0, atol=1e-6)
+
+
 def test_compute_takes_numpy_arrays_inside_the_groups_with_the_numbers_of_lists():
     # One builder for every caller: the clients' numpy arrays are what JSON lists are.
     req = random_request(np.random.default_rng(5), estimator="cscr", n_groups=(3, 4), logprobs=True)
@@ -208,8 +247,12 @@ def test_ktae_densifies_token_ids_when_the_packed_key_would_overflow(monkeypatch
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32, torch.float64])
-def test_repeat_runs_equals_repeat_interleave_for_every_bit_pattern(dtype):
-    from advantage_service.batch import repeat_runs
+@pytest.mark.parametrize("way", ["repeat_runs", "repeat_by_cumsum"])
+def test_repeat_runs_equals_repeat_interleave_for_every_bit_pattern(dtype, way):
+    # repeat_runs is numpy's repeat on the CPU; the accelerators' cumulative sum runs here too.
+    from advantage_service import batch as batch_module
+
+    repeat_runs = getattr(batch_module, way)
 
     gen = torch.Generator().manual_seed(3)
     runs = torch.randint(1, 6, (200,), generator=gen)

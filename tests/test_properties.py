@@ -73,7 +73,11 @@ def test_cscr_with_strength_zero_is_the_outcome_baseline(batch):
 @SETTINGS
 @given(batches(teachers=True), st.floats(0.01, 1.0))
 def test_cscr_tokens_below_onset_share_the_largest_weight(batch, strength):
-    result = compute_batch(batch, {"outcome": "grpo", "cscr": {"strength": strength}})
+    result = compute_batch(
+        batch,
+        {"outcome": "grpo", "cscr": {"strength": strength}},
+        diagnostics=("cscr_weight", "sensitivity"),
+    )
     w = result.diagnostics["cscr_weight"]
     s = result.diagnostics["sensitivity"]
     below = s <= 0.05
@@ -98,7 +102,9 @@ def test_grpo_scalars_sum_to_zero_in_every_group_of_two_or_more(batch):
 @SETTINGS
 @given(batches(), st.floats(0.0, 3.0))
 def test_ktae_scores_lie_within_scale_and_vanish_without_contrast(batch, scale):
-    result = compute_batch(batch, {"outcome": "grpo", "ktae": {"scale": scale}})
+    result = compute_batch(
+        batch, {"outcome": "grpo", "ktae": {"scale": scale}}, diagnostics=("ktae_score",)
+    )
     kt = result.diagnostics["ktae_score"]
     assert torch.all(kt.abs() <= scale + 1e-6)
     correct = batch.rewards > 0

@@ -65,6 +65,16 @@ def test_lookup_finds_exactly_the_stored_rows(id_space: int, sorted_pairs: bool,
     want = slow_lookup(stored, group, token)
     np.testing.assert_array_equal(got.numpy(), want)
     assert (got.numpy() != 0).any(axis=1).sum() > 10, "some pairs must have found rows"
+    # Where each pair's row is in its prompt's history: what the write merges into.
+    values, rows = prior.lookup_rows(torch.from_numpy(group), torch.from_numpy(token), path)
+    assert torch.equal(values, got) and rows.dtype == torch.int64
+    want_rows = [
+        int(np.searchsorted(stored[g].tokens, t))
+        if stored[g] is not None and t in set(stored[g].tokens.tolist())
+        else -1
+        for g, t in zip(group.tolist(), token.tolist(), strict=True)
+    ]
+    assert rows.tolist() == want_rows and max(want_rows) > 0
 
 
 def test_lookup_clamps_float32_rounding_to_the_totals() -> None:
@@ -101,3 +111,26 @@ def test_distinct_keys_are_torch_unique(largest: int) -> None:
     assert got.dtype == torch.int64
     assert torch.equal(got, torch.unique(keys))
     assert _distinct(torch.zeros(0, dtype=torch.int64)).numel() == 0
+
+
+@pytest.mark.parametrize("decay", [0.5, 0.3, 0.0])
+def test_a_visit_merged_through_its_lookups_rows_leaves_the_searched_record(decay: float) -> None:
+    """The write merges a visit's counts into the rows its lookup found instead of searching
+    them again: the record is the same, byte for byte."""
+    from advantage_service.estimators.ktae_history import encode_history, merge_history
+
+    rng = np.random.default_rng(int(decay * 10))
+    stored = random_history(rng, 300, 120)
+    stored.values[::7] = 1e-4  # rows the decay prunes
+    tokens = np.unique(rng.integers(0, 300, size=80)).astype(np.int64)
+    values = rng.integers(0, 5, size=(tokens.size, 4)).astype(np.float64)
+    prior = HistoryPrior.from_stored([stored])
+    _, rows = prior.lookup_rows(
+        torch.zeros(tokens.size, dtype=torch.int64), torch.from_numpy(tokens)
+    )
+    assert (rows >= 0).any() and (rows < 0).any()
+    totals = np.array([3.0, 4.0, 50.0, 60.0])
+    given = merge_history(stored, totals, tokens, values, decay, rows.numpy())
+    searched = merge_history(stored, totals, tokens, values, decay)
+    assert encode_history(given) == encode_history(searched)
+    assert given.rows > 0 or decay == 0.0

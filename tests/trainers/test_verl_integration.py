@@ -317,3 +317,66 @@ def test_the_verl_extra_declares_the_tested_version_range() -> None:
     extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
     (verl,) = [Requirement(r) for r in extras["verl"] if r.startswith("verl")]
     assert importlib.metadata.version("verl") in verl.specifier
+
+
+def _blake(ids: list[int]) -> str:
+    import hashlib
+
+    data = np.asarray(ids, dtype="<i8").tobytes()
+    return "p:" + hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def test_prompt_keys_hash_each_prompts_own_tokens_once_per_uid() -> None:
+    """History keys: per uid, a hash of its prompt's tokens without the padding, whatever the
+    padding and the row order; every row of a uid gets it (legacy trainer, and the v1
+    trainer's fetch mapped back onto the step's uids)."""
+    made = adv_verl.register(presets={"hist": {"outcome": "grpo", "ktae": {"history": "prompt"}}})
+    fn = made["adv_hist"]
+    seen: dict[str, Any] = {}
+    real = fn.compute_padded
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    fn.compute_padded = spy
+    pad = 0
+    # uids a, b and c; a and c share the prompt [5, 6, 7] under different left padding
+    prompts = torch.tensor(
+        [[pad, 5, 6, 7], [9, 8, 1, 2], [5, 6, 7, pad], [pad, 5, 6, 7], [9, 8, 1, 2]]
+    )
+    prompt_mask = (prompts != pad).long()
+    uids = np.array(["a", "b", "c", "a", "b"], dtype=object)
+    responses = torch.tensor([[3, 4], [3, 3], [4, 4], [4, 3], [3, 4]])
+    response_mask = torch.ones_like(responses)
+    rewards = torch.zeros(5, 2)
+    rewards[:, -1] = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0])
+    data = DataProto.from_dict(
+        tensors={
+            "prompts": prompts,
+            "responses": responses,
+            "response_mask": response_mask,
+            "attention_mask": torch.cat([prompt_mask, response_mask], 1),
+            "token_level_rewards": rewards,
+        },
+        non_tensors={"uid": uids},
+    )
+    advantages(data, "adv_hist")
+    keys = list(seen["prompt_keys"])
+    want = [_blake([5, 6, 7]), _blake([9, 8, 1, 2]), _blake([5, 6, 7])]
+    assert keys == [want[0], want[1], want[2], want[0], want[1]]
+    # The v1 trainer: its fetch brings (uid, prompt rows) in any order; the step's rows map back.
+    fetched = adv_verl.prompt_hashes(
+        [torch.tensor([9, 8, 1, 2]), torch.tensor([5, 6, 7])], np.array(["b", "a"])
+    )
+    token = adv_verl._V1_STEP.set({"estimator": fn, "prompt_keys": (np.array(["b", "a"]), fetched)})
+    try:
+        assert list(adv_verl._prompt_keys(data, fn, np.array(["a", "b", "a"]))) == [
+            want[0],
+            want[1],
+            want[0],
+        ]
+        with pytest.raises(adv_verl.VerlConfigError, match="'z' was not fetched"):
+            adv_verl._prompt_keys(data, fn, np.array(["a", "z"]))
+    finally:
+        adv_verl._V1_STEP.reset(token)

@@ -77,7 +77,7 @@ def _writes(
     return TermWrites(
         columns={
             "sens_sum": (tokens, s.double()),
-            "sens_count": (tokens, torch.ones_like(tokens)),
+            "sens_count": (tokens, None),
         }
     )
 

@@ -16,9 +16,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
-from ..batch import RolloutBatch, Span, repeat_runs
+from ..batch import RolloutBatch, Span, fresh, repeat_runs
 from ..errors import RequestError
 from .baselines import group_sum
 from .fisher import fisher_two_sided_grouped, margin_grid
@@ -31,7 +32,7 @@ from .ktae_history import (
     prompt_ids,
 )
 from .registry import Param, TermContext, TermOutput, register_term
-from .state import TermState, TermWrites, WriteOptions
+from .state import TermState, TermWrites, TokenCounts, WriteOptions
 
 # "p is 1" within float rounding: such a token carries no evidence, so its Fisher factor is 0.
 P_IS_ONE = 1.0 - 1e-6
@@ -187,6 +188,37 @@ def tf_contrast(
     return (s_c / (s_w + TF_FLOOR)).sub_(s_w.div_(s_c.add_(TF_FLOOR)))
 
 
+@dataclass
+class Association:
+    """Per table (M,) float64: ``strength`` (w_F F + w_IG IG) / (w_F + w_IG) and ``h`` (Cohen's
+    h), 0 where the group has no contrast (no correct or no wrong rollout); and, when the
+    statistics diagnostics ask for them, the parts: ``p`` (the Fisher p-value), ``fisher``
+    (F = exp(-2p), 0 where p is 1) and ``ig`` (bits), F and IG 0 without contrast as well
+    (float32 when gathered for the diagnostics alone, which are float32)."""
+
+    strength: torch.Tensor
+    h: torch.Tensor
+    p: torch.Tensor | None = None
+    fisher: torch.Tensor | None = None
+    ig: torch.Tensor | None = None
+
+    def take(self, at: torch.Tensor, parts: bool) -> Association:
+        """The values at flat positions ``at`` (of tensors of any shape); the parts only when
+        ``parts``."""
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            # (rounded on the small grid, then gathered: the float32 of the gathered value)
+            return None if t is None else t.reshape(-1).float().index_select(0, at)
+
+        return Association(
+            strength=self.strength.reshape(-1).index_select(0, at),
+            h=self.h.reshape(-1).index_select(0, at),
+            p=pick(self.p) if parts else None,
+            fisher=pick(self.fisher) if parts else None,
+            ig=pick(self.ig) if parts else None,
+        )
+
+
 def association(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -195,20 +227,21 @@ def association(
     p: torch.Tensor,
     params: Mapping[str, Any],
     group: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(strength, direction) of a table: ((w_F F + w_IG IG) / (w_F + w_IG), Cohen's h).
+) -> Association:
+    """Strength and direction of tables, with their parts F and IG (:class:`Association`).
 
-    0 for both where the group has no contrast (no correct or no wrong rollout). n_c, n_w
-    broadcast against a, b, or are per group (G,) when ``group`` (M,) maps tables to groups."""
+    n_c, n_w broadcast against a, b, or are per group (G,) when ``group`` (M,) maps tables to
+    groups."""
     w_f, w_ig = params["fisher_weight"], params["ig_weight"]
-    strength = fisher_factor(p).mul_(w_f)
-    strength.add_(information_gain(a, b, n_c, n_w, group), alpha=w_ig).div_(w_f + w_ig)
-    h = cohens_h(a, b, n_c, n_w, group)
     contrast = (n_c > 0) & (n_w > 0)
     if group is not None:
         contrast = contrast.index_select(0, group)
-    no_contrast = ~contrast.expand_as(strength)
-    return strength.masked_fill_(no_contrast, 0.0), h.masked_fill_(no_contrast, 0.0)
+    no_contrast = ~contrast.expand_as(p)
+    fisher = fisher_factor(p).masked_fill_(no_contrast, 0.0)
+    ig = information_gain(a, b, n_c, n_w, group).masked_fill_(no_contrast, 0.0)
+    strength = (fisher * w_f).add_(ig, alpha=w_ig).div_(w_f + w_ig)
+    h = cohens_h(a, b, n_c, n_w, group).masked_fill_(no_contrast, 0.0)
+    return Association(strength, h, p, fisher, ig)
 
 
 def key_token_score(
@@ -231,13 +264,15 @@ def association_lookup(
     a: torch.Tensor,
     b: torch.Tensor,
     params: Mapping[str, Any],
-) -> tuple[torch.Tensor, torch.Tensor]:
+    parts: bool = False,
+) -> Association:
     """:func:`association` for whole-number tables, evaluated once per possible table.
 
     n_c, n_w: per-group float64 (G,) whole numbers; group, a, b: per-table (M,). A group's tables
     all share its margins and have cells of at most the group size, so the Fisher p-value,
     information gain and Cohen's h are computed on the small grid of possible tables per distinct
-    margin pair and gathered, instead of once per (group, token).
+    margin pair and gathered, instead of once per (group, token). ``parts``: gather p, F and IG
+    too (the statistics diagnostics: a few gathers from the same grid, no second computation).
     """
     p, margin_of_group, m1, m2 = margin_grid(n_c.long(), n_w.long())  # p: [margin, a + b, a]
     _, k_count, x_count = p.shape
@@ -245,7 +280,7 @@ def association_lookup(
     a_grid = torch.arange(x_count, dtype=torch.float64, device=dev)[None, None, :]
     k_grid = torch.arange(k_count, dtype=torch.float64, device=dev)[None, :, None]
     b_grid = (k_grid - a_grid).clamp(min=0)
-    strength, h = association(
+    grid = association(
         a_grid.expand_as(p),
         b_grid.expand_as(p),
         m1.double()[:, None, None].expand_as(p),
@@ -254,57 +289,54 @@ def association_lookup(
         params,
     )
     at = (margin_of_group.index_select(0, group) * k_count + (a + b).long()) * x_count + a.long()
-    return strength.reshape(-1).index_select(0, at), h.reshape(-1).index_select(0, at)
+    return grid.take(at, parts)
 
 
-def _score(
-    strength: torch.Tensor,
-    h: torch.Tensor,
+def _tf(
     occ_c: torch.Tensor,
     occ_w: torch.Tensor,
     group: torch.Tensor,
     len_c: torch.Tensor,
     len_w: torch.Tensor,
     params: Mapping[str, Any],
-) -> torch.Tensor:
-    tf = (
-        tf_contrast(occ_c, occ_w, group, len_c, len_w, params["tf_k1"], params["tf_b"])
-        if params["tf"]
-        else None
-    )
-    return key_token_score(strength, h, tf, params["scale"])
+) -> torch.Tensor | None:
+    """The term-frequency contrast of each table (None with ``tf`` off)."""
+    if not params["tf"]:
+        return None
+    return tf_contrast(occ_c, occ_w, group, len_c, len_w, params["tf_k1"], params["tf_b"])
 
 
-def _score_with_prior(
-    tables: KeyTokenTables,
-    prior: HistoryPrior,
-    n_c: torch.Tensor,
-    n_w: torch.Tensor,
-    len_c: torch.Tensor,
-    len_w: torch.Tensor,
-    params: Mapping[str, Any],
+def _merged_counts(
+    tables: KeyTokenTables, prior: HistoryPrior
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores of tables whose counts include decayed history (fractional counts; n_c, n_w,
-    len_c, len_w: the merged per-group totals), and the merged counts float64 (M, 4) a, b,
-    occ_c, occ_w.
-
-    Every table is scored elementwise (with history nearly every group has contrast; those
-    without score 0 through :func:`association`); the per-group terms are computed per group.
-    """
-    g = tables.group
-    # float64 (M, 4): the prior's a, b, occ_c, occ_w of each table, 0 for tokens it lacks.
-    merged = prior.lookup(g, tables.token)
+    """float64 (M, 4): each table's a, b, occ_c, occ_w with the prior's added; and int64 (M,)
+    where each table's row is in its prompt's stored history (-1: none), for the write."""
+    # (the prior's counts of each table, 0 for tokens it lacks)
+    merged, rows = prior.lookup_rows(tables.group, tables.token)
     merged[:, 0] += tables.a
     merged[:, 1] += tables.b
     merged[:, 2] += tables.occ_c
     merged[:, 3] += tables.occ_w
-    a, b, occ_c, occ_w = (column.contiguous() for column in merged.unbind(1))
+    return merged, rows
+
+
+def _association_with_prior(
+    merged: torch.Tensor,
+    group: torch.Tensor,
+    n_c: torch.Tensor,
+    n_w: torch.Tensor,
+    params: Mapping[str, Any],
+) -> Association:
+    """:func:`association` of tables whose counts include decayed history (``merged``, float64
+    (M, 4); n_c, n_w: the merged per-group totals): fractional counts, so every table is
+    evaluated elementwise (with history nearly every group has contrast; those without get 0
+    through :func:`association`), the per-group terms once per group."""
+    a, b = merged[:, 0].contiguous(), merged[:, 1].contiguous()
     # The exact test needs whole tables: decayed counts are rounded for it (only for it).
     p = fisher_two_sided_grouped(
-        n_c.round().long(), n_w.round().long(), g, a.round().long(), b.round().long()
+        n_c.round().long(), n_w.round().long(), group, a.round().long(), b.round().long()
     )
-    strength, h = association(a, b, n_c, n_w, p, params, group=g)
-    return _score(strength, h, occ_c, occ_w, g, len_c, len_w, params), merged
+    return association(a, b, n_c, n_w, p, params, group=group)
 
 
 # ---- the batched contingency tables -----------------------------------------------------------
@@ -315,8 +347,10 @@ class KeyTokenTables:
     """Contingency counts per (group, token id) present in the batch.
 
     ``group``/``token``: int64 (M,); float64 (M,): ``a``/``b`` correct/wrong rollouts containing
-    the token, ``occ_c``/``occ_w`` its occurrences in them. ``order``, ``run`` and ``keep`` map
-    per-table values back to token positions (:meth:`spread`).
+    the token, ``occ_c``/``occ_w`` its occurrences in them. ``order`` (int64 (K,): the batch
+    position of each tabulated token, table by table) and ``run`` (tokens per table) map
+    per-table values back to token positions (:meth:`spread`); K < N when some tokens were
+    left out (groups without contrast, ignored ids).
     """
 
     group: torch.Tensor
@@ -327,7 +361,6 @@ class KeyTokenTables:
     occ_w: torch.Tensor
     order: torch.Tensor
     run: torch.Tensor
-    keep: torch.Tensor | None
     num_tokens: int
     starts: torch.Tensor | None = None  # int64 (M,): first sorted position of each table
 
@@ -336,8 +369,7 @@ class KeyTokenTables:
         """No tables (no tokens, or every group without contrast)."""
         i = torch.zeros(0, dtype=torch.int64, device=device)
         f = torch.zeros(0, dtype=torch.float64, device=device)
-        keep = torch.zeros(num_tokens, dtype=torch.bool, device=device)
-        return cls(i, i, f, f, f, f, i, i, keep, num_tokens)
+        return cls(i, i, f, f, f, f, i, i, num_tokens)
 
     def table_range(self, span: Span) -> tuple[int, int]:
         """The tables [lo, hi) of the groups of ``span`` (tables are ordered by group)."""
@@ -349,11 +381,9 @@ class KeyTokenTables:
         """The tables of the groups of ``span`` (one request of a merged batch), renumbered
         from 0 and mapping to that request's tokens: what tabulating it alone gives."""
         m_lo, m_hi = self.table_range(span)
-        starts = self.starts if self.starts is not None else torch.cumsum(self.run, 0) - self.run
+        starts = self._starts()
         s_lo = int(starts[m_lo]) if m_hi > m_lo else 0
         s_hi = s_lo + int(self.run[m_lo:m_hi].sum())
-        # The request's tokens are contiguous among the kept ones too.
-        kept_lo = span.token_lo if self.keep is None else int(self.keep[: span.token_lo].sum())
         return KeyTokenTables(
             group=self.group[m_lo:m_hi] - span.group_lo,
             token=self.token[m_lo:m_hi],
@@ -361,29 +391,74 @@ class KeyTokenTables:
             b=self.b[m_lo:m_hi],
             occ_c=self.occ_c[m_lo:m_hi],
             occ_w=self.occ_w[m_lo:m_hi],
-            order=self.order[s_lo:s_hi] - kept_lo,
+            # (a request's tables hold its own tokens only)
+            order=self.order[s_lo:s_hi] - span.token_lo,
             run=self.run[m_lo:m_hi],
-            keep=None if self.keep is None else self.keep[span.tokens],
             num_tokens=span.token_hi - span.token_lo,
             starts=starts[m_lo:m_hi] - s_lo,
         )
 
-    def spread(self, values: torch.Tensor) -> torch.Tensor:
-        """Per-table ``values`` (M,) -> per-token (N,), 0 at tokens that were not tabulated."""
-        kept = torch.empty(self.order.numel(), dtype=values.dtype, device=values.device)
-        starts = self.starts if self.starts is not None else torch.cumsum(self.run, 0) - self.run
-        # (order is a permutation: scatter_ is ~3x faster than kept[order] = ... on CPU)
-        kept.scatter_(0, self.order, repeat_runs(values, starts, kept.numel()))
-        if self.keep is None:
-            return kept
-        out = torch.zeros(self.num_tokens, dtype=values.dtype, device=values.device)
-        return out.masked_scatter_(self.keep, kept)
+    def _starts(self) -> torch.Tensor:
+        return self.starts if self.starts is not None else torch.cumsum(self.run, 0) - self.run
+
+    def spread(self, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """Per-table ``values`` (M,) -> per-token (N,), ``fill`` at tokens that were not
+        tabulated."""
+        out = fresh((self.num_tokens,), values.dtype, values.device)
+        if self.order.numel() != self.num_tokens:
+            out.fill_(fill)
+        # (scatter_: ~3x faster than out[order] = ... on CPU; with the batch positions in
+        # order, one scatter places every tabulated token, a masked second pass none)
+        return out.scatter_(0, self.order, repeat_runs(values, self._starts(), self.order.numel()))
+
+    def table_of_token(self) -> torch.Tensor:
+        """int32 (N,): each token's table, M (one past the last) at tokens not tabulated. Many
+        per-table values reach the tokens by one gather each (:func:`gather_tables`) instead of
+        one :meth:`spread` each."""
+        m = self.group.numel()
+        return self.spread(torch.arange(m, dtype=torch.int32, device=self.group.device), m)
 
 
-def _segment_sums(flags: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+def gather_tables(
+    values: torch.Tensor, table: torch.Tensor, fill: float = 0.0, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per-table ``values`` (M,) at each token of ``table`` (:meth:`KeyTokenTables.
+    table_of_token`): (N,) (into ``out`` when given), ``fill`` at tokens not tabulated."""
+    extended = torch.cat([values, values.new_full((1,), fill)])
+    if out is None:
+        return extended.index_select(0, table)
+    return torch.index_select(extended, 0, table, out=out)
+
+
+def _nonzero(flags: torch.Tensor) -> torch.Tensor:
+    """int64 positions where bool ``flags`` (K,) is true, ascending."""
+    if flags.device.type == "cpu":  # (numpy's: several times torch's on the CPU)
+        return torch.from_numpy(np.flatnonzero(flags.numpy()))
+    return torch.nonzero(flags).squeeze(1)
+
+
+def _compress(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``values[keep]`` (keep: bool, values' shape (K,))."""
+    if values.device.type == "cpu":  # (numpy's: several times torch's on the CPU)
+        return torch.from_numpy(np.compress(keep.numpy(), values.numpy()))
+    return values[keep]
+
+
+def _positions(kept_at: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``kept_at[order]``: the batch positions of the sorted kept tokens (int64)."""
+    if order.device.type == "cpu":
+        # In place over ``order`` (numpy's take without its buffer: each index is read before
+        # its slot is written), no fresh array.
+        out = order.numpy()
+        np.take(kept_at.numpy(), out, out=out, mode="clip")
+        return order
+    return kept_at.index_select(0, order)
+
+
+def _segment_sums(flags: torch.Tensor, bounds: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     """Sum of ``flags`` over each run [bounds[i], bounds[i + 1]) of the sorted positions,
-    float64 (M,): differences of one cumulative sum at the run bounds."""
-    total = torch.zeros(flags.numel() + 1, dtype=torch.int32, device=flags.device)
+    float64 (M,): differences of one cumulative sum at the run bounds. ``total``: int32
+    scratch (K + 1,) starting with 0, shared by the sums (one fresh array, not one each)."""
     torch.cumsum(flags, 0, dtype=torch.int32, out=total[1:])
     at_bounds = total.index_select(0, bounds).double()
     return at_bounds[1:] - at_bounds[:-1]
@@ -427,25 +502,34 @@ def tabulate(
     if ignore is not None and ignore.numel():
         not_ignored = ~torch.isin(batch.tokens, ignore.to(batch.tokens.dtype))
         keep = not_ignored if keep is None else keep & not_ignored
-    # (a multiply, not <<: the shift has no vectorised CPU kernel)
-    key |= tokens.to(key_dtype, copy=True).mul_(1 << low_bits)
+    # The token ids' bits are 0 in the prefix, so adding them is or-ing them, in one pass and no
+    # temporary (a multiply, not <<: the shift has no vectorised CPU kernel). A dropped token's
+    # key leaves the sign it was marked with here, but it is left out below by ``keep``.
+    key.add_(tokens if tokens.dtype == key_dtype else tokens.to(key_dtype), alpha=1 << low_bits)
+    kept_at = None
     if keep is not None:
-        key = key[keep]
+        kept_at = _nonzero(keep)
+        key = _compress(key, keep)
     key, order = torch.sort(key)
-    table_key = key >> rank_bits
+    if kept_at is not None:  # (order: positions in the batch, not among the kept tokens)
+        order = _positions(kept_at, order)
+    new_rollout = torch.ones_like(key, dtype=torch.bool)
+    torch.ne(key[1:], key[:-1], out=new_rollout[1:])
+    # (in place: the keys are the tables' now)
+    table_key = key.bitwise_right_shift_(rank_bits)
     is_correct = table_key & 1
     table_key >>= 1
-    new_table = torch.ones_like(key, dtype=torch.bool)
+    new_table = torch.ones_like(new_rollout)
     torch.ne(table_key[1:], table_key[:-1], out=new_table[1:])
-    new_rollout = torch.ones_like(new_table)
-    torch.ne(key[1:], key[:-1], out=new_rollout[1:])
     # Run bounds: each table's first sorted position, then the end.
-    first = torch.nonzero(new_table).squeeze(1)
+    first = _nonzero(new_table)
     bounds = torch.cat([first, first.new_full((1,), key.numel())])
     starts = bounds[:-1]
-    occ_c = _segment_sums(is_correct, bounds)
-    a = _segment_sums(new_rollout & is_correct.bool(), bounds)
-    present = _segment_sums(new_rollout, bounds)
+    scratch = fresh((key.numel() + 1,), torch.int32, key.device)
+    scratch[:1] = 0
+    occ_c = _segment_sums(is_correct, bounds, scratch)
+    a = _segment_sums(new_rollout & is_correct.bool(), bounds, scratch)
+    present = _segment_sums(new_rollout, bounds, scratch)
     run = bounds[1:] - starts
     heads = table_key.index_select(0, starts).long()
     token = heads & ((1 << vocab_bits) - 1)
@@ -458,7 +542,6 @@ def tabulate(
         occ_w=run.double() - occ_c,
         order=order,
         run=run,
-        keep=keep,
         num_tokens=batch.num_tokens,
         starts=starts,
     )
@@ -481,75 +564,67 @@ STATISTICS = (
 )
 
 
-def statistics(
-    tables: KeyTokenTables,
-    n_c: torch.Tensor,
-    n_w: torch.Tensor,
-    len_c: torch.Tensor,
-    len_w: torch.Tensor,
-    params: Mapping[str, Any],
-    merged: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
-    """Per-table (M,) float64 statistics of :data:`STATISTICS` (the counts with history when
-    ``merged``, float64 (M, 4) a, b, occ_c, occ_w, gives the merged counts); n_c, n_w, len_c,
-    len_w: per group (G,). Tables of groups without contrast get 0 but for p = 1."""
-    g = tables.group
-    a, b, occ_c, occ_w = (
-        (tables.a, tables.b, tables.occ_c, tables.occ_w)
-        if merged is None
-        else tuple(column.contiguous() for column in merged.unbind(1))
-    )
-    contrast = ((n_c > 0) & (n_w > 0)).index_select(0, g)
-    p = fisher_two_sided_grouped(
-        n_c.round().long(), n_w.round().long(), g, a.round().long(), b.round().long()
-    )
-    p = p.masked_fill(~contrast, 1.0)
-    tf = (
-        tf_contrast(occ_c, occ_w, g, len_c, len_w, params["tf_k1"], params["tf_b"])
-        if params["tf"]
-        else torch.zeros_like(a)
-    )
-    none = ~contrast
-    return {
-        "ktae_a": a,
-        "ktae_b": b,
-        "ktae_n_correct": n_c.index_select(0, g),
-        "ktae_n_wrong": n_w.index_select(0, g),
-        "ktae_p": p,
-        "ktae_fisher": fisher_factor(p).masked_fill_(none, 0.0),
-        "ktae_ig": information_gain(a, b, n_c, n_w, g).masked_fill_(none, 0.0),
-        "ktae_h": cohens_h(a, b, n_c, n_w, g).masked_fill_(none, 0.0),
-        "ktae_tf": tf.masked_fill(none, 0.0),
-    }
-
-
 def statistics_diagnostics(
     batch: RolloutBatch,
     tables: KeyTokenTables,
+    table: torch.Tensor | None,
     totals: torch.Tensor,
-    params: Mapping[str, Any],
+    parts: Association | None,
+    counts: tuple[torch.Tensor, torch.Tensor],
+    tf: torch.Tensor | None,
     wanted: frozenset[str],
-    merged: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The per-token (N,) float32 statistics of :data:`STATISTICS` in ``wanted``.
-
-    totals: float64 (G, 4) n_c, n_w, len_c, len_w (with history, the merged ones). A token
-    outside the tables (an ignored id, a group without both correct and wrong rollouts) has
-    a = b = 0, p = 1 and 0 statistics; |C| and |W| are its group's in every case."""
+    """The per-token (N,) float32 statistics of :data:`STATISTICS` in ``wanted``, from what
+    the score was computed with: ``parts`` (its :class:`Association` with p, F and IG),
+    ``counts`` (a, b per table, with history the merged ones), ``tf`` (per table; None with tf
+    off) and ``totals`` float64 (G, 4) n_c, n_w, len_c, len_w (with history the merged ones).
+    ``table``: :meth:`KeyTokenTables.table_of_token`. A token outside the tables (an ignored
+    id, a group without both correct and wrong rollouts) has a = b = 0, p = 1 and 0
+    statistics; |C| and |W| are its group's in every case; tables of groups without contrast
+    get 0 but for their counts and p = 1."""
     names = [name for name in STATISTICS if name in wanted]
     if not names:
         return {}
-    n_c, n_w, len_c, len_w = totals.unbind(1)
-    per_table = statistics(tables, n_c, n_w, len_c, len_w, params, merged)
-    out = {name: tables.spread(per_table[name].float()) for name in names}
-    group_of_token = batch.per_token(batch.group_index)
-    for name, column in (("ktae_n_correct", n_c), ("ktae_n_wrong", n_w)):
-        if name in out:
-            out[name] = column.float().index_select(0, group_of_token)
-    if "ktae_p" in out:
-        tabulated = tables.spread(torch.ones(tables.group.numel(), device=n_c.device)) > 0
-        out["ktae_p"] = out["ktae_p"].masked_fill_(~tabulated, 1.0)
-    return out
+    # One fresh block for every row: fresh memory costs a page fault per page on first touch,
+    # which one large allocation (huge pages on the CPU) mostly avoids; the rows are contiguous.
+    block = fresh((len(names), batch.num_tokens), torch.float32, batch.device)
+    rows = dict(zip(names, block, strict=True))
+    n_c, n_w = totals[:, 0], totals[:, 1]
+    if "ktae_n_correct" in wanted or "ktae_n_wrong" in wanted:
+        group_of_token = batch.per_token(batch.group_index.to(torch.int32))
+        for name, column in (("ktae_n_correct", n_c), ("ktae_n_wrong", n_w)):
+            if name in wanted:
+                torch.index_select(column.float(), 0, group_of_token, out=rows[name])
+    per_table = [name for name in names if name not in ("ktae_n_correct", "ktae_n_wrong")]
+    if not per_table:
+        return rows
+    assert table is not None and parts is not None
+    assert parts.p is not None and parts.fisher is not None and parts.ig is not None
+    contrast = ((n_c > 0) & (n_w > 0)).index_select(0, tables.group)
+    values: dict[str, torch.Tensor | None] = {
+        "ktae_a": counts[0],
+        "ktae_b": counts[1],
+        "ktae_p": parts.p,
+        "ktae_fisher": parts.fisher,
+        "ktae_ig": parts.ig,
+        "ktae_h": parts.h,
+        "ktae_tf": tf,
+    }
+    # The per-table float32 values, each followed by its value at tokens outside the tables,
+    # in one fresh block (each gathered from its row by the tokens' tables).
+    m = tables.group.numel()
+    source = fresh((len(per_table), m + 1), torch.float32, batch.device)
+    for name, row in zip(per_table, source, strict=True):
+        per_table_values = values[name]
+        if per_table_values is None:  # (tf off)
+            rows[name].zero_()
+            continue
+        row[:m].copy_(per_table_values)
+        row[m] = 1.0 if name == "ktae_p" else 0.0
+        if name in ("ktae_p", "ktae_tf"):
+            row[:m].masked_fill_(~contrast, 1.0 if name == "ktae_p" else 0.0)
+        torch.index_select(row, 0, table, out=rows[name])
+    return rows
 
 
 # ---- state across requests: history per prompt, key scores in the vocabulary statistics --------
@@ -558,13 +633,15 @@ def statistics_diagnostics(
 @dataclass
 class KtaeState:
     """What a KTAE computation leaves for its writes: the tables, their scores, which groups
-    were scored (contrast in the merged counts), and each group's own totals float64 (G, 4)
-    n_c, n_w, len_c, len_w."""
+    were scored (contrast in the merged counts), each group's own totals float64 (G, 4)
+    n_c, n_w, len_c, len_w, and, with history, each table's row in its prompt's stored
+    history (int64 (M,), -1: none; what the lookup found, so the write need not search)."""
 
     tables: KeyTokenTables
     score: torch.Tensor
     scored: torch.Tensor
     totals: torch.Tensor
+    stored_rows: torch.Tensor | None = None
 
 
 def _select(state: KtaeState, span: Span) -> KtaeState:
@@ -574,6 +651,7 @@ def _select(state: KtaeState, span: Span) -> KtaeState:
         score=state.score[m_lo:m_hi],
         scored=state.scored[span.groups],
         totals=state.totals[span.groups],
+        stored_rows=None if state.stored_rows is None else state.stored_rows[m_lo:m_hi],
     )
 
 
@@ -591,11 +669,13 @@ def _writes(
     """History records (when the visit read its prior) and the key scores of the scored tables
     (``key_sum``, ``key_count``: their mean is the token's key score)."""
     tables = state.tables
-    scored = state.scored.index_select(0, tables.group)
-    token = tables.token[scored]
-    columns = {
-        "key_sum": (token, state.score[scored].double()),
-        "key_count": (token, torch.ones_like(token)),
+    token, score = tables.token, state.score
+    if not bool(state.scored.all()):
+        scored = state.scored.index_select(0, tables.group)
+        token, score = token[scored], score[scored]
+    columns: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {
+        "key_sum": (token, score.double()),
+        "key_count": (token, None),
     }
     records: dict[str, HistoryVisit] = {}
     if prior is not None and params["history"] != "none":
@@ -608,8 +688,43 @@ def _writes(
             current,
             prior,
             float(params["history_decay"]),
+            state.stored_rows,
         )
-    return TermWrites(records=dict(records), columns=columns)
+    return TermWrites(records=dict(records), columns=columns, counts=_counts(tables, params))
+
+
+def _counts(tables: KeyTokenTables, params: Mapping[str, Any]) -> TokenCounts | None:
+    """The request's vocabulary counts (:class:`TokenCounts`) from its tables, when they hold
+    every token of the batch and split the rollouts as the statistics do (reward > 0): per
+    token id, the sums of its tables' counts over the groups. None otherwise (groups left out
+    without contrast, ignored ids, another threshold): the engine counts them itself."""
+    if tables.order.numel() != tables.num_tokens or params["correct_threshold"] != 0.0:
+        return None
+    token = tables.token.cpu().numpy()
+    columns = (tables.a, tables.b, tables.run)
+    a, b, run = (c.cpu().numpy().astype(np.float64, copy=False) for c in columns)
+    largest = int(token.max()) if token.size else -1
+    if largest < max(4 * token.size, 1 << 20):
+        size, ids = largest + 1, token
+        occurrences = np.bincount(ids, weights=run, minlength=size)
+        uniq = np.flatnonzero(occurrences)
+        occurrences = occurrences[uniq]
+    else:
+        uniq, inverse = np.unique(token, return_inverse=True)
+        size, ids = uniq.size, inverse.reshape(-1)
+        occurrences = np.bincount(ids, weights=run, minlength=size)
+
+    def summed(values: np.ndarray) -> np.ndarray:
+        per_id = np.bincount(ids, weights=values, minlength=size)
+        return per_id if per_id.size == uniq.size else per_id[uniq]
+
+    # (whole counts summed in float64: exact)
+    return TokenCounts(
+        ids=uniq.astype(np.int64),
+        correct=summed(a).astype(np.int64),
+        wrong=summed(b).astype(np.int64),
+        occurrences=occurrences.astype(np.int64),
+    )
 
 
 def _fold(visits: Sequence[HistoryVisit], options: WriteOptions) -> bytes:
@@ -659,22 +774,36 @@ def ktae(batch: RolloutBatch, params: Mapping[str, Any], ctx: TermContext) -> Te
         bonus = torch.zeros(batch.num_tokens, dtype=torch.float32, device=device)
         empty = KeyTokenTables.empty(batch.num_tokens, device)
         score = torch.zeros(0, dtype=torch.float64, device=device)
+        none = Association(score, score, score, score, score)
         return TermOutput(
             bonus=bonus,
             diagnostics={
                 "ktae_score": bonus,
-                **statistics_diagnostics(batch, empty, totals, params, ctx.diagnostics),
+                **statistics_diagnostics(
+                    batch,
+                    empty,
+                    empty.table_of_token(),
+                    totals,
+                    none,
+                    (score, score),
+                    score,
+                    ctx.diagnostics,
+                ),
             },
             state=KtaeState(empty, score, contrast, totals),
         )
     tables = tabulate(batch, correct, drop, ctx.ignore_token_ids)
+    wanted = ctx.diagnostics
+    stats = any(name in wanted for name in STATISTICS)
     # A history read still in flight has had the tabulation's time to arrive.
     prior: HistoryPrior | None = None if ctx.read is None else ctx.read.result()
-    merged_counts: torch.Tensor | None = None
+    g = tables.group
+    tf: torch.Tensor | None
+    stored_rows = None
     if prior is None:
-        g = tables.group
-        strength, h = association_lookup(n_c, n_w, g, tables.a, tables.b, params)
-        score = _score(strength, h, tables.occ_c, tables.occ_w, g, len_c, len_w, params)
+        assoc = association_lookup(n_c, n_w, g, tables.a, tables.b, params, parts=stats)
+        counts = (tables.a, tables.b)
+        tf = _tf(tables.occ_c, tables.occ_w, g, len_c, len_w, params)
     else:
         n_c, n_w, len_c, len_w = (
             n_c + prior.n_c,
@@ -683,18 +812,26 @@ def ktae(batch: RolloutBatch, params: Mapping[str, Any], ctx: TermContext) -> Te
             len_w + prior.len_w,
         )
         contrast = (n_c > 0) & (n_w > 0)
-        score, merged_counts = _score_with_prior(tables, prior, n_c, n_w, len_c, len_w, params)
-    bonus = tables.spread(score.float())
+        merged, stored_rows = _merged_counts(tables, prior)
+        assoc = _association_with_prior(merged, g, n_c, n_w, params)
+        counts = (merged[:, 0], merged[:, 1])
+        occ_c, occ_w = merged[:, 2].contiguous(), merged[:, 3].contiguous()
+        tf = _tf(occ_c, occ_w, g, len_c, len_w, params)
+    score = key_token_score(assoc.strength, assoc.h, tf, params["scale"])
+    # The score reaches the tokens by one spread; when statistics are asked for too, each token's
+    # table is found once and every per-table value (the score among them) is one gather.
+    table = tables.table_of_token() if stats else None
+    bonus = tables.spread(score.float()) if table is None else gather_tables(score.float(), table)
     merged_totals = torch.stack([n_c, n_w, len_c, len_w], dim=1)
     return TermOutput(
         bonus=bonus,
         diagnostics={
             "ktae_score": bonus,
             **statistics_diagnostics(
-                batch, tables, merged_totals, params, ctx.diagnostics, merged_counts
+                batch, tables, table, merged_totals, assoc, counts, tf, wanted
             ),
         },
-        state=KtaeState(tables, score, contrast, totals),
+        state=KtaeState(tables, score, contrast, totals, stored_rows),
     )
 
 

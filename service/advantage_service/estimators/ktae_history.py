@@ -196,51 +196,67 @@ def merge_history(
     tokens: np.ndarray,
     values: np.ndarray,
     decay: float,
+    stored_rows: np.ndarray | None = None,
 ) -> PromptHistory:
     """H' = decay (H + current) over the union of token ids, rows below ``PRUNE_BELOW`` dropped.
 
     ``totals`` float64 (4,), ``tokens`` int (M,) strictly ascending and ``values`` float64
-    (M, 4): this visit's own counts. In float64, rounded to float32 once. The stored rows and
-    the new tokens are decayed and pruned apart, then merged: two sorted runs, which a stable
-    sort merges in linear time. Rows move as single 16-byte items.
+    (M, 4): this visit's own counts; ``stored_rows`` int (M,): each token's row in ``stored``,
+    -1 where it has none (what the visit's lookup found; searched here when not given). In
+    float64, rounded to float32 once. The stored rows (those of current ids gaining their
+    counts) and the new ids are decayed and pruned apart, then merged: two sorted runs, which a
+    stable sort merges in linear time. Rows move as single 16-byte items.
     """
     old = np.zeros(0, TOKEN_DTYPE) if stored is None else stored.tokens
     old_totals = np.zeros(4) if stored is None else np.asarray(stored.totals, np.float64)
     merged_old = (
         np.zeros((0, 4)) if stored is None else np.asarray(stored.values).astype(np.float64)
     )
-    cur = np.asarray(tokens).astype(TOKEN_DTYPE)
-    cur_values = np.asarray(values, np.float64)
-    if old.size and cur.size:
-        # Where each current token falls among the stored ones; the stored ones gain its counts.
-        pos = np.minimum(np.searchsorted(old, cur), old.size - 1)
-        found = np.flatnonzero(old[pos] == cur)
-        cells = (pos[found][:, None] * 4 + np.arange(4)).reshape(-1)
-        merged_old.reshape(-1)[cells] += cur_values[found].reshape(-1)
-        new = np.ones(cur.size, bool)
-        new[found] = False
-        cur, cur_values = cur[new], cur_values[new]
+    cur = np.asarray(tokens, TOKEN_DTYPE)
+    cur_values = np.ascontiguousarray(values, np.float64)
+    if stored_rows is None:
+        stored_rows = _stored_rows(old, cur)
+    hit = stored_rows >= 0
+    # (each row as two complex128 items, in one dimension: numpy's fast path for a gather and
+    # a scatter of 16-byte items; their additions are the float64 additions of the columns)
+    pairs = (2 * stored_rows[hit])[:, None] + _PAIR
+    gained = merged_old.reshape(-1).view(np.complex128)
+    gained[pairs.reshape(-1)] += (
+        cur_values.reshape(-1).view(np.complex128).reshape(-1, 2)[hit].reshape(-1)
+    )
     merged_old *= decay
-    cur_values = cur_values * decay
+    new = np.flatnonzero(~hit)
+    new_values = cur_values[new] * decay
     keep_old = np.flatnonzero(merged_old @ _ONES >= PRUNE_BELOW)
-    keep_new = np.flatnonzero(cur_values @ _ONES >= PRUNE_BELOW)
-    merged_tokens = np.concatenate([old[keep_old], cur[keep_new]])
-    rows = np.concatenate([_rows(merged_old)[keep_old], _rows(cur_values)[keep_new]])
+    keep_new = np.flatnonzero(new_values @ _ONES >= PRUNE_BELOW)
+    merged_tokens = np.concatenate([old[keep_old], cur[new[keep_new]]])
+    items = np.concatenate([_items(merged_old)[keep_old], _items(new_values)[keep_new]])
     if keep_old.size and keep_new.size:
+        # Two sorted runs: the stable sort merges them in linear time.
         order = np.argsort(merged_tokens, kind="stable")
-        merged_tokens, rows = merged_tokens[order], rows[order]
+        merged_tokens, items = merged_tokens[order], items[order]
     return PromptHistory(
-        decay * (old_totals + totals), merged_tokens, rows.view(VALUE_DTYPE).reshape(-1, 4)
+        decay * (old_totals + totals), merged_tokens, items.view(VALUE_DTYPE).reshape(-1, 4)
     )
 
 
+_PAIR = np.arange(2)
+
+
+def _stored_rows(old: np.ndarray, cur: np.ndarray) -> np.ndarray:
+    """int64 (M,): the row of each of ``cur`` among ``old`` (both ascending), -1 where none."""
+    if not old.size:
+        return np.full(cur.size, -1, np.int64)
+    pos = np.minimum(np.searchsorted(old, cur), old.size - 1)
+    return np.where(old[pos] == cur, pos, -1)
+
+
+def _items(values: np.ndarray) -> np.ndarray:
+    """float64 (R, 4) -> float32 rows, one 16-byte (complex128) item each (R,)."""
+    return np.ascontiguousarray(values, VALUE_DTYPE).view(np.complex128).reshape(-1)
+
+
 _ONES = np.ones(4)
-_ROW = np.dtype((np.void, 4 * VALUE_DTYPE.itemsize))
-
-
-def _rows(values: np.ndarray) -> np.ndarray:
-    """float64 (R, 4) -> float32 rows, one 16-byte item each (R,)."""
-    return np.ascontiguousarray(values, VALUE_DTYPE).view(_ROW).reshape(-1)
 
 
 # Token ids below this take the lookup's dense scratch array (at most 16 MiB of int32); larger
@@ -314,23 +330,32 @@ class HistoryPrior:
 
         ``method``: ``scratch`` (the CPU's dense scratch array), ``search`` (the accelerators'
         batched binary search, which also runs on the CPU) or ``auto`` (by the device)."""
+        return self.lookup_rows(group, token, method)[0]
+
+    def lookup_rows(
+        self, group: torch.Tensor, token: torch.Tensor, method: str = "auto"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`lookup`, and where each pair's row is: int64 (M,) on ``group``'s device, its
+        row in its prompt's stored history, -1 where it has none (the write merges the visit's
+        counts into those rows without searching for them again)."""
         histories = [(i, h) for i, h in enumerate(self.stored) if h is not None and h.rows]
         if group.numel() == 0 or not histories:
-            return torch.zeros((group.numel(), 4), dtype=torch.float64, device=group.device)
+            zeros = torch.zeros((group.numel(), 4), dtype=torch.float64, device=group.device)
+            return zeros, torch.full((group.numel(),), -1, device=group.device)
         if method == "auto":
             method = "scratch" if group.device.type == "cpu" else "search"
         if method == "scratch":
-            prior = self._lookup_scratch(histories, group.numpy(), token.numpy())
+            prior, rows = self._lookup_scratch(histories, group.numpy(), token.numpy())
         else:
-            prior = self._lookup_search(histories, group, token)
+            prior, rows = self._lookup_search(histories, group, token)
         # a <= n_c etc. hold exactly; the clamp only removes the float32 rounding of stored
         # values, so the rounded Fisher table stays a valid table.
         totals = torch.stack([self.n_c, self.n_w, self.len_c, self.len_w], 1).to(group.device)
-        return torch.minimum(prior, totals.index_select(0, group), out=prior)
+        return torch.minimum(prior, totals.index_select(0, group), out=prior), rows
 
     def _lookup_scratch(
         self, histories: list[tuple[int, PromptHistory]], g: np.ndarray, t: np.ndarray
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The CPU lookup. Per prompt, each pair marks its position at its token id in a dense
         scratch array, and every stored row reads the mark at its own token id back: O(stored
         rows + pairs), no sort and no search, every array walked in order except the scratch
@@ -338,6 +363,7 @@ class HistoryPrior:
         other prompts are told apart by checking the pair's token id. Pairs sorted by group
         (KTAE's tables are) need no permutation."""
         found = np.zeros((g.size, 4), VALUE_DTYPE)
+        row_of = np.full(g.size, -1, np.int64)
         order = None
         if not bool((g[1:] >= g[:-1]).all()):
             order = np.argsort(g, kind="stable")
@@ -367,15 +393,19 @@ class HistoryPrior:
                 rows, at = idx[at], at + lo
             values = np.ascontiguousarray(history.values, VALUE_DTYPE)
             rows_out[at] = values.view(np.complex128).reshape(-1)[rows]
+            row_of[at] = rows
         if order is not None:
             unsorted = np.empty_like(found)
             unsorted[order] = found
             found = unsorted
-        return torch.from_numpy(found).double()
+            unsorted_rows = np.empty_like(row_of)
+            unsorted_rows[order] = row_of
+            row_of = unsorted_rows
+        return torch.from_numpy(found).double(), torch.from_numpy(row_of)
 
     def _lookup_search(
         self, histories: list[tuple[int, PromptHistory]], group: torch.Tensor, token: torch.Tensor
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The accelerator lookup: the stored rows go to the device once, keyed group << 32 |
         token id (ascending: prompts in group order, token ids ascending in each), and every
         pair finds its row with one batched binary search there."""
@@ -384,26 +414,33 @@ class HistoryPrior:
             [(np.int64(i) << TOKEN_BITS) | h.tokens.astype(np.int64) for i, h in histories]
         )
         values = np.concatenate([np.asarray(h.values, VALUE_DTYPE) for _, h in histories])
+        # Where each group's rows start among them (a row's index in its own prompt's history).
+        first = np.zeros(self.num_groups, np.int64)
+        first[[i for i, _ in histories]] = np.cumsum([0] + [h.rows for _, h in histories])[:-1]
         stored_keys = torch.from_numpy(keys).to(device)
         stored_values = torch.from_numpy(values).to(device)
         query = (group.long() << TOKEN_BITS) | token.long()
         idx = torch.searchsorted(stored_keys, query).clamp_(max=stored_keys.numel() - 1)
         missing = stored_keys.index_select(0, idx) != query
         prior = stored_values.index_select(0, idx).double()
-        return prior.masked_fill_(missing[:, None], 0.0)
+        rows = idx - torch.from_numpy(first).to(device).index_select(0, group.long())
+        return prior.masked_fill_(missing[:, None], 0.0), rows.masked_fill_(missing, -1)
 
 
 @dataclass
 class HistoryVisit:
     """What one visit of a prompt writes, before it is merged: ``stored`` the history it read
     (None: none), its own counts ``totals`` float64 (4,), ``tokens`` int32 (M,) strictly
-    ascending and ``values`` float64 (M, 4), and the request's ``decay``."""
+    ascending and ``values`` float64 (M, 4), and the request's ``decay``; ``stored_rows``
+    int64 (M,): each token's row in ``stored`` (-1: none), as the visit's lookup found them
+    (None: not known)."""
 
     stored: PromptHistory | None
     totals: np.ndarray
     tokens: np.ndarray
     values: np.ndarray
     decay: float
+    stored_rows: np.ndarray | None = None
 
 
 def history_visits(
@@ -414,29 +451,35 @@ def history_visits(
     current: torch.Tensor,
     prior: HistoryPrior,
     decay: float,
+    stored_rows: torch.Tensor | None = None,
 ) -> dict[str, HistoryVisit]:
     """The visits of a batch's prompts, keyed by prompt id: each one's record is
     H' = d (H + current) (:func:`fold_history`).
 
     ``totals``: float64 (G, 4) each group's own n_c, n_w, len_c, len_w; ``group``, ``token``:
     int64 (M,) this request's (group, token id) tables, ``current``: float64 (M, 4) their own
-    a, b, occ_c, occ_w; ``prior``: what the visit read.
+    a, b, occ_c, occ_w; ``prior``: what the visit read; ``stored_rows``: int64 (M,) each
+    table's row in its prompt's stored history (-1: none), as the lookup found them.
     """
     keys = (group << TOKEN_BITS) | token
     if keys.numel() > 1 and not bool((keys[1:] > keys[:-1]).all()):
-        keys, order = torch.sort(keys)
-        current = current[order]
-    keys_np, current_np = keys.cpu().numpy(), current.double().cpu().numpy()
-    bounds = np.searchsorted(keys_np >> TOKEN_BITS, np.arange(len(prompts) + 1)).tolist()
+        order = torch.sort(keys).indices
+        group, token, current = group[order], token[order], current[order]
+        stored_rows = None if stored_rows is None else stored_rows[order]
+    group_np = group.cpu().numpy()
+    tokens_np = token.cpu().numpy().astype(TOKEN_DTYPE)
+    current_np = current.double().cpu().numpy()
+    rows_np = None if stored_rows is None else stored_rows.cpu().numpy()
+    bounds = np.searchsorted(group_np, np.arange(len(prompts) + 1)).tolist()
     totals_np = totals.double().cpu().numpy()
-    token_mask = (1 << TOKEN_BITS) - 1
     return {
         prompt: HistoryVisit(
             prior.stored[g],
             totals_np[g],
-            keys_np[bounds[g] : bounds[g + 1]] & token_mask,
+            tokens_np[bounds[g] : bounds[g + 1]],
             current_np[bounds[g] : bounds[g + 1]],
             decay,
+            None if rows_np is None else rows_np[bounds[g] : bounds[g + 1]],
         )
         for g, prompt in enumerate(prompts)
     }
@@ -446,10 +489,18 @@ def fold_history(visits: Sequence[HistoryVisit], compress: bool = False) -> byte
     """The record several visits of one prompt leave, in their order: the first one's stored
     history, then H' = d (H + current) per visit, as writing them one after the other would
     (each merge rounds to float32 as a stored record does, so the bytes are the same). A later
-    visit's own read is not used: it is, or is older than, what the visits before it leave."""
+    visit's own read is not used: it is, or is older than, what the visits before it leave
+    (and so are the rows its lookup found: the first visit's alone are where they say)."""
     history = visits[0].stored
-    for visit in visits:
-        history = merge_history(history, visit.totals, visit.tokens, visit.values, visit.decay)
+    for i, visit in enumerate(visits):
+        history = merge_history(
+            history,
+            visit.totals,
+            visit.tokens,
+            visit.values,
+            visit.decay,
+            visit.stored_rows if i == 0 else None,
+        )
     assert history is not None
     return encode_history(history, compress)
 

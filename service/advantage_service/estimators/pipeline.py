@@ -177,19 +177,24 @@ def compute_batch(
     estimator: str | Mapping[str, Any] | EstimatorSpec | None = None,
     device: str | torch.device = "cpu",
     *,
-    diagnostics: Iterable[str] | None = None,
+    diagnostics: Iterable[str] | str = (),
     ignore_token_ids: Any = None,
     vocab_size: int | None = None,
     context: TermContext | None = None,
 ) -> AdvantageResult:
     """Per-token advantages for a validated flat batch.
 
-    ``diagnostics``: names to return (None: every diagnostic the estimator's terms and outcome
-    produce).
+    ``diagnostics``: the names to return in ``.diagnostics``, as a request's ``return`` asks
+    for them; only those are computed (default: none; ``"all"``: every one the estimator's
+    terms and outcome produce, :func:`estimator_diagnostics`). ``.scalars`` is always there.
     Returns tensors on ``device`` (``auto``: CUDA when available).
     """
     spec = resolve_estimator(estimator)
-    wanted = tuple(diagnostics) if diagnostics is not None else estimator_diagnostics(spec)
+    # The server computes only what a request's `return` asks for; so does the library: the
+    # statistics diagnostics cost more than the advantages they explain.
+    if isinstance(diagnostics, str):
+        diagnostics = estimator_diagnostics(spec) if diagnostics == "all" else (diagnostics,)
+    wanted = tuple(dict.fromkeys(diagnostics))
     check_inputs(batch, spec, wanted)
     dev = resolve_device(device)
     batch = batch.to(dev)

@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
+import numpy as np
 import torch
 
 from ..batch import RolloutBatch, Span
@@ -47,19 +48,34 @@ class WriteOptions:
 
 
 @dataclass
+class TokenCounts:
+    """The statistics counted for every request, per distinct token id of its batch: ``ids``
+    int64 (T,) ascending; int64 (T,): ``correct`` and ``wrong``, the rollouts with reward > 0
+    and <= 0 containing the id, and ``occurrences``."""
+
+    ids: np.ndarray
+    correct: np.ndarray
+    wrong: np.ndarray
+    occurrences: np.ndarray
+
+
+@dataclass
 class TermWrites:
     """What one request writes for one term.
 
     ``records``: key -> record bytes, in the term's key space (written only when the term read,
     and its read succeeded); for a term that declares :attr:`TermState.fold`, key -> the term's
     own value of this visit, which ``fold`` turns into the bytes. ``columns``: vocabulary
-    statistics column -> (token ids int64 (K,), values (K,)); the values are summed per token id
-    (repeated ids add up) into the request's statistics, which the store adds to the
-    namespace's.
+    statistics column -> (token ids int64 (K,), values (K,), or None: 1 for each id, a count);
+    the values are summed per token id (repeated ids add up) into the request's statistics,
+    which the store adds to the namespace's. ``counts``: the request's :class:`TokenCounts`,
+    from a term whose computation already has them for every token of the batch (its sort of
+    the tokens): the engine then does not count them again.
     """
 
     records: dict[str, Any] = field(default_factory=dict)
-    columns: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    columns: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
+    counts: TokenCounts | None = None
 
 
 @dataclass(frozen=True)
@@ -159,4 +175,11 @@ class PendingRead(Generic[P]):
         return self._future.result()
 
 
-__all__ = ["Compression", "PendingRead", "TermState", "TermWrites", "WriteOptions"]
+__all__ = [
+    "Compression",
+    "PendingRead",
+    "TermState",
+    "TermWrites",
+    "TokenCounts",
+    "WriteOptions",
+]

@@ -34,7 +34,7 @@ import torch
 
 from ..batch import RolloutBatch
 from ..estimators import TERMS, AdvantageResult, TermContext
-from ..estimators.state import PendingRead, TermState, WriteOptions
+from ..estimators.state import PendingRead, TermState, TokenCounts, WriteOptions
 from ..stats import StatsStore, StatsUpdate, TokenStatsUpdate
 from ..stats.base import RecordKey
 from ..stats.blobs import COUNT_COLUMNS, INT32_MAX, TOKEN_COLUMNS, merge_token_stats
@@ -245,10 +245,12 @@ class StateSession:
         :meth:`settle`)."""
         batch = self.req.batch
         records: dict[RecordKey, Any] = {}
-        columns: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        columns: dict[str, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
+        counts: TokenCounts | None = None
         for name, (state, params) in stateful_terms(self.req).items():
             prior = self._priors.get(name)
             writes = state.writes(batch, params, result.state.get(name), prior, self.options)
+            counts = counts or writes.counts
             if writes.records:
                 if prior is None or state.space is None:
                     raise ValueError(f"term {name!r} wrote records without a prior read")
@@ -273,7 +275,7 @@ class StateSession:
             namespace=req.namespace,
             request_id=req.request_id if req.client_request_id else None,
             records=records,
-            tokens=token_statistics(batch, columns),
+            tokens=token_statistics(batch, columns, counts),
         )
 
     async def record(self, update: StatsUpdate) -> bool:
@@ -293,53 +295,122 @@ def _distinct(keys: torch.Tensor) -> torch.Tensor:
     keys that fit in int32 are sorted there and deduplicated by comparing neighbours."""
     if keys.device.type != "cpu" or keys.numel() == 0 or int(keys.max()) > INT32_MAX:
         return torch.unique(keys)
-    ordered = np.sort(keys.numpy().astype(np.int32))
-    first = np.ones(ordered.size, bool)
-    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
-    return torch.from_numpy(ordered[first].astype(np.int64))
+    return torch.from_numpy(_distinct_sorted(keys.numpy().astype(np.int32)).astype(np.int64))
 
 
-def _distinct_tokens(
-    tokens: torch.Tensor,
-) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
-    """The distinct token ids (ascending) and a map of token ids to their index among them.
-    Token ids are a vocabulary's: usually a dense table, no sort; sparse ids take one sort."""
-    vocab = int(tokens.max()) + 1 if tokens.numel() else 0
-    if vocab <= max(4 * tokens.numel(), 1 << 20):
-        present = torch.bincount(tokens, minlength=vocab) > 0
-        index = torch.cumsum(present, 0) - 1
-        return torch.nonzero(present).squeeze(1), lambda t: index[t]
-    uniq = _distinct(tokens)
-    return uniq, lambda t: torch.searchsorted(uniq, t)
+def _distinct_sorted(keys: np.ndarray) -> np.ndarray:
+    """The distinct values of ``keys`` (sorted in place: pass a fresh array), ascending."""
+    keys.sort()
+    first = np.ones(keys.size, bool)
+    np.not_equal(keys[1:], keys[:-1], out=first[1:])
+    return keys[first]
+
+
+def _sum_per_id(
+    ids: np.ndarray, values: np.ndarray, size: int, total: np.ndarray | None
+) -> np.ndarray:
+    """``values`` summed per id into ``size`` bins, on top of ``total`` when given, in the order
+    they come (float64; the sums of sequential additions, as ``index_add`` makes them)."""
+    if total is None:
+        return np.bincount(ids, weights=values, minlength=size)
+    total = total.astype(np.float64, copy=False)
+    np.add.at(total, ids, values)  # (a second term filling the same column: rare)
+    return total
 
 
 def token_statistics(
-    batch: RolloutBatch, columns: Mapping[str, list[tuple[torch.Tensor, torch.Tensor]]]
+    batch: RolloutBatch,
+    columns: Mapping[str, list[tuple[torch.Tensor, torch.Tensor | None]]],
+    counts: TokenCounts | None = None,
 ) -> TokenStatsUpdate:
     """A request's vocabulary statistics: per distinct token id, the rollouts containing it with
-    reward > 0 and <= 0 (presence) and its occurrences, plus the terms' ``columns`` (name ->
-    (token ids, values) pairs, summed per token id). On the CPU, vectorised over the batch."""
+    reward > 0 and <= 0 (presence) and its occurrences (``counts`` when a term's computation
+    gave them, else counted here), plus the terms' ``columns`` (name -> (token ids, values or
+    None for 1 each) pairs, summed per token id). On the CPU, with numpy, over the token ids as
+    they are (a vocabulary's ids: counted in place, no map to dense ids)."""
     batch = batch.to("cpu")
-    tokens = batch.tokens.long()
-    rollout = batch.rollout_of_token
-    uniq, dense_of = _distinct_tokens(tokens)
-    t_count = int(uniq.numel())
-    occurrences = torch.bincount(dense_of(tokens), minlength=t_count)
-    # Presence: one entry per distinct (rollout, token) pair.
-    pairs = _distinct(rollout * max(t_count, 1) + dense_of(tokens))
-    pair_token, pair_rollout = pairs % max(t_count, 1), pairs // max(t_count, 1)
-    pair_correct = (batch.rewards > 0)[pair_rollout]
-    correct = torch.bincount(pair_token[pair_correct], minlength=t_count)
-    wrong = torch.bincount(pair_token, minlength=t_count) - correct
-    sums = {"correct": correct.numpy(), "wrong": wrong.numpy(), "occurrences": occurrences.numpy()}
+    tokens = batch.tokens.numpy()
+    ids_present = counts.ids if counts is not None else None
+    largest = int(tokens.max() if ids_present is None else ids_present[-1]) if tokens.size else -1
+    if largest < max(4 * tokens.size, 1 << 20):
+        # Summed per id of the vocabulary, then the ids present picked: no sort of the ids.
+        size = largest + 1
+        occurrences = None
+        if ids_present is None:
+            occurrences = np.bincount(tokens, minlength=size)
+            ids_present = np.flatnonzero(occurrences)
+        uniq, ids = ids_present, tokens
+
+        def ids_of(values: np.ndarray) -> np.ndarray:
+            return values
+
+        def pick(per_id: np.ndarray) -> np.ndarray:
+            return per_id[uniq]
+
+    else:
+        uniq, inverse = (
+            np.unique(tokens, return_inverse=True)
+            if ids_present is None
+            else (ids_present, np.searchsorted(ids_present, tokens))
+        )
+        size, ids = int(uniq.size), inverse.reshape(-1)
+        occurrences = np.bincount(ids, minlength=size) if counts is None else None
+
+        def ids_of(values: np.ndarray) -> np.ndarray:
+            return np.searchsorted(uniq, values)
+
+        def pick(per_id: np.ndarray) -> np.ndarray:
+            return per_id
+
+    if counts is not None:
+        sums = {
+            "correct": counts.correct,
+            "wrong": counts.wrong,
+            "occurrences": counts.occurrences,
+        }
+    else:
+        assert occurrences is not None
+        sums = _presence(batch, ids, size, pick)
+        sums["occurrences"] = pick(occurrences).astype(np.int64)
     for name in TOKEN_COLUMNS:
         if name in BASE_COLUMNS:
             continue
-        total = torch.zeros(t_count, dtype=torch.int64 if name in COUNT_COLUMNS else torch.float64)
-        for ids, values in columns.get(name, []):
-            total.index_add_(0, dense_of(ids.to("cpu").long()), values.to("cpu", total.dtype))
-        sums[name] = total.numpy()
-    return TokenStatsUpdate(rollouts=batch.num_rollouts, tokens=uniq.numpy(), **sums)
+        total: np.ndarray | None = None
+        for column_ids, values in columns.get(name, []):
+            ids_np = ids_of(column_ids.to("cpu").numpy())
+            if values is None:
+                once = np.bincount(ids_np, minlength=size)
+                total = once if total is None else total + once
+            else:
+                weights = values.to("cpu", torch.float64).numpy()
+                total = _sum_per_id(ids_np, weights, size, total)
+        if total is None:
+            sums[name] = np.zeros(uniq.size, np.int64 if name in COUNT_COLUMNS else np.float64)
+        else:
+            # (counts summed as float64 are exact below 2^53)
+            summed = pick(total)
+            sums[name] = summed.astype(np.int64) if name in COUNT_COLUMNS else summed
+    return TokenStatsUpdate(rollouts=batch.num_rollouts, tokens=uniq.astype(np.int64), **sums)
+
+
+def _presence(
+    batch: RolloutBatch, ids: np.ndarray, size: int, pick: Callable[[np.ndarray], np.ndarray]
+) -> dict[str, np.ndarray]:
+    """``correct`` and ``wrong``: per id, the rollouts with reward > 0 and <= 0 containing it,
+    from one sort of the distinct (rollout, id) pairs."""
+    rollouts = batch.num_rollouts
+    pair_dtype = np.int64 if rollouts * max(size, 1) > INT32_MAX else np.int32
+    pairs: np.ndarray = np.repeat(np.arange(rollouts, dtype=pair_dtype), batch.lengths.numpy())
+    np.multiply(pairs, max(size, 1), out=pairs)
+    np.add(pairs, ids, out=pairs, casting="unsafe")  # (ids < size: the sum fits)
+    pairs = _distinct_sorted(pairs)
+    pair_id, pair_rollout = np.divmod(pairs, max(size, 1))[::-1]
+    pair_correct = (batch.rewards.numpy() > 0)[pair_rollout]
+    correct = np.bincount(pair_id[pair_correct], minlength=size)
+    return {
+        "correct": pick(correct).astype(np.int64),
+        "wrong": pick(np.bincount(pair_id, minlength=size) - correct).astype(np.int64),
+    }
 
 
 __all__ = [

@@ -21,6 +21,7 @@ Two paths, chosen by the estimator:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -30,7 +31,7 @@ from advantage_client.errors import AdvantageError
 from advantage_client.flat import group_prompt_keys, prompt_ids
 from advantage_client.padded import PaddedLayout, PaddedResult, as_numpy, group_index_of
 
-from ..batch import RolloutBatch
+from ..batch import RolloutBatch, fresh
 from ..errors import RequestError
 from ..estimators import OUTCOMES, compute_batch, resolve_estimator
 from ..estimators.pipeline import WHITEN_EPS, check_inputs
@@ -106,12 +107,6 @@ class _Padded:
                     f"rewards must have shape ({b},), got {tuple(self.rewards.shape)}",
                     field="rewards",
                 )
-            # (a bool mask summed as bytes: about 5x faster than count_nonzero on the CPU)
-            self.lengths = (
-                mask.view(torch.uint8).sum(1, dtype=torch.int32).long()
-                if mask.dtype == torch.bool
-                else torch.count_nonzero(mask, dim=1)
-            )
             self.layout: PaddedLayout | None = None
         else:
             layout = PaddedLayout.from_padded(mask, rewards, group_ids)
@@ -122,8 +117,25 @@ class _Padded:
             self.group_index = torch.from_numpy(layout.group_index)
             self.rewards = torch.from_numpy(np.ascontiguousarray(layout.rewards))
             self.lengths = torch.from_numpy(layout.lengths)
-        self.offsets = torch.zeros(self.lengths.numel() + 1, dtype=torch.int64, device=self.device)
-        torch.cumsum(self.lengths, 0, out=self.offsets[1:])
+
+    @functools.cached_property
+    def lengths(self) -> torch.Tensor:
+        """int64 (B,): each row's tokens. Counted on first use: a pass over the whole mask,
+        which an outcome of rewards and groups alone (GRPO, RLOO, ...) never needs."""
+        # (a bool mask summed as bytes, a 0/1 mask summed: 3-5x faster than count_nonzero
+        # on the CPU)
+        if self.mask_t.dtype == torch.bool:
+            return self.mask_t.view(torch.uint8).sum(1, dtype=torch.int32).long()
+        if self.mask_t.is_floating_point():
+            return torch.count_nonzero(self.mask_t, dim=1)
+        return self.mask_t.sum(1, dtype=torch.int64)
+
+    @functools.cached_property
+    def offsets(self) -> torch.Tensor:
+        """int64 (B+1,): where each row's tokens start in the flat batch, then the total."""
+        offsets = torch.zeros(self.lengths.numel() + 1, dtype=torch.int64, device=self.device)
+        torch.cumsum(self.lengths, 0, out=offsets[1:])
+        return offsets
 
     def gather(self, values: Any, name: str) -> torch.Tensor:
         """(B, T) values at the mask: (N,) on the device."""
@@ -151,10 +163,16 @@ class _Padded:
         """(B,) float32 over each row's mask, exactly 0 off it: (B, T)."""
         if self.layout is not None:
             return torch.from_numpy(self.layout.broadcast(per_row.numpy()))
+        column = per_row.to(torch.float32).unsqueeze(1)
+        if self.mask_raw.dtype == torch.float64:
+            return (column * self.mask_raw).to(torch.float32)
+        # Into fresh memory with huge pages on the CPU: a (B, T) answer is megabytes, and their
+        # page faults would cost about as much as the pass that fills them.
+        out = fresh(tuple(self.mask_raw.shape), torch.float32, self.device)
         if self.mask_raw.dtype == torch.bool:
-            return torch.where(self.mask_raw, per_row.unsqueeze(1), per_row.new_zeros(()))
-        # A 0/1 mask: the product verl's outcome estimators take (the same cost as theirs).
-        return (per_row.unsqueeze(1) * self.mask_raw).to(torch.float32)
+            return torch.where(self.mask_raw, column, column.new_zeros(()), out=out)
+        # A 0/1 mask: the product verl's outcome estimators take.
+        return torch.mul(column, self.mask_raw, out=out)
 
     def out(self, tensor: torch.Tensor) -> Any:
         """A result as the caller's kind: the tensor, or numpy for numpy inputs."""
@@ -179,20 +197,48 @@ def _prompt_ids(padded: _Padded, prompt_keys: Any) -> list[str] | None:
     return prompt_ids(padded.group_ids, group_prompt_keys(keys, padded.group_ids, index))
 
 
+class _RowsBatch(RolloutBatch):
+    """The outcome-only path's batch: the rows' rewards and groups, with the token counts and
+    offsets (a pass over the whole (B, T) mask) made only if something reads them (OPO's
+    length weights, whitening); the token ids, which no outcome reads, a view of one zero."""
+
+    def __init__(self, padded: _Padded) -> None:
+        self._padded = padded
+        super().__init__(
+            tokens=_UNSET,
+            offsets=_UNSET,
+            group_index=padded.group_index,
+            group_ids=padded.group_ids,
+            rewards=padded.rewards.float(),
+        )
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        return self._padded.offsets
+
+    @offsets.setter
+    def offsets(self, value: torch.Tensor) -> None:  # (the dataclass' __init__: always the mask's)
+        pass
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        num_tokens = int(self._padded.offsets[-1])
+        return torch.zeros(1, dtype=torch.int32, device=self._padded.device).expand(num_tokens)
+
+    @tokens.setter
+    def tokens(self, value: torch.Tensor) -> None:
+        pass
+
+
+_UNSET = torch.zeros(0)
+
+
 def _outcome_only(
     padded: _Padded, spec: Any, wanted: tuple[str, ...]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages (B, T), scalars (B,)) for an estimator without token-level terms: the flat
     pipeline's numbers with nothing gathered (each row's advantages are one value)."""
-    num_tokens = int(padded.offsets[-1])
-    batch = RolloutBatch(
-        # No term reads the token ids: a view of one zero, N long, keeps the sizes right.
-        tokens=torch.zeros(1, dtype=torch.int32, device=padded.device).expand(num_tokens),
-        offsets=padded.offsets,
-        group_index=padded.group_index,
-        group_ids=padded.group_ids,
-        rewards=padded.rewards.float(),
-    )
+    batch = _RowsBatch(padded)
     bad = torch.nonzero(~torch.isfinite(batch.rewards))
     if bad.numel():
         i = int(bad[0])
@@ -206,6 +252,7 @@ def _outcome_only(
     if not isinstance(scalars, torch.Tensor):
         scalars = scalars.advantage  # (a_i, B: an outcome per token takes the flat path)
     per_row = scalars.float()
+    num_tokens = int(padded.offsets[-1]) if spec.whiten else 0
     if spec.whiten and num_tokens:
         # Whitening over the request's tokens, with each row's value counted once per token.
         wide = per_row.double()

@@ -147,15 +147,31 @@ def reward_to_go(token_level_rewards: Any, response_mask: Any) -> Any:
     return masked.flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
 
 
-def prompt_hashes(prompts: Sequence[Any], uids: Any) -> np.ndarray:
-    """Per row, a key of its prompt: a hash of the token ids of its group's first row (one
-    hash per uid). ``prompts``: per row, its prompt's token ids (padding removed)."""
-    names = np.asarray([str(u) for u in uids])
-    _, first, inverse = np.unique(names, return_index=True, return_inverse=True)
+def uid_names(uids: Any) -> np.ndarray:
+    """The uids as strings (B,), ``str()`` of each element in numpy's C loop: the uids that
+    print the same are one group, as ``compute_padded`` groups them."""
+    values = uids.tolist() if hasattr(uids, "tolist") and not isinstance(uids, np.ndarray) else uids
+    names = np.asarray(values)
+    if names.dtype.kind != "U":
+        names = np.asarray(values, dtype=object).astype(str)
+    return names.reshape(-1)
+
+
+def prompt_hashes(prompts: Sequence[Any], uids: Any, mask: Any = None) -> np.ndarray:
+    """Per row, a key of its prompt: a hash of the token ids of its group's first row, one
+    hash per uid (the uids mapped once, by numpy). ``prompts``: per row its prompt's token
+    ids, a (B, P) array or a sequence of rows; ``mask`` (B, P), when given, marks each row's
+    prompt tokens (padding removed from the rows hashed, and only from those)."""
+    _, first, inverse = np.unique(uid_names(uids), return_index=True, return_inverse=True)
     keys = []
-    for row in first:
-        ids = np.asarray(_as_numpy(prompts[int(row)]), dtype="<i8")
-        keys.append("p:" + hashlib.blake2b(ids.tobytes(), digest_size=16).hexdigest())
+    # One blake2b per distinct prompt (the keys history is stored under: a hash computed by
+    # numpy would move every stored prompt's history).
+    for row in first.tolist():
+        ids = _as_numpy(prompts[row])
+        if mask is not None:
+            ids = ids[_as_numpy(mask[row]).astype(bool)]
+        digest = hashlib.blake2b(np.asarray(ids, dtype="<i8").tobytes(), digest_size=16)
+        keys.append("p:" + digest.hexdigest())
     return np.asarray(keys, dtype=object)[inverse.reshape(-1)]
 
 
@@ -537,8 +553,8 @@ def _prompt_keys(data: Any, fn: VerlEstimator, uids: Any) -> np.ndarray | None:
         return None
     step = _V1_STEP.get()
     if step is not None and "prompt_keys" in step:
-        keys: dict[str, str] = step["prompt_keys"]
-        return np.asarray([keys[str(u)] for u in uids], dtype=object)
+        fetched_uids, fetched_keys = step["prompt_keys"]
+        return _keys_of(uid_names(uids), fetched_uids, fetched_keys)
     if fn.prompt_key != "hash":
         values = data.non_tensor_batch.get(fn.prompt_key)
         if values is None:
@@ -546,7 +562,7 @@ def _prompt_keys(data: Any, fn: VerlEstimator, uids: Any) -> np.ndarray | None:
                 f"{fn.name}: prompt_key={fn.prompt_key!r} names no field of the batch's "
                 f"non_tensor_batch (it has {sorted(data.non_tensor_batch)})"
             )
-        return np.asarray([str(v) for v in values], dtype=object)
+        return uid_names(values).astype(object)
     keys_present = set(data.batch.keys())
     if "prompts" not in keys_present:
         raise VerlConfigError(
@@ -554,12 +570,23 @@ def _prompt_keys(data: Any, fn: VerlEstimator, uids: Any) -> np.ndarray | None:
             "non_tensor_batch field with prompt_key"
         )
     prompts = data.batch["prompts"]
+    mask = None
     if "attention_mask" in keys_present:
-        mask = data.batch["attention_mask"][:, : prompts.shape[1]].bool()
-        rows = [prompts[i][mask[i]] for i in range(prompts.shape[0])]
-    else:
-        rows = list(prompts)
-    return prompt_hashes(rows, uids)
+        mask = data.batch["attention_mask"][:, : prompts.shape[1]]
+    return prompt_hashes(prompts, uids, mask)
+
+
+def _keys_of(uids: np.ndarray, known_uids: np.ndarray, known_keys: np.ndarray) -> np.ndarray:
+    """The prompt key of each of ``uids`` among ``known_uids`` (with their ``known_keys``):
+    one sort and one binary search, no loop over rows."""
+    order = np.argsort(known_uids, kind="stable")
+    ordered = known_uids[order]
+    at = np.minimum(np.searchsorted(ordered, uids), max(ordered.size - 1, 0))
+    found = ordered[at] == uids if ordered.size else np.zeros(uids.size, bool)
+    if not bool(found.all()):
+        missing = str(uids[int(np.flatnonzero(~found)[0])])
+        raise VerlConfigError(f"uid {missing!r} was not fetched with its prompt")
+    return np.asarray(known_keys, dtype=object)[order[at]]
 
 
 def patched_compute_advantage(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -679,18 +706,13 @@ class _TransferQueueFetch:
         if fn.history and fn.prompt_key is not None:
             source = "prompts" if fn.prompt_key == "hash" else fn.prompt_key
             values = data.pop(source)
-            uids = (
-                [str(u) for u in data["uid"].tolist()]
-                if hasattr(data["uid"], "tolist")
-                else [str(u) for u in data["uid"]]
-            )
+            uids = uid_names(data["uid"])
             if source == "prompts":
                 rows = list(values.unbind(0)) if hasattr(values, "unbind") else list(values)
                 keys_per_row = prompt_hashes(rows, uids)
             else:
-                listed = values.tolist() if hasattr(values, "tolist") else list(values)
-                keys_per_row = np.asarray([str(v) for v in listed], dtype=object)
-            step["prompt_keys"] = dict(zip(uids, keys_per_row.tolist(), strict=True))
+                keys_per_row = uid_names(values).astype(object)
+            step["prompt_keys"] = (uids, keys_per_row)
         return data
 
 
