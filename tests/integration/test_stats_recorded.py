@@ -96,7 +96,7 @@ def outcomes(server: Server) -> dict[str, float]:
     return {
         dict(labels)["outcome"]: value
         for (name, labels), value in server.metrics().items()
-        if name == "advantage_stats_requests_total"
+        if name == "advantage_stats_requests_total" and value  # (the outcomes that happened)
     }
 
 

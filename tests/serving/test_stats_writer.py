@@ -100,13 +100,14 @@ def engine_with(
 
 
 def outcomes(engine: Engine) -> dict[str, float]:
-    """advantage_stats_requests_total by outcome."""
+    """advantage_stats_requests_total by outcome, the outcomes that happened (every outcome is
+    exported from the start, at 0)."""
     text = engine.metrics.render().decode()
     return {
         s.labels["outcome"]: s.value
         for family in text_string_to_metric_families(text)
         for s in family.samples
-        if s.name == "advantage_stats_requests_total"
+        if s.name == "advantage_stats_requests_total" and s.value
     }
 
 

@@ -48,7 +48,7 @@ def outcomes(process: ServiceProcess) -> dict[str, float]:
     return {
         dict(labels)["outcome"]: value
         for (name, labels), value in process.metrics().items()
-        if name == "advantage_stats_requests_total"
+        if name == "advantage_stats_requests_total" and value  # (the outcomes that happened)
     }
 
 
