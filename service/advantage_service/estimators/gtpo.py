@@ -51,6 +51,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from ..batch import RolloutBatch
@@ -282,6 +283,12 @@ def gtpo_advantage(
     rounding the division leaves near 0 as the exact answer is; so is a class whose outcome
     terms b_i differ (rewards other than 0/1), whose A takes b_i - b_ref in float64.
     """
+    if entropy.device.type == "cpu" and batch.num_tokens:
+        fast = _gtpo_by_slices(
+            batch, entropy, alpha1, alpha2, correct_threshold, epsilon, with_reward
+        )
+        if fast is not None:
+            return fast
     shaping, wide_classes, keys = _gtpo(
         batch, entropy, torch.float32, alpha1, alpha2, correct_threshold, epsilon, with_reward
     )
@@ -300,6 +307,102 @@ def gtpo_advantage(
     if wide.reward is not None and shaping.reward is not None:
         reward = torch.where(of_token, wide.reward, shaping.reward)
     return TokenShaping(advantage, scalars, reward)
+
+
+def _gtpo_by_slices(
+    batch: RolloutBatch,
+    entropy: torch.Tensor,
+    alpha1: float,
+    alpha2: float,
+    correct_threshold: float,
+    epsilon: float,
+    with_reward: bool,
+) -> TokenShaping | None:
+    """GTPO on the CPU over each rollout's contiguous slice of tokens, the same float32
+    arithmetic in the same order as :func:`_gtpo` (the same bits); None where that one must
+    decide (an entropy of 0 at some position, a class that comes out flat or whose b_i differ).
+
+    Why: per token, the keyed path builds an int32 key, a class mask, and gathers three per-key
+    tables; each is a fresh N-sized buffer whose first touch (page faults) costs more than its
+    arithmetic. Here the keys of rollout i's tokens are the range [start_i, start_i + T_i), so
+    the per-position sums are slice additions into the (K,) table, in batch order as
+    ``index_add_`` adds them, and the tokens need only two buffers: 1/H of the wrong rollouts,
+    and the answer. A few numpy calls per rollout cost less than those passes (a batch has
+    hundreds of rollouts of thousands of tokens)."""
+    classes = split_classes(batch, correct_threshold)
+    cg = classes.class_group
+    lengths = batch.lengths
+    num_cg = 2 * batch.num_groups
+    longest = lengths.new_zeros(num_cg).scatter_reduce(0, cg, lengths, "amax")
+    base = torch.cumsum(longest, 0) - longest
+    num_keys = int(longest.sum())
+    first_wrong = int(longest[: batch.num_groups].sum())
+    start = base.index_select(0, cg)
+    edges = torch.zeros(num_keys + 1, dtype=torch.float64)
+    edges.index_add_(0, start, torch.ones_like(start, dtype=torch.float64))
+    edges.index_add_(0, start + lengths, -torch.ones_like(start, dtype=torch.float64))
+    alive = torch.cumsum(edges, 0)[:-1]
+    h = clamp_entropy(entropy).contiguous().numpy()
+    rollouts = [
+        (i, o, t, s, not c)
+        for i, (o, t, s, c) in enumerate(
+            zip(
+                batch.offsets[:-1].tolist(),
+                lengths.tolist(),
+                start.tolist(),
+                classes.correct.tolist(),
+                strict=True,
+            )
+        )
+        if t > 0
+    ]
+    total = np.zeros(num_keys, dtype=np.float32)
+    inverse = np.empty(batch.num_tokens, dtype=np.float32)
+    with np.errstate(divide="ignore"):
+        for _, o, t, s, wrong in rollouts:
+            src = h[o : o + t]
+            if wrong:
+                src = np.reciprocal(src, out=inverse[o : o + t])
+            np.add(total[s : s + t], src, out=total[s : s + t])
+    if not (total[:first_wrong] > 0).all() or not np.isfinite(total[first_wrong:]).all():
+        return None  # entropies of 0: the keyed path's equal shares
+    total_t = torch.from_numpy(total)
+    factor = alive.to(torch.float32, copy=True).mul_(alpha2).div_(total_t)
+    factor[first_wrong:].neg_()
+    f = factor.numpy()
+    out = np.empty(batch.num_tokens, dtype=np.float32)
+    for _, o, t, s, wrong in rollouts:
+        src = inverse[o : o + t] if wrong else h[o : o + t]
+        np.multiply(f[s : s + t], src, out=out[o : o + t])
+    y = torch.from_numpy(out)
+    b = outcome_rewards(batch, classes, alpha1)
+    reward = y.double() + batch.per_token_wide(b) if with_reward else None
+    tokens = lengths.double()
+    sum_y = batch.rollout_sums(y)
+    sum_yy = batch.rollout_sums(torch.from_numpy(np.multiply(out, out, out=inverse)))
+
+    def centred_squares(mean: torch.Tensor) -> torch.Tensor:
+        d = b - mean
+        return sum_yy + 2.0 * d * sum_y + tokens * d * d
+
+    norm = normalise_per_class(batch, classes, b * tokens + sum_y, centred_squares, tokens, epsilon)
+    b_ref = torch.full((num_cg,), -torch.inf, dtype=torch.float64).scatter_reduce(0, cg, b, "amax")
+    b_ref = torch.where(torch.isfinite(b_ref), b_ref, torch.zeros_like(b_ref))
+    rest = b - b_ref.index_select(0, cg)
+    if bool((rest != 0).any()) or bool(norm.flat.any()):
+        return None  # float64 for those classes: the keyed path
+    shift = (norm.mean - b_ref).to(torch.float32).index_select(0, cg).tolist()
+    scale32 = norm.scale.to(torch.float32).index_select(0, cg).tolist()
+    for i, o, t, _, _ in rollouts:
+        part = out[o : o + t]
+        np.subtract(part, np.float32(shift[i]), out=part)
+        np.multiply(part, np.float32(scale32[i]), out=part)
+    scale = norm.scale.index_select(0, cg)
+    c = (b - norm.mean.index_select(0, cg)) * scale
+    scalars = torch.where(
+        tokens > 0, c + scale * sum_y / tokens.clamp(min=1.0), torch.zeros_like(c)
+    )
+    return TokenShaping(y, scalars, reward)
 
 
 def _gtpo(
