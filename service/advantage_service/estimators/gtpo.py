@@ -24,14 +24,17 @@ class's tokens counting 0:
 (std: the sample standard deviation over the group's tokens). With alpha2 = 0 and 0/1 rewards
 this is GRPO's normalisation over tokens, for both classes alike.
 
-Version and sources: arXiv 2508.04349v6 (the ICML 2026 version) as ESTIMATORS.md and the issue
-that asked for GTPO state it: shaped rewards from the entropy ratios H_it / sum_k H_kt,
-separately for the correct and the wrong rollouts, then the paper's normalisation. The paper's
-PDF was out of reach when this was written, so no equation number is cited; the details above
-(the inverse-entropy share of O-, the -1 outcome term of a wrong rollout, the alive counts d_t
-and h_t, alpha1 = 1 and alpha2 = 0.1) follow a public re-implementation of the paper's earlier
-(v5) equations, and the normalisation's reading (each class over all the group's tokens, the
-other class at 0, so that alpha2 = 0 gives GRPO) could not be checked against the text.
+Version and sources: arXiv 2508.04349v6 (the ICML 2026 version). No equation number is cited:
+the stored text of v6 (and of v5 and v4) that could be read holds the abstract, the
+introduction and Figure 1's caption, not the method section. What that text confirms: the
+weight ratio H_it / sum_{k=1}^n H_kt "and similar variants" (v6 abstract), GTPO rewarding
+high-entropy tokens of correct sequences and suppressing them in incorrect ones, GRPO-S
+weighting a sequence by its average token entropy (v6 Figure 1, v4 abstract). What it does not:
+the inverse-entropy share of O-, the -1 outcome term of a wrong rollout, the alive counts d_t
+and h_t, alpha1 = 1 and alpha2 = 0.1 follow a public re-implementation of the v5 equations, and
+the normalisation's reading (each class over all the group's tokens, the other class at 0, so
+that alpha2 = 0 gives GRPO) is this service's; none of these was checked against the paper's
+equations.
 Where the paper leaves a case open:
 
 - a group without both a correct and a wrong rollout (a group of one among them) has no outcome
