@@ -93,17 +93,19 @@ def test_gtpo_slices_give_the_keyed_path_bits() -> None:
                 r["entropy"] = [abs(e) + 0.01 for e in r["entropy"]]
         batch, fields = flat_batch(groups)
         entropy = fields["entropy"]
-        args = (1.0, 0.1, 0.0, 1e-6, True)
-        fast = _gtpo_by_slices(batch, entropy, *args)
-        keyed, wide, _ = _gtpo(batch, entropy, torch.float32, *args)
-        if bool(wide.any()):
-            assert fast is None
-            continue
-        assert fast is not None
-        assert torch.equal(fast.advantage, keyed.advantage)
-        assert torch.equal(fast.scalars, keyed.scalars)
-        assert fast.reward is not None and keyed.reward is not None
-        assert torch.equal(fast.reward, keyed.reward)
+        for with_reward in (True, False):  # without: groups without contrast only zeroed
+            args = (1.0, 0.1, 0.0, 1e-6, with_reward)
+            fast = _gtpo_by_slices(batch, entropy, *args)
+            keyed, wide, _ = _gtpo(batch, entropy, torch.float32, *args)
+            if bool(wide.any()):
+                assert fast is None
+                continue
+            assert fast is not None
+            assert torch.equal(fast.advantage, keyed.advantage)
+            assert torch.equal(fast.scalars, keyed.scalars)
+            if with_reward:
+                assert fast.reward is not None and keyed.reward is not None
+                assert torch.equal(fast.reward, keyed.reward)
     batch, fields = flat_batch([[rollout(1.0, [0.0, 1.0]), rollout(0.0, [0.5])]])
     assert _gtpo_by_slices(batch, fields["entropy"], 1.0, 0.1, 0.0, 1e-6, False) is None
 

@@ -346,19 +346,23 @@ def _gtpo_by_slices(
     edges.index_add_(0, start + lengths, -torch.ones_like(start, dtype=torch.float64))
     alive = torch.cumsum(edges, 0)[:-1]
     h = clamp_entropy(entropy).contiguous().numpy()
-    rollouts = [
-        (i, o, t, s, not c)
-        for i, (o, t, s, c) in enumerate(
-            zip(
-                batch.offsets[:-1].tolist(),
-                lengths.tolist(),
-                start.tolist(),
-                classes.correct.tolist(),
-                strict=True,
-            )
+    # A group without contrast gets A = 0 and scalar 0 whatever its shares: unless the shaped
+    # rewards are asked for, its rollouts are only zeroed (GRPO's cost for them).
+    busy_class = torch.cat([classes.contrast, classes.contrast]) | with_reward
+    busy = busy_class.index_select(0, cg).tolist()
+    rollouts: list[tuple[int, int, int, int, bool]] = []
+    idle: list[tuple[int, int, int, int, bool]] = []
+    for i, (o, t, s, c) in enumerate(
+        zip(
+            batch.offsets[:-1].tolist(),
+            lengths.tolist(),
+            start.tolist(),
+            classes.correct.tolist(),
+            strict=True,
         )
-        if t > 0
-    ]
+    ):
+        if t > 0:
+            (rollouts if busy[i] else idle).append((i, o, t, s, not c))
     total = np.zeros(num_keys, dtype=np.float32)
     inverse = np.empty(batch.num_tokens, dtype=np.float32)
     with np.errstate(divide="ignore"):
@@ -367,13 +371,17 @@ def _gtpo_by_slices(
             if wrong:
                 src = np.reciprocal(src, out=inverse[o : o + t])
             np.add(total[s : s + t], src, out=total[s : s + t])
-    if not (total[:first_wrong] > 0).all() or not np.isfinite(total[first_wrong:]).all():
+    busy_key = np.repeat(busy_class.numpy(), longest.numpy())
+    positive = (total[:first_wrong] > 0) | ~busy_key[:first_wrong]
+    if not positive.all() or not np.isfinite(total[first_wrong:]).all():
         return None  # entropies of 0: the keyed path's equal shares
     total_t = torch.from_numpy(total)
     factor = alive.to(torch.float32, copy=True).mul_(alpha2).div_(total_t)
     factor[first_wrong:].neg_()
     f = factor.numpy()
     out = np.empty(batch.num_tokens, dtype=np.float32)
+    for _, o, t, _, _ in idle:
+        out[o : o + t] = 0.0
     for _, o, t, s, wrong in rollouts:
         src = inverse[o : o + t] if wrong else h[o : o + t]
         np.multiply(f[s : s + t], src, out=out[o : o + t])
