@@ -45,8 +45,11 @@ Where the paper leaves a case open:
 - an empty rollout reaches no position: it takes no share and has no tokens to normalise.
 
 Over the flat batch: (class, group, position) pairs are dense keys (as OTB's (group, position)),
-the per-position sums are one float32 ``index_add_``, the per-rollout sums are segment sums,
-and nothing loops over groups, rollouts or tokens.
+the per-position sums are float32 sums in batch order, the per-rollout sums are segment sums.
+On the CPU (:func:`_gtpo_by_slices`) a rollout's keys are one contiguous range, so the sums and
+shares are a few numpy calls per rollout on slices, with no per-token keys or gathers; the keyed
+path (:func:`_gtpo`, one ``index_add_`` and gathers, nothing looping) gives the same bits and
+serves the cases the slices hand back (entropies of 0, float64 classes, other devices).
 """
 
 from __future__ import annotations
