@@ -405,12 +405,12 @@ def _gtpo_by_slices(
     rest = b - b_ref.index_select(0, cg)
     if bool((rest != 0).any()) or bool(norm.flat.any()):
         return None  # float64 for those classes: the keyed path
-    shift = (norm.mean - b_ref).to(torch.float32).index_select(0, cg).tolist()
-    scale32 = norm.scale.to(torch.float32).index_select(0, cg).tolist()
-    for i, o, t, _, _ in rollouts:
+    shift = (norm.mean - b_ref).to(torch.float32).index_select(0, cg).numpy()
+    scale32 = norm.scale.to(torch.float32).index_select(0, cg).numpy()
+    for i, o, t, _, _ in rollouts:  # shift[i], scale32[i]: float32 scalars
         part = out[o : o + t]
-        np.subtract(part, np.float32(shift[i]), out=part)
-        np.multiply(part, np.float32(scale32[i]), out=part)
+        np.subtract(part, shift[i], out=part)
+        np.multiply(part, scale32[i], out=part)
     scale = norm.scale.index_select(0, cg)
     c = (b - norm.mean.index_select(0, cg)) * scale
     scalars = torch.where(
