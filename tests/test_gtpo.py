@@ -14,7 +14,7 @@ import pytest
 import torch
 from advantage_service import RolloutBatch, compute_batch
 from advantage_service.estimators.grpo_s import grpo_s_advantage
-from advantage_service.estimators.gtpo import gtpo_advantage
+from advantage_service.estimators.gtpo import _gtpo, _gtpo_by_slices, gtpo_advantage
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from token_batches import flat_batch
@@ -78,6 +78,36 @@ def test_grpo_s_matches_the_oracle_on_random_ragged_groups(params: dict[str, Any
         np.testing.assert_allclose(
             result.advantage.numpy(), [a for _, a in expected], rtol=TOL, atol=TOL
         )
+
+
+def test_gtpo_slices_give_the_keyed_path_bits() -> None:
+    """The CPU path over rollout slices (per-position sums in batch order, as ``index_add_``)
+    gives the keyed path's bits, and hands back to it where entropies of 0 need equal shares
+    or rewards other than 0/1 need float64."""
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        groups = oracle.random_token_groups(rng, group_size=(2, 6), length=(1, 40))
+        for g in groups:
+            for r in g:
+                r["reward"] = float(r["reward"] > 0.5)
+                r["entropy"] = [abs(e) + 0.01 for e in r["entropy"]]
+        batch, fields = flat_batch(groups)
+        entropy = fields["entropy"]
+        for with_reward in (True, False):  # without: groups without contrast only zeroed
+            args = (1.0, 0.1, 0.0, 1e-6, with_reward)
+            fast = _gtpo_by_slices(batch, entropy, *args)
+            keyed, wide, _ = _gtpo(batch, entropy, torch.float32, *args)
+            if bool(wide.any()):
+                assert fast is None
+                continue
+            assert fast is not None
+            assert torch.equal(fast.advantage, keyed.advantage)
+            assert torch.equal(fast.scalars, keyed.scalars)
+            if with_reward:
+                assert fast.reward is not None and keyed.reward is not None
+                assert torch.equal(fast.reward, keyed.reward)
+    batch, fields = flat_batch([[rollout(1.0, [0.0, 1.0]), rollout(0.0, [0.5])]])
+    assert _gtpo_by_slices(batch, fields["entropy"], 1.0, 0.1, 0.0, 1e-6, False) is None
 
 
 def test_gtpo_shaped_rewards_by_hand() -> None:

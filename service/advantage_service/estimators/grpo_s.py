@@ -16,8 +16,10 @@ per class over the group's rollouts, the other class's rollouts counting 0:
 (std: the sample standard deviation over the group's rollouts). a_i is the rollout's scalar
 advantage, on every one of its tokens. With alpha2 = 0 and 0/1 rewards it is GRPO's a_i.
 
-Version, sources, parameters and the cases the paper leaves open are GTPO's (:mod:`.gtpo`): the
-paper's PDF was out of reach, no equation number is cited; a group without both classes (a
+Version, sources, parameters and the cases the paper leaves open are GTPO's (:mod:`.gtpo`):
+arXiv 2508.04349v6; no equation number is cited (the stored text that could be read has the
+abstract, introduction and Figure 1's caption, which confirm the per-sequence weighting by the
+mean token entropy, not the method section's equations); a group without both classes (a
 group of one among them) gets 0; all-zero mean entropies in O+ share equally, zero ones in O-
 take the O- share among themselves; an empty rollout has no mean entropy and takes no share
 (its r^_i is alpha1 r_i or -alpha1, and it is not counted in n+ or n-) but counts in the

@@ -24,14 +24,17 @@ class's tokens counting 0:
 (std: the sample standard deviation over the group's tokens). With alpha2 = 0 and 0/1 rewards
 this is GRPO's normalisation over tokens, for both classes alike.
 
-Version and sources: arXiv 2508.04349v6 (the ICML 2026 version) as ESTIMATORS.md and the issue
-that asked for GTPO state it: shaped rewards from the entropy ratios H_it / sum_k H_kt,
-separately for the correct and the wrong rollouts, then the paper's normalisation. The paper's
-PDF was out of reach when this was written, so no equation number is cited; the details above
-(the inverse-entropy share of O-, the -1 outcome term of a wrong rollout, the alive counts d_t
-and h_t, alpha1 = 1 and alpha2 = 0.1) follow a public re-implementation of the paper's earlier
-(v5) equations, and the normalisation's reading (each class over all the group's tokens, the
-other class at 0, so that alpha2 = 0 gives GRPO) could not be checked against the text.
+Version and sources: arXiv 2508.04349v6 (the ICML 2026 version). No equation number is cited:
+the stored text of v6 (and of v5 and v4) that could be read holds the abstract, the
+introduction and Figure 1's caption, not the method section. What that text confirms: the
+weight ratio H_it / sum_{k=1}^n H_kt "and similar variants" (v6 abstract), GTPO rewarding
+high-entropy tokens of correct sequences and suppressing them in incorrect ones, GRPO-S
+weighting a sequence by its average token entropy (v6 Figure 1, v4 abstract). What it does not:
+the inverse-entropy share of O-, the -1 outcome term of a wrong rollout, the alive counts d_t
+and h_t, alpha1 = 1 and alpha2 = 0.1 follow a public re-implementation of the v5 equations, and
+the normalisation's reading (each class over all the group's tokens, the other class at 0, so
+that alpha2 = 0 gives GRPO) is this service's; none of these was checked against the paper's
+equations.
 Where the paper leaves a case open:
 
 - a group without both a correct and a wrong rollout (a group of one among them) has no outcome
@@ -42,8 +45,11 @@ Where the paper leaves a case open:
 - an empty rollout reaches no position: it takes no share and has no tokens to normalise.
 
 Over the flat batch: (class, group, position) pairs are dense keys (as OTB's (group, position)),
-the per-position sums are one float32 ``index_add_``, the per-rollout sums are segment sums,
-and nothing loops over groups, rollouts or tokens.
+the per-position sums are float32 sums in batch order, the per-rollout sums are segment sums.
+On the CPU (:func:`_gtpo_by_slices`) a rollout's keys are one contiguous range, so the sums and
+shares are a few numpy calls per rollout on slices, with no per-token keys or gathers; the keyed
+path (:func:`_gtpo`, one ``index_add_`` and gathers, nothing looping) gives the same bits and
+serves the cases the slices hand back (entropies of 0, float64 classes, other devices).
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from ..batch import RolloutBatch
@@ -282,6 +289,12 @@ def gtpo_advantage(
     rounding the division leaves near 0 as the exact answer is; so is a class whose outcome
     terms b_i differ (rewards other than 0/1), whose A takes b_i - b_ref in float64.
     """
+    if entropy.device.type == "cpu" and batch.num_tokens:
+        fast = _gtpo_by_slices(
+            batch, entropy, alpha1, alpha2, correct_threshold, epsilon, with_reward
+        )
+        if fast is not None:
+            return fast
     shaping, wide_classes, keys = _gtpo(
         batch, entropy, torch.float32, alpha1, alpha2, correct_threshold, epsilon, with_reward
     )
@@ -300,6 +313,110 @@ def gtpo_advantage(
     if wide.reward is not None and shaping.reward is not None:
         reward = torch.where(of_token, wide.reward, shaping.reward)
     return TokenShaping(advantage, scalars, reward)
+
+
+def _gtpo_by_slices(
+    batch: RolloutBatch,
+    entropy: torch.Tensor,
+    alpha1: float,
+    alpha2: float,
+    correct_threshold: float,
+    epsilon: float,
+    with_reward: bool,
+) -> TokenShaping | None:
+    """GTPO on the CPU over each rollout's contiguous slice of tokens, the same float32
+    arithmetic in the same order as :func:`_gtpo` (the same bits); None where that one must
+    decide (an entropy of 0 at some position, a class that comes out flat or whose b_i differ).
+
+    Why: per token, the keyed path builds an int32 key, a class mask, and gathers three per-key
+    tables; each is a fresh N-sized buffer whose first touch (page faults) costs more than its
+    arithmetic. Here the keys of rollout i's tokens are the range [start_i, start_i + T_i), so
+    the per-position sums are slice additions into the (K,) table, in batch order as
+    ``index_add_`` adds them, and the tokens need only two buffers: 1/H of the wrong rollouts,
+    and the answer. A few numpy calls per rollout cost less than those passes (a batch has
+    hundreds of rollouts of thousands of tokens)."""
+    classes = split_classes(batch, correct_threshold)
+    cg = classes.class_group
+    lengths = batch.lengths
+    num_cg = 2 * batch.num_groups
+    longest = lengths.new_zeros(num_cg).scatter_reduce(0, cg, lengths, "amax")
+    base = torch.cumsum(longest, 0) - longest
+    num_keys = int(longest.sum())
+    first_wrong = int(longest[: batch.num_groups].sum())
+    start = base.index_select(0, cg)
+    edges = torch.zeros(num_keys + 1, dtype=torch.float64)
+    edges.index_add_(0, start, torch.ones_like(start, dtype=torch.float64))
+    edges.index_add_(0, start + lengths, -torch.ones_like(start, dtype=torch.float64))
+    alive = torch.cumsum(edges, 0)[:-1]
+    h = clamp_entropy(entropy).contiguous().numpy()
+    # A group without contrast gets A = 0 and scalar 0 whatever its shares: unless the shaped
+    # rewards are asked for, its rollouts are only zeroed (GRPO's cost for them).
+    busy_class = torch.cat([classes.contrast, classes.contrast]) | with_reward
+    busy = busy_class.index_select(0, cg).tolist()
+    rollouts: list[tuple[int, int, int, int, bool]] = []
+    idle: list[tuple[int, int, int, int, bool]] = []
+    for i, (o, t, s, c) in enumerate(
+        zip(
+            batch.offsets[:-1].tolist(),
+            lengths.tolist(),
+            start.tolist(),
+            classes.correct.tolist(),
+            strict=True,
+        )
+    ):
+        if t > 0:
+            (rollouts if busy[i] else idle).append((i, o, t, s, not c))
+    total = np.zeros(num_keys, dtype=np.float32)
+    inverse = np.empty(batch.num_tokens, dtype=np.float32)
+    with np.errstate(divide="ignore"):
+        for _, o, t, s, wrong in rollouts:
+            src = h[o : o + t]
+            if wrong:
+                src = np.reciprocal(src, out=inverse[o : o + t])
+            np.add(total[s : s + t], src, out=total[s : s + t])
+    busy_key = np.repeat(busy_class.numpy(), longest.numpy())
+    positive = (total[:first_wrong] > 0) | ~busy_key[:first_wrong]
+    if not positive.all() or not np.isfinite(total[first_wrong:]).all():
+        return None  # entropies of 0: the keyed path's equal shares
+    total_t = torch.from_numpy(total)
+    factor = alive.to(torch.float32, copy=True).mul_(alpha2).div_(total_t)
+    factor[first_wrong:].neg_()
+    f = factor.numpy()
+    out = np.empty(batch.num_tokens, dtype=np.float32)
+    for _, o, t, _, _ in idle:
+        out[o : o + t] = 0.0
+    for _, o, t, s, wrong in rollouts:
+        src = inverse[o : o + t] if wrong else h[o : o + t]
+        np.multiply(f[s : s + t], src, out=out[o : o + t])
+    y = torch.from_numpy(out)
+    b = outcome_rewards(batch, classes, alpha1)
+    reward = y.double() + batch.per_token_wide(b) if with_reward else None
+    tokens = lengths.double()
+    sum_y = batch.rollout_sums(y)
+    sum_yy = batch.rollout_sums(torch.from_numpy(np.multiply(out, out, out=inverse)))
+
+    def centred_squares(mean: torch.Tensor) -> torch.Tensor:
+        d = b - mean
+        return sum_yy + 2.0 * d * sum_y + tokens * d * d
+
+    norm = normalise_per_class(batch, classes, b * tokens + sum_y, centred_squares, tokens, epsilon)
+    b_ref = torch.full((num_cg,), -torch.inf, dtype=torch.float64).scatter_reduce(0, cg, b, "amax")
+    b_ref = torch.where(torch.isfinite(b_ref), b_ref, torch.zeros_like(b_ref))
+    rest = b - b_ref.index_select(0, cg)
+    if bool((rest != 0).any()) or bool(norm.flat.any()):
+        return None  # float64 for those classes: the keyed path
+    shift = (norm.mean - b_ref).to(torch.float32).index_select(0, cg).numpy()
+    scale32 = norm.scale.to(torch.float32).index_select(0, cg).numpy()
+    for i, o, t, _, _ in rollouts:  # shift[i], scale32[i]: float32 scalars
+        part = out[o : o + t]
+        np.subtract(part, shift[i], out=part)
+        np.multiply(part, scale32[i], out=part)
+    scale = norm.scale.index_select(0, cg)
+    c = (b - norm.mean.index_select(0, cg)) * scale
+    scalars = torch.where(
+        tokens > 0, c + scale * sum_y / tokens.clamp(min=1.0), torch.zeros_like(c)
+    )
+    return TokenShaping(y, scalars, reward)
 
 
 def _gtpo(

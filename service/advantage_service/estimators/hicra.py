@@ -15,10 +15,14 @@ and before the forking mask; with ``grpo`` and no other term, A_it = a_i + alpha
 The diagnostic ``hicra_bonus`` is the amount added, alpha |A_it| m_it (before the forking mask,
 which may zero the token after it); ``planning_mask`` is m.
 
-Version and sources: the formula is the one ESTIMATORS.md and the issue that asked for HICRA
-state for arXiv 2509.03646 (the paper's PDF was out of reach when this was written; no equation
-number is cited). Some trainer implementations also amplify high-entropy tokens of longer
-correct rollouts; that is not the formula stated there and is not done here.
+Version and sources: arXiv 2509.03646 (v3). No equation number is cited: the stored text that
+could be read holds the abstract and the introduction, not the method section. The formula is
+the one ESTIMATORS.md and the issue that asked for HICRA state; that the advantage of planning
+tokens is amplified by alpha, 0.2 in the paper's experiments, and that planning tokens are those
+of "strategic grams" (3-5-word n-grams such as "let's try", "we can use", "but the problem
+mentions") is confirmed by summaries of v3, not by its equations. Some trainer
+implementations also amplify high-entropy tokens of longer correct rollouts; that is not the
+formula stated there and is not done here.
 
 The planning mask comes from the rollouts' ``planning_mask`` input (0/1 per token), or, when a
 request has none and the server has a tokenizer (``--tokenizer``/``ADV_TOKENIZER``), from

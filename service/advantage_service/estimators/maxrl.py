@@ -12,8 +12,12 @@ Binary rewards, K of N correct: a correct rollout gets (N - K) / K and a wrong o
 sum over the group is 0); a group with K = 0 has no success to learn from and every a_i is 0,
 and so does a group with K = N (r_i = r_hat).
 
-Version: arXiv 2602.02710 as summarised by ESTIMATORS.md and the issue that asked for it (the
-paper's PDF was out of reach when this was written, so no equation number is cited here). The
+Version: arXiv 2602.02710 (v1). No equation number is cited: the paper's text that could be
+read (its abstract and the authors' project page) states the objective, log p(x) in place of
+p(x), and the 1/p(x) reweighting of the gradient, but not the numbered estimator; the formula
+above (the average over the successful rollouts, with the group's success rate as the control
+variate) is the one ESTIMATORS.md and the issue that asked for MaxRL give, and was not checked
+against the paper's equations. The
 per-rollout advantage omits the estimator's 1/N factor, as GRPO's does: the trainer's loss
 averages over the rollouts.
 
