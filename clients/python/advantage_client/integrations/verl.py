@@ -94,6 +94,8 @@ INPUT_HINTS = {
     "trainer.use_v1=false: the v1 trainer of verl 0.9 does not compute it)",
     "entropy": "the old-log-prob pass's entropies in data.batch['entropys'] (the legacy trainer "
     "pops them before the advantage step: keep a copy) or data.batch['entropy'] (v1 trainer)",
+    "planning_mask": "data.batch['planning_mask'] (1 on planning tokens), or a service started "
+    "with --tokenizer (HICRA then finds strategic phrases itself)",
 }
 # Outcome presets -> verl's own estimator of the same math (the opt-in local fallback).
 LOCAL_FALLBACK = {
