@@ -177,7 +177,7 @@ def compute_batch(
     estimator: str | Mapping[str, Any] | EstimatorSpec | None = None,
     device: str | torch.device = "cpu",
     *,
-    diagnostics: Iterable[str] | str = (),
+    diagnostics: Iterable[str] | str | None = (),
     ignore_token_ids: Any = None,
     vocab_size: int | None = None,
     context: TermContext | None = None,
@@ -186,7 +186,8 @@ def compute_batch(
 
     ``diagnostics``: the names to return in ``.diagnostics``, as a request's ``return`` asks
     for them; only those are computed (default: none; ``"all"``: every one the estimator's
-    terms and outcome produce, :func:`estimator_diagnostics`). ``.scalars`` is always there.
+    terms and outcome produce, :func:`estimator_diagnostics`; None as the default).
+    ``.scalars`` is always there.
     Returns tensors on ``device`` (``auto``: CUDA when available).
     """
     spec = resolve_estimator(estimator)
@@ -194,7 +195,7 @@ def compute_batch(
     # statistics diagnostics cost more than the advantages they explain.
     if isinstance(diagnostics, str):
         diagnostics = estimator_diagnostics(spec) if diagnostics == "all" else (diagnostics,)
-    wanted = tuple(dict.fromkeys(diagnostics))
+    wanted = tuple(dict.fromkeys(() if diagnostics is None else diagnostics))
     check_inputs(batch, spec, wanted)
     dev = resolve_device(device)
     batch = batch.to(dev)
