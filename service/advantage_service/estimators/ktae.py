@@ -146,9 +146,10 @@ def tf_saturation(
     """BM25 term-frequency saturation s = f (k1 + 1) / (f + K), f = occurrences / L.
 
     ``inv_length`` = 1 / L (0 for L = 0, so f = 0) and ``k`` = K > 0 come per table from its
-    group; with f = 0 the formula gives s = 0 without a special case.
+    group; with f = 0 the formula gives s = 0 without a special case. ``inv_length`` is
+    overwritten (with f + K): callers pass scratch.
     """
-    f = occurrences * inv_length
+    f = inv_length.mul_(occurrences)
     return (f * (k1 + 1.0)).div_(f.add_(k))
 
 
@@ -179,13 +180,19 @@ def tf_contrast(
     avg = (len_c + len_w) / 2.0
     inv_c, k_c = tf_group_constants(len_c, avg, k1, b)
     inv_w, k_w = tf_group_constants(len_w, avg, k1, b)
+    # (two scratch arrays for the per-table group constants, reused by both sides and the
+    # quotient: fresh float64 arrays of every table cost page faults as much as arithmetic)
+    scratch = torch.empty((2, group.numel()), dtype=torch.float64, device=group.device)
+    f, k = scratch.unbind(0)
 
-    def per_table(t: torch.Tensor) -> torch.Tensor:
-        return t.index_select(0, group)
+    def saturation(occurrences: torch.Tensor, inv: torch.Tensor, k_g: torch.Tensor) -> torch.Tensor:
+        torch.index_select(inv, 0, group, out=f)
+        return tf_saturation(occurrences, f, torch.index_select(k_g, 0, group, out=k), k1)
 
-    s_c = tf_saturation(occ_c, per_table(inv_c), per_table(k_c), k1)
-    s_w = tf_saturation(occ_w, per_table(inv_w), per_table(k_w), k1)
-    return (s_c / (s_w + TF_FLOOR)).sub_(s_w.div_(s_c.add_(TF_FLOOR)))
+    s_c = saturation(occ_c, inv_c, k_c)
+    s_w = saturation(occ_w, inv_w, k_w)
+    contrast = torch.div(s_c, torch.add(s_w, TF_FLOOR, out=f), out=k)
+    return contrast.sub_(s_w.div_(s_c.add_(TF_FLOOR)))
 
 
 @dataclass
@@ -455,13 +462,18 @@ def _positions(kept_at: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return kept_at.index_select(0, order)
 
 
-def _segment_sums(flags: torch.Tensor, bounds: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-    """Sum of ``flags`` over each run [bounds[i], bounds[i + 1]) of the sorted positions,
-    float64 (M,): differences of one cumulative sum at the run bounds. ``total``: int32
-    scratch (K + 1,) starting with 0, shared by the sums (one fresh array, not one each)."""
-    torch.cumsum(flags, 0, dtype=torch.int32, out=total[1:])
-    at_bounds = total.index_select(0, bounds).double()
-    return at_bounds[1:] - at_bounds[:-1]
+def _segment_sums(flags: Sequence[torch.Tensor], bounds: torch.Tensor, size: int) -> torch.Tensor:
+    """int32 (4, M): rows 0-2 the sums of each of ``flags`` (three (K,)) over each run
+    [bounds[i], bounds[i + 1]) of the sorted positions (differences of one cumulative sum at
+    the run bounds), row 3 left for the caller; one fresh block for the sums."""
+    total = fresh((len(flags), size + 1), torch.int32, bounds.device)
+    total[:, :1] = 0
+    for row, values in zip(total, flags, strict=True):
+        torch.cumsum(values, 0, dtype=torch.int32, out=row[1:])
+    at_bounds = total.index_select(1, bounds)
+    out = torch.empty((4, bounds.numel() - 1), dtype=torch.int32, device=bounds.device)
+    torch.sub(at_bounds[:, 1:], at_bounds[:, :-1], out=out[:3])
+    return out
 
 
 def tabulate(
@@ -525,21 +537,25 @@ def tabulate(
     first = _nonzero(new_table)
     bounds = torch.cat([first, first.new_full((1,), key.numel())])
     starts = bounds[:-1]
-    scratch = fresh((key.numel() + 1,), torch.int32, key.device)
-    scratch[:1] = 0
-    occ_c = _segment_sums(is_correct, bounds, scratch)
-    a = _segment_sums(new_rollout & is_correct.bool(), bounds, scratch)
-    present = _segment_sums(new_rollout, bounds, scratch)
     run = bounds[1:] - starts
+    # a, present rollouts and correct occurrences per table: segment sums of three flags, made
+    # whole (int32) in one block, then b and the wrong occurrences from them, and float64 once.
+    counts = _segment_sums(
+        (new_rollout & is_correct.bool(), new_rollout, is_correct), bounds, key.numel()
+    )
+    counts[1].sub_(counts[0])  # present -> b
+    counts[3] = run
+    counts[3].sub_(counts[2])  # run -> wrong occurrences
+    a, b, occ_c, occ_w = counts.double().unbind(0)
     heads = table_key.index_select(0, starts).long()
     token = heads & ((1 << vocab_bits) - 1)
     return KeyTokenTables(
         group=heads >> vocab_bits,
         token=token if vocab is None else vocab[token],
         a=a,
-        b=present - a,
+        b=b,
         occ_c=occ_c,
-        occ_w=run.double() - occ_c,
+        occ_w=occ_w,
         order=order,
         run=run,
         num_tokens=batch.num_tokens,
