@@ -184,8 +184,9 @@ def tf_contrast(
     avg = (len_c + len_w) / 2.0
     inv_c, k_c = tf_group_constants(len_c, avg, k1, b)
     inv_w, k_w = tf_group_constants(len_w, avg, k1, b)
-    # (two scratch arrays for the per-table group constants, reused by both sides and the
-    # quotient: fresh float64 arrays of every table cost page faults as much as arithmetic)
+    # (one fresh block, huge pages on the CPU: two rows of scratch for the per-table group
+    # constants, reused by both sides and the quotient, and the two saturations; fresh float64
+    # arrays of every table cost as much in page faults as in arithmetic)
     f, k, s_c, s_w = fresh((4, group.numel()), torch.float64, group.device)
 
     def saturation(
