@@ -141,15 +141,20 @@ def cohens_h(
 
 
 def tf_saturation(
-    occurrences: torch.Tensor, inv_length: torch.Tensor, k: torch.Tensor, k1: float
+    occurrences: torch.Tensor,
+    inv_length: torch.Tensor,
+    k: torch.Tensor,
+    k1: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """BM25 term-frequency saturation s = f (k1 + 1) / (f + K), f = occurrences / L.
 
     ``inv_length`` = 1 / L (0 for L = 0, so f = 0) and ``k`` = K > 0 come per table from its
-    group; with f = 0 the formula gives s = 0 without a special case.
+    group; with f = 0 the formula gives s = 0 without a special case. ``inv_length`` is
+    overwritten (with f + K): callers pass scratch; s goes into ``out`` when given.
     """
-    f = occurrences * inv_length
-    return (f * (k1 + 1.0)).div_(f.add_(k))
+    f = inv_length.mul_(occurrences)
+    return torch.mul(f, k1 + 1.0, out=out).div_(f.add_(k))
 
 
 def tf_group_constants(
@@ -179,13 +184,21 @@ def tf_contrast(
     avg = (len_c + len_w) / 2.0
     inv_c, k_c = tf_group_constants(len_c, avg, k1, b)
     inv_w, k_w = tf_group_constants(len_w, avg, k1, b)
+    # (one fresh block, huge pages on the CPU: two rows of scratch for the per-table group
+    # constants, reused by both sides and the quotient, and the two saturations; fresh float64
+    # arrays of every table cost as much in page faults as in arithmetic)
+    f, k, s_c, s_w = fresh((4, group.numel()), torch.float64, group.device)
 
-    def per_table(t: torch.Tensor) -> torch.Tensor:
-        return t.index_select(0, group)
+    def saturation(
+        occurrences: torch.Tensor, inv: torch.Tensor, k_g: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        torch.index_select(inv, 0, group, out=f)
+        return tf_saturation(occurrences, f, torch.index_select(k_g, 0, group, out=k), k1, out)
 
-    s_c = tf_saturation(occ_c, per_table(inv_c), per_table(k_c), k1)
-    s_w = tf_saturation(occ_w, per_table(inv_w), per_table(k_w), k1)
-    return (s_c / (s_w + TF_FLOOR)).sub_(s_w.div_(s_c.add_(TF_FLOOR)))
+    s_c = saturation(occ_c, inv_c, k_c, s_c)
+    s_w = saturation(occ_w, inv_w, k_w, s_w)
+    contrast = torch.div(s_c, torch.add(s_w, TF_FLOOR, out=f), out=k)
+    return contrast.sub_(s_w.div_(s_c.add_(TF_FLOOR)))
 
 
 @dataclass
@@ -437,11 +450,38 @@ def _nonzero(flags: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(flags).squeeze(1)
 
 
-def _compress(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """``values[keep]`` (keep: bool, values' shape (K,))."""
+def _compress(values: torch.Tensor, keep: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``values[keep]`` (keep: bool, values' shape) into ``out``."""
     if values.device.type == "cpu":  # (numpy's: several times torch's on the CPU)
-        return torch.from_numpy(np.compress(keep.numpy(), values.numpy()))
-    return values[keep]
+        np.compress(keep.numpy(), values.numpy(), out=out.numpy())
+        return out
+    return out.copy_(values[keep])
+
+
+def _changes(values: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """bool (K,) into ``out``: True where ``values`` (sorted) starts a new run of equal values."""
+    out[:1] = True
+    torch.ne(values[1:], values[:-1], out=out[1:])
+    return out
+
+
+class _Scratch:
+    """Named arrays carved from one fresh block (huge pages on the CPU), each 64-byte aligned:
+    ``_Scratch(device, name=(size, dtype), ...)``, then ``scratch[name]``."""
+
+    def __init__(self, device: torch.device, **arrays: tuple[int, torch.dtype]) -> None:
+        offsets, total = {}, 0
+        for name, (size, dtype) in arrays.items():
+            offsets[name] = total
+            total += -(-size * dtype.itemsize // 64) * 64
+        block = fresh((max(total, 1),), torch.uint8, device)
+        self._arrays = {
+            name: block[offsets[name] : offsets[name] + size * dtype.itemsize].view(dtype)
+            for name, (size, dtype) in arrays.items()
+        }
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._arrays[name]
 
 
 def _positions(kept_at: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
@@ -455,13 +495,19 @@ def _positions(kept_at: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return kept_at.index_select(0, order)
 
 
-def _segment_sums(flags: torch.Tensor, bounds: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-    """Sum of ``flags`` over each run [bounds[i], bounds[i + 1]) of the sorted positions,
-    float64 (M,): differences of one cumulative sum at the run bounds. ``total``: int32
-    scratch (K + 1,) starting with 0, shared by the sums (one fresh array, not one each)."""
-    torch.cumsum(flags, 0, dtype=torch.int32, out=total[1:])
-    at_bounds = total.index_select(0, bounds).double()
-    return at_bounds[1:] - at_bounds[:-1]
+def _segment_sums(flags: Sequence[torch.Tensor], bounds: torch.Tensor, size: int) -> torch.Tensor:
+    """int32 (4, M): rows 0-2 the sums of each of ``flags`` (three (K,)) over each run
+    [bounds[i], bounds[i + 1]) of the sorted positions (differences of one cumulative sum at
+    the run bounds), row 3 left for the caller; one fresh block for the sums."""
+    total = fresh((len(flags), size + 1), torch.int32, bounds.device)
+    total[:, :1] = 0
+    for row, values in zip(total, flags, strict=True):
+        torch.cumsum(values, 0, dtype=torch.int32, out=row[1:])
+    at_bounds = fresh((len(flags), bounds.numel()), torch.int32, bounds.device)
+    torch.index_select(total, 1, bounds, out=at_bounds)
+    out = fresh((4, bounds.numel() - 1), torch.int32, bounds.device)
+    torch.sub(at_bounds[:, 1:], at_bounds[:, :-1], out=out[:3])
+    return out
 
 
 def tabulate(
@@ -506,40 +552,57 @@ def tabulate(
     # temporary (a multiply, not <<: the shift has no vectorised CPU kernel). A dropped token's
     # key leaves the sign it was marked with here, but it is left out below by ``keep``.
     key.add_(tokens if tokens.dtype == key_dtype else tokens.to(key_dtype), alpha=1 << low_bits)
-    kept_at = None
+    kept_at = None if keep is None else _nonzero(keep)
+    k = key.numel() if kept_at is None else kept_at.numel()
+    # Every array of the sorted tokens below in one fresh block (huge pages on the CPU): a dozen
+    # fresh arrays would cost more in page faults than the passes that fill them.
+    scratch = _Scratch(
+        key.device,
+        sorted_key=(k, key_dtype),
+        kept_key=(k if kept_at is not None else 0, key_dtype),
+        is_correct=(k, key_dtype),
+        new_rollout=(k, torch.bool),
+        new_table=(k, torch.bool),
+        correct_flag=(k, torch.bool),
+        new_correct_rollout=(k, torch.bool),
+    )
     if keep is not None:
-        kept_at = _nonzero(keep)
-        key = _compress(key, keep)
-    key, order = torch.sort(key)
+        key = _compress(key, keep, scratch["kept_key"])
+    # (the order outlives the scratch, in the tables: a fresh array of its own)
+    order = fresh((k,), torch.int64, key.device)
+    sorted_key, order = torch.sort(key, out=(scratch["sorted_key"], order))
+    key = sorted_key
     if kept_at is not None:  # (order: positions in the batch, not among the kept tokens)
         order = _positions(kept_at, order)
-    new_rollout = torch.ones_like(key, dtype=torch.bool)
-    torch.ne(key[1:], key[:-1], out=new_rollout[1:])
+    new_rollout = _changes(key, scratch["new_rollout"])
     # (in place: the keys are the tables' now)
     table_key = key.bitwise_right_shift_(rank_bits)
-    is_correct = table_key & 1
+    is_correct = torch.bitwise_and(table_key, 1, out=scratch["is_correct"])
     table_key >>= 1
-    new_table = torch.ones_like(new_rollout)
-    torch.ne(table_key[1:], table_key[:-1], out=new_table[1:])
+    new_table = _changes(table_key, scratch["new_table"])
     # Run bounds: each table's first sorted position, then the end.
     first = _nonzero(new_table)
     bounds = torch.cat([first, first.new_full((1,), key.numel())])
     starts = bounds[:-1]
-    scratch = fresh((key.numel() + 1,), torch.int32, key.device)
-    scratch[:1] = 0
-    occ_c = _segment_sums(is_correct, bounds, scratch)
-    a = _segment_sums(new_rollout & is_correct.bool(), bounds, scratch)
-    present = _segment_sums(new_rollout, bounds, scratch)
     run = bounds[1:] - starts
+    # a, present rollouts and correct occurrences per table: segment sums of three flags, made
+    # whole (int32) in one block, then b and the wrong occurrences from them, and float64 once.
+    correct = torch.ne(is_correct, 0, out=scratch["correct_flag"])
+    new_correct = torch.bitwise_and(new_rollout, correct, out=scratch["new_correct_rollout"])
+    counts = _segment_sums((new_correct, new_rollout, is_correct), bounds, key.numel())
+    counts[1].sub_(counts[0])  # present -> b
+    counts[3] = run
+    counts[3].sub_(counts[2])  # run -> wrong occurrences
+    a, b, occ_c, occ_w = fresh(tuple(counts.shape), torch.float64, key.device).copy_(counts)
     heads = table_key.index_select(0, starts).long()
     token = heads & ((1 << vocab_bits) - 1)
     return KeyTokenTables(
         group=heads >> vocab_bits,
         token=token if vocab is None else vocab[token],
         a=a,
-        b=present - a,
+        b=b,
         occ_c=occ_c,
-        occ_w=run.double() - occ_c,
+        occ_w=occ_w,
         order=order,
         run=run,
         num_tokens=batch.num_tokens,
