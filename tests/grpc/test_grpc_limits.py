@@ -262,7 +262,9 @@ def test_a_stream_refuses_long_ids_on_a_groups_first_rollout_and_holds_nothing(
         assert error.error.code == "limit_exceeded" and error.error.field == "group_id"
         assert error.group_id == "" and list(error.rollout_ids) == [f"r{i}"]
         assert len(error.error.message) < 200
-    assert growth.bytes <= 32 * MIB, growth.describe(sent)
+    # Not held: grpcio's receive buffers may hold some of the 1 MB messages while the handler
+    # lags (up to 0.67x was seen on a loaded machine); holding the groups costs over 2x.
+    assert growth.bytes <= 0.75 * sent, growth.describe(sent)
 
 
 def test_a_stream_checks_names_on_every_rollout_before_the_group_completes(
