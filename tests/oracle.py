@@ -1156,10 +1156,10 @@ def gtpo_group(
     advantages = [np.zeros(t, dtype=np.float64) for t in lengths]
     if any(correct) and not all(correct):
         for cls in (True, False):
+            # Eq. 6: each class over its own tokens in the group.
             members = [i for i in range(len(rollouts)) if correct[i] == cls]
             own = [float(x) for i in members for x in shaped[i]]
-            others = sum(lengths[i] for i in range(len(rollouts)) if correct[i] != cls)
-            normalised = standardise_with_zeros(own, others, epsilon) if own else []
+            normalised = standardise_with_zeros(own, 0, epsilon) if own else []
             start = 0
             for i in members:
                 advantages[i] = np.array(normalised[start : start + lengths[i]], dtype=np.float64)
@@ -1195,12 +1195,8 @@ def grpo_s_group(
             shaped[i] += (1.0 if cls else -1.0) * alpha2 * len(members) * share
     advantages = [0.0] * len(rollouts)
     if any(correct) and not all(correct):
-        for cls in (True, False):
-            members = [i for i in range(len(rollouts)) if correct[i] == cls]
-            others = len(rollouts) - len(members)
-            normalised = standardise_with_zeros([shaped[i] for i in members], others, epsilon)
-            for i, a in zip(members, normalised, strict=True):
-                advantages[i] = a
+        # As GRPO: over the group's rollouts, both classes together.
+        advantages = standardise_with_zeros(shaped, 0, epsilon)
     return list(zip(shaped, advantages, strict=True))
 
 

@@ -84,6 +84,7 @@ def test_gtpo_slices_give_the_keyed_path_bits() -> None:
     """The CPU path over rollout slices (per-position sums in batch order, as ``index_add_``)
     gives the keyed path's bits, and hands back to it where entropies of 0 need equal shares
     or rewards other than 0/1 need float64."""
+    compared = 0
     for seed in range(20):
         rng = np.random.default_rng(seed)
         groups = oracle.random_token_groups(rng, group_size=(2, 6), length=(1, 40))
@@ -93,21 +94,21 @@ def test_gtpo_slices_give_the_keyed_path_bits() -> None:
                 r["entropy"] = [abs(e) + 0.01 for e in r["entropy"]]
         batch, fields = flat_batch(groups)
         entropy = fields["entropy"]
-        for with_reward in (True, False):  # without: groups without contrast only zeroed
-            args = (1.0, 0.1, 0.0, 1e-6, with_reward)
-            fast = _gtpo_by_slices(batch, entropy, *args)
-            keyed, wide, _ = _gtpo(batch, entropy, torch.float32, *args)
-            if bool(wide.any()):
-                assert fast is None
-                continue
-            assert fast is not None
-            assert torch.equal(fast.advantage, keyed.advantage)
-            assert torch.equal(fast.scalars, keyed.scalars)
-            if with_reward:
-                assert fast.reward is not None and keyed.reward is not None
-                assert torch.equal(fast.reward, keyed.reward)
+        args = (1.0, 0.1, 0.0, 1e-6)
+        fast = _gtpo_by_slices(batch, entropy, *args)
+        keyed, wide, _ = _gtpo(batch, entropy, torch.float32, *args, False)
+        if bool(wide.any()):
+            assert fast is None
+            continue
+        assert fast is not None
+        assert torch.equal(fast.advantage, keyed.advantage)
+        assert torch.equal(fast.scalars, keyed.scalars)
+        compared += 1
+    assert compared >= 10
     batch, fields = flat_batch([[rollout(1.0, [0.0, 1.0]), rollout(0.0, [0.5])]])
-    assert _gtpo_by_slices(batch, fields["entropy"], 1.0, 0.1, 0.0, 1e-6, False) is None
+    assert _gtpo_by_slices(batch, fields["entropy"], 1.0, 0.1, 0.0, 1e-6) is None
+    batch, fields = flat_batch([[rollout(1.0, [1.0, 1.0]), rollout(0.5, [0.5]), rollout(0, [1])]])
+    assert _gtpo_by_slices(batch, fields["entropy"], 1.0, 0.1, 0.0, 1e-6) is None  # 1 != 0.5
 
 
 def test_gtpo_shaped_rewards_by_hand() -> None:
@@ -130,12 +131,35 @@ def test_gtpo_shaped_rewards_by_hand() -> None:
     np.testing.assert_allclose(result.reward.numpy(), expected, rtol=1e-7)
 
 
-def test_gtpo_two_rollouts_of_one_token_is_grpo() -> None:
-    """One correct and one wrong token: r~ = 1.1 and -1.1. Over the group's two tokens R~+ =
-    (1.1, 0): mean 0.55, sample std 0.55 sqrt(2); A+ = 0.55 / (0.55 sqrt 2) = 1/sqrt 2, and A- =
-    -1/sqrt 2 likewise: GRPO's (1 - 0.5) / std(1, 0) for each."""
-    _, result = ours([[rollout(1.0, [0.7]), rollout(0.0, [1.3])]], epsilon=0.0)
-    np.testing.assert_allclose(result.advantage.numpy(), [2**-0.5, -(2**-0.5)], rtol=1e-7)
+def test_gtpo_normalises_each_class_over_its_own_tokens_by_hand() -> None:
+    """Eq. 6 on the group of the test above (eps 0). R~+ = 1.08, 1.16, 1.1, 1.12, 1.04: mean
+    1.1 (1 + alpha2: the shares sum to 1 at each position), deviations -0.02, 0.06, 0, 0.02,
+    -0.06, sample variance 0.008 / 4, std 0.02 sqrt 5. R~-: deviations from -1.1 of 0.0778,
+    -0.0778, 0, -0.0778, 0.0778 (= 0.7/9), std 0.7/9: A- = +-1. The confident tokens of the
+    wrong rollouts (entropy 0.5) take A = -1, the hesitant ones (entropy 4) +1."""
+    groups = [
+        [
+            rollout(1.0, [2.0, 4.0, 1.0]),
+            rollout(1.0, [3.0, 1.0]),
+            rollout(0.0, [4.0, 0.5, 3.0]),
+            rollout(0.0, [0.5, 4.0]),
+        ]
+    ]
+    _batch, result = ours(groups, epsilon=0.0)
+    root5 = 5**0.5
+    expected = [-1 / root5, 3 / root5, 0.0, 1 / root5, -3 / root5, 1.0, -1.0, 0.0, -1.0, 1.0]
+    np.testing.assert_allclose(result.advantage.numpy(), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        result.scalars.numpy(), [2 / 3 / root5, -1 / root5, 0.0, 0.0], rtol=1e-5, atol=1e-6
+    )
+
+
+def test_gtpo_one_correct_and_one_wrong_token_get_nothing() -> None:
+    """A class of one rollout has all its shaped rewards alike (its share is 1 at every
+    position): its standardised advantages are 0 exactly, whatever eps."""
+    for epsilon in (0.0, 1e-6):
+        _, result = ours([[rollout(1.0, [0.7, 0.2]), rollout(0.0, [1.3])]], epsilon=epsilon)
+        assert result.advantage.tolist() == [0.0, 0.0, 0.0]
 
 
 def test_gtpo_entropies_of_zero_share_as_the_docstring_says() -> None:
@@ -239,45 +263,66 @@ def test_gtpo_conserves_the_reward_at_every_position(groups, alpha2) -> None:
         assert sum(values) == pytest.approx((1 if is_correct else -1) * len(values), abs=1e-5)
 
 
-@SETTINGS
-@given(entropy_groups(), st.floats(0.0, 3.0), st.floats(0.0, 3.0))
-def test_gtpo_correct_rollouts_gain_and_wrong_ones_lose(groups, alpha1, alpha2) -> None:
-    """In a group with tokens in both classes, the advantages of the correct rollouts' tokens
-    sum above 0 and the wrong ones' below."""
-    if alpha1 + alpha2 < 1e-3:
-        alpha1 = 1.0
-    batch, result = ours(groups, alpha1=alpha1, alpha2=alpha2)
-    a = result.advantage.numpy()
+def class_pools(
+    batch: RolloutBatch, values: np.ndarray
+) -> dict[tuple[int, bool], list[tuple[int, float]]]:
+    """(group, correct) -> [(flat index, value)] of the groups with rollouts (maybe empty) in
+    both classes."""
     group = batch.group_index.tolist()
     correct = (batch.rewards > 0).tolist()
-    totals: dict[tuple[int, bool], float] = {}
+    classes = set(zip(group, correct, strict=True))
+    pools: dict[tuple[int, bool], list[tuple[int, float]]] = {}
     for p, i, _ in positions(batch):
-        totals[(group[i], correct[i])] = totals.get((group[i], correct[i]), 0.0) + a[p]
-    for (g, is_correct), total in totals.items():
-        if (g, not is_correct) in totals:
-            assert (total > 0) if is_correct else (total < 0), (g, is_correct, total)
+        pools.setdefault((group[i], correct[i]), []).append((p, float(values[p])))
+    return {k: v for k, v in pools.items() if (k[0], not k[1]) in classes}
 
 
 @SETTINGS
-@given(entropy_groups())
-def test_gtpo_without_the_entropy_term_is_grpo_over_tokens(groups) -> None:
-    """alpha2 = 0, 0/1 rewards: every token gets (r_i - mean) / (std + eps), mean and sample std
-    of the rewards over the group's tokens; 0 in a group without contrast."""
-    batch, result = ours(groups, alpha2=0.0)
-    r = batch.rewards.double().tolist()
-    group = batch.group_index.tolist()
-    pools: dict[int, list[float]] = {}
-    for _, i, _ in positions(batch):
-        pools.setdefault(group[i], []).append(r[i])
+@given(entropy_groups(binary=False), st.floats(0.0, 3.0), st.floats(0.0, 3.0))
+def test_gtpo_standardises_each_class_over_its_own_tokens(groups, alpha1, alpha2) -> None:
+    """Eq. 6: in a group with tokens in both classes, a class's advantages are its shaped
+    rewards standardised over its own tokens: they keep the rewards' order, sum to 0, and have
+    the sample std std / (std + eps)."""
+    batch, result = ours(groups, alpha1=alpha1, alpha2=alpha2)
+    shaped = result.reward.numpy()
     a = result.advantage.numpy()
+    for members in class_pools(batch, shaped).values():
+        x = np.array([v for _, v in members])
+        y = np.array([a[p] for p, _ in members])
+        assert abs(y.sum()) <= 1e-4 * len(y)
+        for i in range(len(x)):
+            for j in range(len(x)):
+                if x[i] < x[j] - 1e-9:
+                    assert y[i] <= y[j] + 1e-6
+        sd = x.std(ddof=1) if len(x) > 1 else 0.0
+        if sd > 1e-3 * float(np.abs(x).max()) and sd > 1e-9:
+            assert y.std(ddof=1) == pytest.approx(sd / (sd + 1e-6), rel=1e-4)
+
+
+@SETTINGS
+@given(entropy_groups(binary=False), st.floats(0.1, 3.0))
+def test_gtpo_without_the_entropy_term_standardises_rewards_per_class(groups, alpha1) -> None:
+    """alpha2 = 0: every token of a correct rollout gets (alpha1 r_i - mean) / (std + eps),
+    mean and sample std over the correct rollouts' tokens of its group (the wrong ones' shaped
+    rewards are all -alpha1: 0); 0 in a group without contrast, so 0 everywhere with 0/1
+    rewards (the outcome term is one value per class)."""
+    batch, result = ours(groups, alpha1=alpha1, alpha2=0.0)
+    r = batch.rewards.double().numpy()
+    base = np.zeros(batch.num_tokens)
     for p, i, _ in positions(batch):
-        rewards_of_group = {r[j] for j in range(len(r)) if group[j] == group[i]}
-        pool = np.array(pools[group[i]])
-        if len(rewards_of_group) < 2:
-            assert a[p] == 0.0
-        elif pool.min() < pool.max():  # (tokens of one class only: x - mean = 0)
-            expected = (r[i] - pool.mean()) / (pool.std(ddof=1) + 1e-6)
-            assert a[p] == pytest.approx(expected, rel=1e-6, abs=1e-9)
+        base[p] = alpha1 * r[i] if r[i] > 0 else -alpha1
+    a = result.advantage.numpy()
+    seen = set()
+    for members in class_pools(batch, base).values():
+        x = np.array([v for _, v in members])
+        sd = x.std(ddof=1) if len(x) > 1 else 0.0
+        for p, v in members:
+            seen.add(p)
+            expected = 0.0 if sd == 0 else (v - x.mean()) / (sd + 1e-6)
+            assert a[p] == pytest.approx(expected, rel=1e-6, abs=1e-6)
+    assert all(a[p] == 0.0 for p in range(len(a)) if p not in seen)
+    if set(r.tolist()) <= {0.0, 1.0}:
+        assert not a.any()
 
 
 @SETTINGS

@@ -597,22 +597,21 @@ def test_entropy_shares_hand_worked():
 
 
 def test_gtpo_oracle_hand_worked():
-    """One correct rollout (entropies 1, 3) and one wrong (entropy 2): each class alone at every
-    position, share 1: shaped 1.1, 1.1 and -1.1. R+ over the group's 3 tokens = (1.1, 1.1, 0):
-    mean 2.2/3, sample std sqrt(((1.1/3)^2 * 2 + (2.2/3)^2) / 2)."""
+    """Two correct rollouts (entropies 1, 3 and 3) and one wrong (entropy 2). t = 0: O+ shares
+    1/4, 3/4 of d = 2 -> 1.05, 1.15; t = 1: the first rollout alone, share 1 -> 1.1; the wrong
+    one alone: -1.1. Eq. 6 normalises each class over its own tokens: R+ = (1.05, 1.1, 1.15),
+    mean 1.1, sample std 0.05 -> -1, 0, 1; R- = (-1.1,): one value, 0."""
     group = [
         {"reward": 1.0, "entropy": [1.0, 3.0]},
+        {"reward": 1.0, "entropy": [3.0]},
         {"reward": 0.0, "entropy": [2.0]},
     ]
-    (shaped_c, adv_c), (shaped_w, adv_w) = oracle.gtpo_group(group, epsilon=0.0)
-    assert shaped_c.tolist() == pytest.approx([1.1, 1.1]) and shaped_w.tolist() == [-1.1]
-    mean = 2.2 / 3
-    std = math.sqrt(((1.1 - mean) ** 2 * 2 + mean**2) / 2)
-    assert adv_c.tolist() == pytest.approx([(1.1 - mean) / std] * 2)
-    # R- = (0, 0, -1.1): mean -1.1/3
-    mean_w = -1.1 / 3
-    std_w = math.sqrt((mean_w**2 * 2 + (-1.1 - mean_w) ** 2) / 2)
-    assert adv_w.tolist() == pytest.approx([(-1.1 - mean_w) / std_w])
+    (shaped_a, adv_a), (shaped_b, adv_b), (shaped_w, adv_w) = oracle.gtpo_group(group, epsilon=0.0)
+    assert shaped_a.tolist() == pytest.approx([1.05, 1.1]) and shaped_b.tolist() == [1.15]
+    assert shaped_w.tolist() == pytest.approx([-1.1])
+    assert adv_a.tolist() == pytest.approx([-1.0, 0.0], abs=1e-9)
+    assert adv_b.tolist() == pytest.approx([1.0])
+    assert adv_w.tolist() == [0.0]
     # no contrast: 0
     same = oracle.gtpo_group([group[0], {"reward": 2.0, "entropy": [1.0]}])
     assert all(np.all(a == 0.0) for _, a in same)
@@ -620,7 +619,7 @@ def test_gtpo_oracle_hand_worked():
 
 def test_grpo_s_oracle_hand_worked():
     """Mean entropies 1 and 3 (correct): shares 1/4, 3/4 of 2 -> 1.05, 1.15; one wrong: -1.1;
-    normalised over the 3 rollouts."""
+    normalised as GRPO over the group's 3 rollouts."""
     group = [
         {"reward": 1.0, "entropy": [0.5, 1.5]},
         {"reward": 1.0, "entropy": [3.0]},
@@ -628,9 +627,9 @@ def test_grpo_s_oracle_hand_worked():
     ]
     result = oracle.grpo_s_group(group, epsilon=0.0)
     assert [r for r, _ in result] == pytest.approx([1.05, 1.15, -1.1])
-    pool = np.array([1.05, 1.15, 0.0])
-    expected = (np.array([1.05, 1.15]) - pool.mean()) / pool.std(ddof=1)
-    assert [a for _, a in result][:2] == pytest.approx(expected.tolist())
+    pool = np.array([1.05, 1.15, -1.1])
+    expected = (pool - pool.mean()) / pool.std(ddof=1)
+    assert [a for _, a in result] == pytest.approx(expected.tolist())
 
 
 def test_hicra_oracle_hand_worked():

@@ -2,28 +2,31 @@
 Sequence-Level Reward Shaping with Policy Entropy", arXiv 2508.04349).
 
 GTPO's dynamic entropy weighting at the sequence level: a rollout's entropy is its mean token
-entropy H^_i = (1/T_i) sum_t H_it, and the shaped rewards are per rollout, separately for the
-correct rollouts O+ (n+ of them with tokens) and the wrong ones O- (n-):
+entropy H^_i = (1/T_i) sum_t H_it (Eq. 8), and the shaped rewards are per rollout, separately
+for the correct rollouts O+ (n+ of them with tokens) and the wrong ones O- (n-), Eq. 9:
 
     correct (O+):  r^_i = alpha1 r_i + alpha2 n+ H^_i / sum_{k in O+} H^_k
     wrong (O-):    r^_i = -alpha1   - alpha2 n- (1/H^_i) / sum_{k in O-} (1/H^_k)
 
 (a correct rollout that thought harder gains; a confidently wrong one loses more), normalised
-per class over the group's rollouts, the other class's rollouts counting 0:
+as GRPO's rewards are, over the group's rollouts of both classes together:
 
-    a_i = (r^_i - mean(R^+)) / (std(R^+) + eps) for i in O+, likewise with R^- for i in O-
+    a_i = (r^_i - mean(r^)) / (std(r^) + eps)
 
 (std: the sample standard deviation over the group's rollouts). a_i is the rollout's scalar
 advantage, on every one of its tokens. With alpha2 = 0 and 0/1 rewards it is GRPO's a_i.
 
-Version, sources, parameters and the cases the paper leaves open are GTPO's (:mod:`.gtpo`):
-arXiv 2508.04349v6; no equation number is cited (the stored text that could be read has the
-abstract, introduction and Figure 1's caption, which confirm the per-sequence weighting by the
-mean token entropy, not the method section's equations); a group without both classes (a
-group of one among them) gets 0; all-zero mean entropies in O+ share equally, zero ones in O-
-take the O- share among themselves; an empty rollout has no mean entropy and takes no share
-(its r^_i is alpha1 r_i or -alpha1, and it is not counted in n+ or n-) but counts in the
-normalisation.
+Version and sources: those of GTPO (:mod:`.gtpo`): arXiv 2508.04349v6, whose method section
+could not be read from here; Eq. 8 and 9 as public re-implementations of the v5 equations quote
+them, and the normalisation as they compute it (per group, "analogous to GRPO"); reviewers of
+the v5 submission confirm the inverse-entropy weighting of O- over its m rollouts. The stored v6
+text confirms the weighting of a sequence by its mean token entropy (Figure 1). Parameters
+(alpha1 = beta1 = 1, alpha2 = beta2 = 0.1 in the paper's notation) and the cases the paper
+leaves open are GTPO's: a group without both classes (a group of one among them) gets 0;
+all-zero mean entropies in O+ share equally, zero ones in O- take the O- share among
+themselves; an empty rollout has no mean entropy and takes no share (its r^_i is alpha1 r_i or
+-alpha1, and it is not counted in n+ or n-) but counts in the normalisation. The paper's
+geometric-mean variant (its Section 2.4) is not offered.
 """
 
 from __future__ import annotations
@@ -34,14 +37,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..batch import RolloutBatch
-from .gtpo import (
-    PARAMS,
-    Classes,
-    clamp_entropy,
-    normalise_per_class,
-    outcome_rewards,
-    split_classes,
-)
+from .gtpo import PARAMS, Classes, clamp_entropy, outcome_rewards, split_classes
 from .registry import OutcomeOutput, register_outcome
 
 
@@ -100,14 +96,18 @@ def grpo_s_advantage(
     share, members = sequence_shares(batch, classes, entropy)
     sign = torch.where(classes.correct, 1.0, -1.0).double()
     reward = outcome_rewards(batch, classes, alpha1) + sign * alpha2 * members * share
-    ones = torch.ones_like(reward)
-
-    def centred_squares(mean: torch.Tensor) -> torch.Tensor:
-        return (reward - mean).square()
-
-    norm = normalise_per_class(batch, classes, reward, centred_squares, ones, epsilon)
-    cg = classes.class_group
-    advantage = (reward - norm.mean.index_select(0, cg)) * norm.scale.index_select(0, cg)
+    group = batch.group_index
+    g = batch.num_groups
+    count = batch.group_sizes.double()
+    mean = torch.zeros(g, dtype=torch.float64, device=reward.device).index_add_(0, group, reward)
+    mean /= count.clamp(min=1.0)
+    d = reward - mean.index_select(0, group)
+    squares = torch.zeros(g, dtype=torch.float64, device=reward.device).index_add_(0, group, d * d)
+    std = torch.sqrt(squares / (count - 1.0).clamp(min=1.0))
+    denominator = std + epsilon
+    usable = classes.contrast & (denominator > 0)
+    scale = torch.where(usable, 1.0 / torch.where(usable, denominator, 1.0), 0.0)
+    advantage = d * scale.index_select(0, group)
     return SequenceShaping(reward, advantage)
 
 
@@ -115,7 +115,7 @@ def grpo_s_advantage(
     "grpo_s",
     formula="r^_i = alpha1 r_i + alpha2 n+ H^_i / sum_O+ H^_k (correct), -alpha1 - alpha2 n- "
     "H^_i^-1 / sum_O- H^_k^-1 (wrong), H^_i the mean token entropy; a_i = (r^_i - mean) / "
-    "(std + eps) per class over the group's rollouts",
+    "(std + eps) over the group's rollouts",
     paper="Tan et al. 2025, GTPO and GRPO-S: Token and Sequence-Level Reward Shaping with "
     "Policy Entropy, arXiv 2508.04349v6 (GRPO-S)",
     params=PARAMS,
@@ -123,7 +123,7 @@ def grpo_s_advantage(
     requires=lambda params: {"entropy": "entropy"},
 )
 def grpo_s(batch: RolloutBatch, params: Mapping[str, Any]) -> OutcomeOutput:
-    """Entropy-shaped rollout rewards of the correct and wrong rollouts, normalised per class."""
+    """Entropy-shaped rollout rewards of the correct and wrong rollouts, normalised per group."""
     assert batch.entropy is not None  # by `requires`
     shaping = grpo_s_advantage(
         batch,

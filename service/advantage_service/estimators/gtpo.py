@@ -8,48 +8,57 @@ tokens by the policy's entropy H_it, separately for the correct rollouts O+ (rew
 At each position t (a token's 0-based index in its rollout), over the rollouts of the class that
 reach t (d_t of them in O+, h_t in O-):
 
-    correct (O+):  r~_it = alpha1 r_i + alpha2 d_t H_it / sum_{k in O+, T_k > t} H_kt
-    wrong (O-):    r~_it = -alpha1   - alpha2 h_t (1/H_it) / sum_{k in O-, T_k > t} (1/H_kt)
+    correct (O+), Eq. 3:  r~+_it = alpha1 r_i + alpha2 d_t H_it / sum_{k in O+, T_k > t} H_kt
+    wrong (O-),   Eq. 5:  r~-_it = -alpha1   - alpha2 h_t (1/H_it) / sum_{k in O-, T_k > t} (1/H_kt)
 
 A correct rollout's high-entropy tokens ("forks" that led to the right answer) gain credit; a
 wrong rollout's confident (low-entropy) tokens take more of the blame. At every position the
 shares sum to 1, so the entropy term hands out exactly alpha2 per rollout and position (with
-alpha1 + alpha2 = 1 and 0/1 rewards, the shaped rewards of O+ sum to the outcome rewards: the
-paper's reward conservation). Each class is then normalised over the group's tokens, the other
-class's tokens counting 0:
+alpha1 + alpha2 = 1 and 0/1 rewards, the shaped rewards of O+ at a position sum to d_t: the
+paper's reward conservation, Proposition 2.2). Each class is then normalised over its own
+tokens, Eq. 6:
 
-    A_it = (r~+_it - mean(R~+)) / (std(R~+) + eps)  for i in O+,  R~+ = {r~+ on O+ tokens, 0 else}
-    A_it = (r~-_it - mean(R~-)) / (std(R~-) + eps)  for i in O-,  likewise
+    A+_it = (r~+_it - mean(R~+)) / (std(R~+) + eps),  R~+ = {r~+_it : i in O+, t < T_i}
+    A-_it = (r~-_it - mean(R~-)) / (std(R~-) + eps),  likewise
 
-(std: the sample standard deviation over the group's tokens). With alpha2 = 0 and 0/1 rewards
-this is GRPO's normalisation over tokens, for both classes alike.
+(std: the sample standard deviation). The outcome term is one value per class with 0/1 rewards,
+so it cancels: what the advantage carries is the entropy contrast within each class (a correct
+rollout's tokens above its class's mean share gain, those below lose; in a wrong rollout the
+confident tokens lose most); the paper's objective (Eq. 7) sums the clipped surrogates of both
+classes over all tokens. With rewards other than 0/1, alpha1 r_i also differs within O+.
 
-Version and sources: arXiv 2508.04349v6 (the ICML 2026 version). No equation number is cited:
-the stored text of v6 (and of v5 and v4) that could be read holds the abstract, the
-introduction and Figure 1's caption, not the method section. What that text confirms: the
-weight ratio H_it / sum_{k=1}^n H_kt "and similar variants" (v6 abstract), GTPO rewarding
-high-entropy tokens of correct sequences and suppressing them in incorrect ones, GRPO-S
-weighting a sequence by its average token entropy (v6 Figure 1, v4 abstract). What it does not:
-the inverse-entropy share of O-, the -1 outcome term of a wrong rollout, the alive counts d_t
-and h_t, alpha1 = 1 and alpha2 = 0.1 follow a public re-implementation of the v5 equations, and
-the normalisation's reading (each class over all the group's tokens, the other class at 0, so
-that alpha2 = 0 gives GRPO) is this service's; none of these was checked against the paper's
-equations.
-Where the paper leaves a case open:
+Version and sources: arXiv 2508.04349v6 (the ICML 2026 version); its method section could not
+be read from here (the stored text of v6, v5 and v4 holds the abstract, the introduction and
+Figure 1's caption), so the equations follow the v5 equations as public re-implementations
+quote them with their numbers (Eq. 3 and 5 the shaped rewards, Eq. 6 the normalisation, Eq. 7
+the objective, Remark 2.1 the eps in entropy denominators, Proposition 2.2 the conservation),
+and reviewers of the v5 submission confirm the inverse-entropy normalisation of O-. What the
+stored v6 text confirms: the weight ratio H_it / sum_{k=1}^n H_kt "and similar variants" (the
+abstract), GTPO rewarding high-entropy tokens of correct sequences and suppressing them in
+incorrect ones (Figure 1). The defaults alpha1 = 1, alpha2 = 0.1 are the paper's experiments'
+as those re-implementations give them. Where this service chooses:
 
-- a group without both a correct and a wrong rollout (a group of one among them) has no outcome
-  contrast and gets A = 0 on every token, as GRPO and DAPO's dynamic sampling leave it;
+- the scope of Eq. 6 is the group: the re-implementations normalise over the training batch,
+  which would make a group's answer depend on the other prompts it is sent with (and on how
+  requests are merged); each group here is normalised on its own, as GRPO's groups are;
+- eps is added to the sample std (the re-implementations differ: inside a square root, or a
+  clamp), and the entropy shares divide exactly (the cases below, not H + eps);
+- a group without both a correct and a wrong rollout (a group of one among them) gets A = 0 on
+  every token, as GRPO and DAPO's dynamic sampling (the paper's baseline) leave it; a class of
+  one rollout (share 1 at every position: all its shaped rewards alike) gets A = 0;
 - at a position where every O+ token has entropy 0, the shares are equal (1/d_t each); where
   some O- tokens have entropy 0 (1/H infinite), those share the position equally and the others
   get 0 (the limit of the ratio); an entropy below 0 (rounding, accepted to -1e-4) counts as 0;
 - an empty rollout reaches no position: it takes no share and has no tokens to normalise.
 
-Over the flat batch: (class, group, position) pairs are dense keys (as OTB's (group, position)),
-the per-position sums are float32 sums in batch order, the per-rollout sums are segment sums.
-On the CPU (:func:`_gtpo_by_slices`) a rollout's keys are one contiguous range, so the sums and
-shares are a few numpy calls per rollout on slices, with no per-token keys or gathers; the keyed
-path (:func:`_gtpo`, one ``index_add_`` and gathers, nothing looping) gives the same bits and
-serves the cases the slices hand back (entropies of 0, float64 classes, other devices).
+Over the flat batch: (class, group, position) pairs are dense keys (as OTB's (group, position));
+the per-position sums S (of v = H in O+, 1/H in O-) and Q (of v^2) are float32 sums in batch
+order, and from them alone each class's mean and std (its sum of y = r~ - b is +-alpha2 times
+its tokens; its sum of y^2 is sum_k F_k^2 Q_k): no pass over the tokens for the statistics. On
+the CPU (:func:`_gtpo_by_slices`) a rollout's keys are one contiguous range, so the sums and the
+answer are a numpy call per rollout on slices, with no per-token keys or gathers; the keyed path
+(:func:`_gtpo`, ``index_add_`` and gathers, nothing looping) gives the same bits and serves the
+cases the slices hand back (entropies of 0, classes computed again in float64, other devices).
 """
 
 from __future__ import annotations
@@ -128,76 +137,46 @@ def clamp_entropy(entropy: torch.Tensor) -> torch.Tensor:
     return h
 
 
-class GroupNormalisation(NamedTuple):
-    """Per class and group (index: the class group, see :class:`Classes`): the mean of R~ over
-    the group's tokens or rollouts, and 1 / (std + eps) (0 where the group has no contrast);
-    ``flat``: the classes with contrast whose shaped rewards' std is under 1e-3 of their root
-    mean square (all alike but for rounding, or nearly: the normalisation divides what is left
-    by eps, and float32 rounding must not be what is left)."""
-
-    mean: torch.Tensor  # float64 (2G,)
-    scale: torch.Tensor  # float64 (2G,)
-    flat: torch.Tensor  # bool (2G,)
-
-
-def normalise_per_class(
-    batch: RolloutBatch,
-    classes: Classes,
-    sums: torch.Tensor,
-    centred_squares: Any,
-    weights: torch.Tensor,
-    epsilon: float,
-) -> GroupNormalisation:
-    """mean and 1 / (std + eps) of each class's shaped rewards over its group.
-
-    ``sums``: each rollout's sum of shaped rewards, float64 (B,); ``weights``: what each
-    rollout counts for, float64 (B,) (its tokens for GTPO, 1 for GRPO-S); the group's count is
-    the sum of its rollouts' weights, the other class's entries counting 0.
-    ``centred_squares(mean_of_rollout)``: each rollout's sum of (r~ - mean)^2 over its entries,
-    given its class's mean, float64 (B,). The std is the sample std (count - 1).
-    """
-    g = batch.num_groups
-    group = batch.group_index
-    cg = classes.class_group
-    count = torch.zeros(g, dtype=torch.float64, device=sums.device).index_add_(0, group, weights)
-    count2 = torch.cat([count, count])
-    class_sum = torch.zeros(2 * g, dtype=torch.float64, device=sums.device)
-    class_sum.index_add_(0, cg, sums)
-    class_count = torch.zeros(2 * g, dtype=torch.float64, device=sums.device)
-    class_count.index_add_(0, cg, weights)
-    mean = class_sum / count2.clamp(min=1.0)
-    squares = torch.zeros(2 * g, dtype=torch.float64, device=sums.device)
-    squares.index_add_(0, cg, centred_squares(mean.index_select(0, cg)))
-    size = torch.zeros(2 * g, dtype=torch.float64, device=sums.device)
-    size.index_add_(0, cg, centred_squares(torch.zeros_like(sums)))
-    # The other class's entries are 0: (0 - mean)^2 each.
-    squares += (count2 - class_count) * mean.square()
-    squares.clamp_(min=0.0)  # (sums of squares from float32 squares may round below 0)
-    std = torch.sqrt(squares / (count2 - 1.0).clamp(min=1.0))
-    denominator = std + epsilon
-    contrast2 = torch.cat([classes.contrast, classes.contrast])
-    usable = contrast2 & (denominator > 0)
-    scale = torch.where(usable, 1.0 / torch.where(usable, denominator, 1.0), 0.0)
-    rms = torch.sqrt(size / count2.clamp(min=1.0))
-    flat = contrast2 & (class_count > 0) & (std <= 1e-3 * rms)
-    return GroupNormalisation(mean, scale, flat)
-
-
 # ---- token-level shaping -------------------------------------------------------------------------
 
 
-class PositionKeys(NamedTuple):
-    """Dense keys of (class group, position): class group c owns [base_c, base_c + L_c), L_c its
-    longest rollout; O+ keys come first, so a token is in O- iff its key >= ``first_wrong``."""
+class KeyLayout(NamedTuple):
+    """Dense keys of (class group, position): class group c owns ``longest[c]`` consecutive
+    keys, one per position of its longest rollout, class groups in order; O+ keys come first,
+    so a token is in O- iff its key >= ``first_wrong``."""
 
-    key: torch.Tensor  # int32 (N,)
-    of_key: torch.Tensor  # int64 (K,): each key's class group
-    alive: torch.Tensor  # float64 (K,): rollouts of the class group that reach the position
+    start: torch.Tensor  # int64 (B,): the key of each rollout's first token
+    alive: torch.Tensor  # float64 (K,): the class group's rollouts that reach the position
+    longest: torch.Tensor  # int64 (2G,): each class group's longest rollout
     first_wrong: int
     num_keys: int
 
+    def of_key(self) -> torch.Tensor:
+        """int64 (K,): each key's class group."""
+        groups = torch.arange(self.longest.numel(), device=self.longest.device)
+        return torch.repeat_interleave(groups, self.longest, output_size=self.num_keys)
 
-def position_keys(batch: RolloutBatch, classes: Classes) -> PositionKeys:
+    def class_sums(self, values: torch.Tensor) -> torch.Tensor:
+        """Per class group, the sum of its keys' float64 ``values`` (K,), in key order: float64
+        (2G,), each class group's sum on its own (numpy's ``add.reduceat`` over its range on
+        the CPU)."""
+        out = torch.zeros(self.longest.numel(), dtype=torch.float64, device=values.device)
+        if values.device.type != "cpu":
+            return out.index_add_(0, self.of_key(), values)
+        nonempty = torch.nonzero(self.longest > 0).flatten()
+        if nonempty.numel():
+            bounds = (torch.cumsum(self.longest, 0) - self.longest).index_select(0, nonempty)
+            out[nonempty] = torch.from_numpy(np.add.reduceat(values.numpy(), bounds.numpy()))
+        return out
+
+    def per_key(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-class-group ``values`` (2G,) repeated over each class group's keys: (K,)."""
+        if values.device.type == "cpu":
+            return torch.from_numpy(np.repeat(values.numpy(), self.longest.numpy()))
+        return torch.repeat_interleave(values, self.longest, output_size=self.num_keys)
+
+
+def key_layout(batch: RolloutBatch, classes: Classes) -> KeyLayout:
     cg = classes.class_group
     lengths = batch.lengths
     num_cg = 2 * batch.num_groups
@@ -207,61 +186,150 @@ def position_keys(batch: RolloutBatch, classes: Classes) -> PositionKeys:
     if num_keys >= 2**31:
         raise ValueError(f"{num_keys} (class, group, position) keys do not fit int32")
     start = base.index_select(0, cg)
-    # Token t of rollout i has key start_i + t: a running count that steps by 1 from token to
-    # token and jumps at each rollout's first token (one int32 buffer, one cumulative sum).
-    nonempty = torch.nonzero(lengths > 0).flatten()
-    first = batch.offsets[:-1].index_select(0, nonempty)
-    at_first = start.index_select(0, nonempty)
-    jump = at_first.clone()
-    jump[1:] -= at_first[:-1] + lengths.index_select(0, nonempty)[:-1] - 1
-    key = torch.ones(batch.num_tokens, dtype=torch.int32, device=start.device)
-    key.scatter_(0, first, jump.to(torch.int32))
-    torch.cumsum(key, 0, dtype=torch.int32, out=key)
     # Rollouts alive at each key: +1 where a rollout starts, -1 past its end, summed up.
-    edges = torch.zeros(num_keys + 1, dtype=torch.float64, device=key.device)
+    edges = torch.zeros(num_keys + 1, dtype=torch.float64, device=start.device)
     edges.index_add_(0, start, torch.ones_like(start, dtype=torch.float64))
     edges.index_add_(0, start + lengths, -torch.ones_like(start, dtype=torch.float64))
     alive = torch.cumsum(edges, 0)[:-1]
-    of_key = torch.repeat_interleave(
-        torch.arange(num_cg, device=key.device), longest, output_size=num_keys
-    )
     first_wrong = int(longest[: batch.num_groups].sum())
-    return PositionKeys(key, of_key, alive, first_wrong, num_keys)
+    return KeyLayout(start, alive, longest, first_wrong, num_keys)
 
 
-def token_shares(entropy: torch.Tensor, keys: PositionKeys) -> tuple[torch.Tensor, torch.Tensor]:
-    """(v, S): each token's share of its position is v_it / S[key_it]: v float32 (N,) (a fresh
-    tensor, the caller's to reuse), S float32 (K,) > 0 (float32 sums of a group's few values).
-    v = H for O+ and 1/H for O-, S their sum over the class's rollouts at the position; where
-    those are 0 (every O+ entropy 0) or infinite (some O- entropy 0), the cases the module's
-    docstring states. Every key has a rollout that reaches it (a class group's keys span its
-    longest rollout)."""
-    h = clamp_entropy(entropy)
-    key, first_wrong, num_keys = keys.key, keys.first_wrong, keys.num_keys
+def token_keys(batch: RolloutBatch, layout: KeyLayout) -> torch.Tensor:
+    """int32 (N,): token t of rollout i has key start_i + t."""
+    lengths = batch.lengths
+    # A running count that steps by 1 from token to token and jumps at each rollout's first
+    # token (one int32 buffer, one cumulative sum).
+    nonempty = torch.nonzero(lengths > 0).flatten()
+    first = batch.offsets[:-1].index_select(0, nonempty)
+    at_first = layout.start.index_select(0, nonempty)
+    jump = at_first.clone()
+    jump[1:] -= at_first[:-1] + lengths.index_select(0, nonempty)[:-1] - 1
+    key = torch.ones(batch.num_tokens, dtype=torch.int32, device=jump.device)
+    key.scatter_(0, first, jump.to(torch.int32))
+    torch.cumsum(key, 0, dtype=torch.int32, out=key)
+    return key
+
+
+def token_shares(
+    entropy: torch.Tensor, layout: KeyLayout, key: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(v, S): token i's share of its position is v_it / S[key_it]: v ``dtype`` (N,) (a fresh
+    tensor, the caller's to reuse), S ``dtype`` (K,) (sums in batch order). v = H for O+ and 1/H
+    for O-, S their sum over the class's rollouts at the position; where those are 0 (every O+
+    entropy 0) or infinite (some O- entropy 0), the cases the module's docstring states. Every
+    key has a rollout that reaches it (a class group's keys span its longest rollout)."""
+    h = clamp_entropy(entropy).to(dtype)
+    first_wrong, num_keys = layout.first_wrong, layout.num_keys
     v = torch.reciprocal(h)
     torch.where(key >= first_wrong, v, h, out=v)
-    total = torch.zeros(num_keys, dtype=torch.float32, device=v.device).index_add_(0, key, v)
+    total = torch.zeros(num_keys, dtype=dtype, device=v.device).index_add_(0, key, v)
     flat = total[:first_wrong] == 0
     if bool(flat.any()):  # every O+ token at the position has H = 0: equal shares
         every = torch.zeros(num_keys, dtype=torch.bool, device=v.device)
         every[:first_wrong] = flat
         v.masked_fill_(every.index_select(0, key), 1.0)
-        total = torch.where(every, keys.alive.float(), total)
+        total = torch.where(every, layout.alive.to(dtype), total)
     if bool(torch.isinf(total[first_wrong:]).any()):  # some O- token has H = 0: they share
         certain = torch.isinf(total)
-        zero = torch.isinf(v).float()
-        zeros = torch.zeros(num_keys, dtype=torch.float32, device=v.device)
+        zero = torch.isinf(v).to(dtype)
+        zeros = torch.zeros(num_keys, dtype=dtype, device=v.device)
         zeros.index_add_(0, key, zero)
         v = torch.where(certain.index_select(0, key), zero, v)
         total = torch.where(certain, zeros, total)
     return v, total
 
 
+def key_factor(layout: KeyLayout, total: torch.Tensor, alpha2: float) -> torch.Tensor:
+    """y_it = F[key_it] v_it, the entropy part of r~ (O- negative): F = +-alpha2 d_t / S_t, in
+    ``total``'s dtype (K,)."""
+    factor = layout.alive.to(total.dtype, copy=True).mul_(alpha2).div_(total)
+    factor[layout.first_wrong :].neg_()
+    return factor
+
+
+class Normalisation(NamedTuple):
+    """A_it = ``factor``[key_it] v_it + ``shift``_i: ``factor`` F / (std + eps) of the token's
+    class, ``dtype`` (K,) (0 for a class without contrast or of one rollout); ``shift`` (b_i -
+    mean) / (std + eps), float64 (B,); ``wide``, bool (2G,): the classes whose answer a float32
+    pass leaves to a float64 one."""
+
+    factor: torch.Tensor
+    shift: torch.Tensor
+    wide: torch.Tensor
+
+
+def normalise(
+    batch: RolloutBatch,
+    classes: Classes,
+    layout: KeyLayout,
+    factor: torch.Tensor,
+    squares: torch.Tensor,
+    b: torch.Tensor,
+    alpha2: float,
+    epsilon: float,
+    rollout_y: torch.Tensor | None = None,
+) -> Normalisation:
+    """Each class's mean and sample std of r~_it = b_i + y_it over its own tokens in the group
+    (Eq. 6), from per-key sums: y sums to +-alpha2 d_t at each key (the shares sum to 1), so a
+    class's sum of y is +-alpha2 n_c (n_c its tokens); its sum of y^2 is sum_k F_k^2 Q_k, with
+    ``squares`` Q_k = sum of v^2 at key k. Where the b_i of a class differ (rewards other than
+    0/1), the cross terms need each rollout's sum of y (``rollout_y``, float64 (B,)); without it
+    those classes are ``wide``.
+
+    A class of one rollout has r~ = b + alpha2 on every token (its share is 1 at each position):
+    its std is 0 and so is its advantage, set here exactly (float32 rounding of y would
+    otherwise be divided by eps). A class whose std is under 1e-3 of its entropy part's root
+    mean square in a float32 pass (shares all alike but for rounding, which the division by
+    std + eps would amplify) is ``wide``, as are classes whose Q overflowed float32."""
+    num_cg = 2 * batch.num_groups
+    cg = classes.class_group
+    device = b.device
+    tokens = batch.lengths.double()
+
+    def per_class(values: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(num_cg, dtype=torch.float64, device=device).index_add_(0, cg, values)
+
+    n = per_class(tokens)
+    members = per_class((batch.lengths > 0).double())
+    f2q = factor.to(torch.float64, copy=True)
+    f2q.square_().mul_(squares)
+    y2 = layout.class_sums(f2q)
+    sign = torch.ones(num_cg, dtype=torch.float64, device=device)
+    sign[batch.num_groups :] = -1.0
+    sum_y = sign * alpha2 * n
+    # Centred on b_ref, one b_i of the class: with 0/1 rewards every b_i - b_ref is 0 exactly,
+    # and so is the mean's outcome part (a mean of equal values in floating point may not be).
+    b_ref = torch.full((num_cg,), -torch.inf, dtype=torch.float64, device=device)
+    b_ref = b_ref.scatter_reduce(0, cg, b, "amax")
+    rel = b - b_ref.index_select(0, cg)
+    varying = per_class((rel != 0).double()) > 0
+    mean = (per_class(rel * tokens) + sum_y) / n.clamp(min=1.0)
+    d = rel - mean.index_select(0, cg)
+    # sum_i d_i sum_t y_it: with one b per class, d_i = -mean for all its rollouts.
+    cross = -mean * sum_y if rollout_y is None else per_class(d * rollout_y)
+    centred = (per_class(tokens * d * d) + 2.0 * cross + y2).clamp_(min=0.0)
+    std = torch.sqrt(centred / (n - 1.0).clamp(min=1.0))
+    denominator = std + epsilon
+    contrast = torch.cat([classes.contrast, classes.contrast])
+    usable = contrast & (members > 1) & (denominator > 0)
+    scale = torch.where(usable, 1.0 / torch.where(usable, denominator, 1.0), 0.0)
+    rms = torch.sqrt(y2 / n.clamp(min=1.0))
+    wide = usable & (
+        ((std <= 1e-3 * rms) & (rms > 0)) | ~torch.isfinite(y2) | (varying & (rollout_y is None))
+    )
+    scale_of_key = layout.per_key(scale.to(factor.dtype))
+    per_key = factor.mul(scale_of_key)
+    # (a factor may be infinite where its class is left out: a group without contrast)
+    per_key.masked_fill_(scale_of_key == 0, 0.0)
+    return Normalisation(per_key, d * scale.index_select(0, cg), wide)
+
+
 class TokenShaping(NamedTuple):
-    """GTPO's result: ``advantage`` A_it, float32 (N,) (or float64 with rewards that differ
-    within a class); ``scalars``: each rollout's mean A_it, float64 (B,); ``reward``: the
-    shaped reward r~_it, float64 (N,), when asked for (else None: it costs passes over the
-    tokens the advantage does not need)."""
+    """GTPO's result: ``advantage`` A_it, float32 (N,) (or float64 where a class needs it);
+    ``scalars``: each rollout's mean A_it, float64 (B,); ``reward``: the shaped reward r~_it,
+    float64 (N,), when asked for (else None: it costs passes over the tokens the advantage does
+    not need)."""
 
     advantage: torch.Tensor
     scalars: torch.Tensor
@@ -280,39 +348,37 @@ def gtpo_advantage(
 ) -> TokenShaping:
     """GTPO's shaped token rewards and advantages (the module's formulas).
 
-    entropy: H_it (nats), (N,). The passes over the tokens are float32 and write into two
-    buffers (v, then y^2 and each gathered table; y, then A): on a CPU, fresh memory for every
-    step costs more than the arithmetic. Sums and group statistics are float64. Where a class
-    with contrast has shaped rewards all alike but for float32 rounding (its std is that
-    rounding, and the normalisation would divide it by eps: a class whose other class has no
-    tokens, with equal entropy shares), that class is computed again in float64, whose
-    rounding the division leaves near 0 as the exact answer is; so is a class whose outcome
-    terms b_i differ (rewards other than 0/1), whose A takes b_i - b_ref in float64.
+    entropy: H_it (nats), (N,). The token passes are float32; sums over keys and classes, and
+    the class statistics, float64. A class whose answer float32 cannot give (nearly flat shaped
+    rewards, outcome terms b_i that differ: rewards other than 0/1) is computed again in
+    float64, and only its tokens take that answer, so that a request's answer does not depend on
+    the requests merged with it.
     """
-    if entropy.device.type == "cpu" and batch.num_tokens:
-        fast = _gtpo_by_slices(
-            batch, entropy, alpha1, alpha2, correct_threshold, epsilon, with_reward
-        )
+    if entropy.device.type == "cpu" and batch.num_tokens and not with_reward:
+        fast = _gtpo_by_slices(batch, entropy, alpha1, alpha2, correct_threshold, epsilon)
         if fast is not None:
             return fast
-    shaping, wide_classes, keys = _gtpo(
+    shaping, wide_classes, of_token = _gtpo(
         batch, entropy, torch.float32, alpha1, alpha2, correct_threshold, epsilon, with_reward
     )
     if not bool(wide_classes.any()):
         return shaping
-    # Those classes' tokens (and rollouts) take the float64 answer; the others keep theirs, so
-    # that a request's answer does not depend on the requests merged with it.
     wide, _, _ = _gtpo(
         batch, entropy, torch.float64, alpha1, alpha2, correct_threshold, epsilon, with_reward
     )
-    of_token = wide_classes.index_select(0, keys.of_key).index_select(0, keys.key)
-    of_rollout = wide_classes.index_select(0, split_classes(batch, correct_threshold).class_group)
-    advantage = torch.where(of_token, wide.advantage, shaping.advantage.double())
-    scalars = torch.where(of_rollout, wide.scalars, shaping.scalars)
+    on_token = wide_classes.index_select(0, of_token)
+    on_rollout = wide_classes.index_select(0, split_classes(batch, correct_threshold).class_group)
+    advantage = torch.where(on_token, wide.advantage, shaping.advantage.double())
+    scalars = torch.where(on_rollout, wide.scalars, shaping.scalars)
     reward = None
     if wide.reward is not None and shaping.reward is not None:
-        reward = torch.where(of_token, wide.reward, shaping.reward)
+        reward = torch.where(on_token, wide.reward, shaping.reward)
     return TokenShaping(advantage, scalars, reward)
+
+
+def _scalars(batch: RolloutBatch, advantage: torch.Tensor) -> torch.Tensor:
+    """Each rollout's mean advantage, float64 (B,), 0 for an empty rollout."""
+    return batch.rollout_sums(advantage) / batch.lengths.double().clamp(min=1.0)
 
 
 def _gtpo_by_slices(
@@ -322,101 +388,72 @@ def _gtpo_by_slices(
     alpha2: float,
     correct_threshold: float,
     epsilon: float,
-    with_reward: bool,
 ) -> TokenShaping | None:
-    """GTPO on the CPU over each rollout's contiguous slice of tokens, the same float32
+    """GTPO on the CPU over each rollout's contiguous slice of tokens: the same float32
     arithmetic in the same order as :func:`_gtpo` (the same bits); None where that one must
-    decide (an entropy of 0 at some position, a class that comes out flat or whose b_i differ).
+    decide (an entropy of 0 at some position, a class its float32 pass leaves to float64).
 
-    Why: per token, the keyed path builds an int32 key, a class mask, and gathers three per-key
-    tables; each is a fresh N-sized buffer whose first touch (page faults) costs more than its
-    arithmetic. Here the keys of rollout i's tokens are the range [start_i, start_i + T_i), so
-    the per-position sums are slice additions into the (K,) table, in batch order as
-    ``index_add_`` adds them, and the tokens need only two buffers: 1/H of the wrong rollouts,
-    and the answer. A few numpy calls per rollout cost less than those passes (a batch has
-    hundreds of rollouts of thousands of tokens)."""
+    Why: per token, the keyed path builds an int32 key, gathers per-key tables and scatters
+    into them; each is a pass over N tokens with a fresh N-sized buffer. Here the keys of
+    rollout i's tokens are the range [start_i, start_i + T_i), so the per-position sums are
+    slice additions into the (K,) tables, in batch order as ``index_add_`` adds them (v and
+    v^2 side by side: one addition per rollout sums both), and the answer is one slice
+    multiplication per rollout and one addition over the tokens. A numpy call per rollout
+    costs less than those passes (a batch has hundreds of rollouts of thousands of tokens)."""
     classes = split_classes(batch, correct_threshold)
+    layout = key_layout(batch, classes)
     cg = classes.class_group
-    lengths = batch.lengths
-    num_cg = 2 * batch.num_groups
-    longest = lengths.new_zeros(num_cg).scatter_reduce(0, cg, lengths, "amax")
-    base = torch.cumsum(longest, 0) - longest
-    num_keys = int(longest.sum())
-    first_wrong = int(longest[: batch.num_groups].sum())
-    start = base.index_select(0, cg)
-    edges = torch.zeros(num_keys + 1, dtype=torch.float64)
-    edges.index_add_(0, start, torch.ones_like(start, dtype=torch.float64))
-    edges.index_add_(0, start + lengths, -torch.ones_like(start, dtype=torch.float64))
-    alive = torch.cumsum(edges, 0)[:-1]
+    n = batch.num_tokens
     h = clamp_entropy(entropy).contiguous().numpy()
-    # A group without contrast gets A = 0 and scalar 0 whatever its shares: unless the shaped
-    # rewards are asked for, its rollouts are only zeroed (GRPO's cost for them).
-    busy_class = torch.cat([classes.contrast, classes.contrast]) | with_reward
-    busy = busy_class.index_select(0, cg).tolist()
-    rollouts: list[tuple[int, int, int, int, bool]] = []
-    idle: list[tuple[int, int, int, int, bool]] = []
+    # A group without contrast gets A = 0 whatever its shares: its keys are left at 0.
+    busy = torch.cat([classes.contrast, classes.contrast]).index_select(0, cg).tolist()
+    rows: list[tuple[int, int, int, int]] = []
+    busy_rows: list[tuple[int, int, int, bool]] = []
     for i, (o, t, s, c) in enumerate(
         zip(
             batch.offsets[:-1].tolist(),
-            lengths.tolist(),
-            start.tolist(),
+            batch.lengths.tolist(),
+            layout.start.tolist(),
             classes.correct.tolist(),
             strict=True,
         )
     ):
         if t > 0:
-            (rollouts if busy[i] else idle).append((i, o, t, s, not c))
-    total = np.zeros(num_keys, dtype=np.float32)
-    inverse = np.empty(batch.num_tokens, dtype=np.float32)
-    with np.errstate(divide="ignore"):
-        for _, o, t, s, wrong in rollouts:
-            src = h[o : o + t]
+            rows.append((i, o, t, s))
+            if busy[i]:
+                busy_rows.append((o, t, s, not c))
+    # v and v^2 side by side; v's row becomes the answer.
+    vv = np.empty((2, n), dtype=np.float32)
+    v = vv[0]
+    np.copyto(v, h)
+    sums = np.zeros((2, layout.num_keys), dtype=np.float32)  # S and Q
+    with np.errstate(divide="ignore", over="ignore"):
+        for o, t, _, wrong in busy_rows:
             if wrong:
-                src = np.reciprocal(src, out=inverse[o : o + t])
-            np.add(total[s : s + t], src, out=total[s : s + t])
-    busy_key = np.repeat(busy_class.numpy(), longest.numpy())
-    positive = (total[:first_wrong] > 0) | ~busy_key[:first_wrong]
-    if not positive.all() or not np.isfinite(total[first_wrong:]).all():
-        return None  # entropies of 0: the keyed path's equal shares
-    total_t = torch.from_numpy(total)
-    factor = alive.to(torch.float32, copy=True).mul_(alpha2).div_(total_t)
-    factor[first_wrong:].neg_()
-    f = factor.numpy()
-    out = np.empty(batch.num_tokens, dtype=np.float32)
-    for _, o, t, _, _ in idle:
-        out[o : o + t] = 0.0
-    for _, o, t, s, wrong in rollouts:
-        src = inverse[o : o + t] if wrong else h[o : o + t]
-        np.multiply(f[s : s + t], src, out=out[o : o + t])
-    y = torch.from_numpy(out)
+                np.reciprocal(h[o : o + t], out=v[o : o + t])
+        np.multiply(v, v, out=vv[1])
+    for o, t, s, _ in busy_rows:
+        np.add(sums[:, s : s + t], vv[:, o : o + t], out=sums[:, s : s + t])
+    total, squares = sums
+    busy_key = layout.per_key(torch.cat([classes.contrast, classes.contrast])).numpy()
+    first_wrong = layout.first_wrong
+    if not ((total[:first_wrong] > 0) | ~busy_key[:first_wrong]).all():
+        return None  # every O+ entropy 0 at a position: the keyed path's equal shares
+    if not np.isfinite(total[first_wrong:]).all():
+        return None  # an O- entropy of 0: the keyed path's shares
+    factor = key_factor(layout, torch.from_numpy(total), alpha2)  # (inf where idle: unused)
     b = outcome_rewards(batch, classes, alpha1)
-    reward = y.double() + batch.per_token_wide(b) if with_reward else None
-    tokens = lengths.double()
-    sum_y = batch.rollout_sums(y)
-    sum_yy = batch.rollout_sums(torch.from_numpy(np.multiply(out, out, out=inverse)))
-
-    def centred_squares(mean: torch.Tensor) -> torch.Tensor:
-        d = b - mean
-        return sum_yy + 2.0 * d * sum_y + tokens * d * d
-
-    norm = normalise_per_class(batch, classes, b * tokens + sum_y, centred_squares, tokens, epsilon)
-    b_ref = torch.full((num_cg,), -torch.inf, dtype=torch.float64).scatter_reduce(0, cg, b, "amax")
-    b_ref = torch.where(torch.isfinite(b_ref), b_ref, torch.zeros_like(b_ref))
-    rest = b - b_ref.index_select(0, cg)
-    if bool((rest != 0).any()) or bool(norm.flat.any()):
-        return None  # float64 for those classes: the keyed path
-    shift = (norm.mean - b_ref).to(torch.float32).index_select(0, cg).numpy()
-    scale32 = norm.scale.to(torch.float32).index_select(0, cg).numpy()
-    for i, o, t, _, _ in rollouts:  # shift[i], scale32[i]: float32 scalars
-        part = out[o : o + t]
-        np.subtract(part, shift[i], out=part)
-        np.multiply(part, scale32[i], out=part)
-    scale = norm.scale.index_select(0, cg)
-    c = (b - norm.mean.index_select(0, cg)) * scale
-    scalars = torch.where(
-        tokens > 0, c + scale * sum_y / tokens.clamp(min=1.0), torch.zeros_like(c)
-    )
-    return TokenShaping(y, scalars, reward)
+    norm = normalise(batch, classes, layout, factor, torch.from_numpy(squares), b, alpha2, epsilon)
+    if bool(norm.wide.any()):
+        return None
+    f = norm.factor.numpy()
+    shift = norm.shift.float().tolist()
+    for i, o, t, s in rows:  # A = F v + shift (float32), in place of v
+        part = v[o : o + t]
+        np.multiply(f[s : s + t], part, out=part)
+        np.add(part, np.float32(shift[i]), out=part)
+    advantage = torch.from_numpy(v)
+    return TokenShaping(advantage, _scalars(batch, advantage), None)
 
 
 def _gtpo(
@@ -428,61 +465,33 @@ def _gtpo(
     correct_threshold: float,
     epsilon: float,
     with_reward: bool,
-) -> tuple[TokenShaping, torch.Tensor, PositionKeys]:
-    """GTPO in ``dtype`` per token; the classes a float32 pass leaves to a float64 one (bool
-    (2G,): those that came out flat, and those whose outcome terms b_i differ, which float32
-    does not compute); the keys."""
+) -> tuple[TokenShaping, torch.Tensor, torch.Tensor]:
+    """GTPO in ``dtype`` per token, by per-token keys (any device); the classes a float32 pass
+    leaves to a float64 one (bool (2G,)); each token's class group (int64 (N,))."""
     classes = split_classes(batch, correct_threshold)
-    keys = position_keys(batch, classes)
-    key = keys.key
-    v, total = token_shares(entropy, keys)
-    v = v.to(dtype)
-    # y_it = +-alpha2 d_t v_it / S_t: the entropy part of r~ (O- negative).
-    factor = keys.alive.to(dtype, copy=True).mul_(alpha2).div_(total.to(dtype))
-    factor[keys.first_wrong :].neg_()
-    y = factor.index_select(0, key).mul_(v)
+    layout = key_layout(batch, classes)
+    key = token_keys(batch, layout)
+    v, total = token_shares(entropy, layout, key, dtype)
+    squares = torch.zeros_like(total).index_add_(0, key, v * v)
+    factor = key_factor(layout, total, alpha2)
     b = outcome_rewards(batch, classes, alpha1)
-    reward = y.double() + batch.per_token_wide(b) if with_reward else None
-    tokens = batch.lengths.double()
-    sum_y = batch.rollout_sums(y)
-    spare = torch.mul(y, y, out=v)  # v is not needed past y
-    sum_yy = batch.rollout_sums(spare)
-
-    def centred_squares(mean: torch.Tensor) -> torch.Tensor:
-        # sum_t (b_i + y_it - m)^2, from the sums of y and y^2
-        d = b - mean
-        return sum_yy + 2.0 * d * sum_y + tokens * d * d
-
-    norm = normalise_per_class(batch, classes, b * tokens + sum_y, centred_squares, tokens, epsilon)
-    cg = classes.class_group
-    scale = norm.scale.index_select(0, cg)
-    # A_it = (y_it - (m - b_i)) scale: m - b_ref per key, b_ref the class's b (one value with
-    # 0/1 rewards); a class whose b_i differ adds b_i - b_ref first, in float64.
-    b_ref = torch.full((2 * batch.num_groups,), -torch.inf, dtype=torch.float64, device=b.device)
-    b_ref = b_ref.scatter_reduce(0, cg, b, "amax")
-    b_ref = torch.where(torch.isfinite(b_ref), b_ref, torch.zeros_like(b_ref))
-    rest = b - b_ref.index_select(0, cg)
-    varying = torch.zeros(2 * batch.num_groups, dtype=torch.bool, device=b.device)
-    varying.index_put_((cg,), rest != 0, accumulate=True)
-    advantage = y
-    if dtype == torch.float64 and bool(varying.any()):
-        advantage = y.add_(batch.per_token_wide(rest))
-    shift = (norm.mean - b_ref).to(dtype).index_select(0, keys.of_key)
-    advantage.sub_(torch.index_select(shift, 0, key, out=spare))
-    scale_of_key = norm.scale.to(dtype).index_select(0, keys.of_key)
-    advantage.mul_(torch.index_select(scale_of_key, 0, key, out=spare))
-    c = (b - norm.mean.index_select(0, cg)) * scale
-    scalars = torch.where(
-        tokens > 0, c + scale * sum_y / tokens.clamp(min=1.0), torch.zeros_like(c)
-    )
-    return TokenShaping(advantage, scalars, reward), norm.flat | varying, keys
+    y = None
+    if with_reward or dtype == torch.float64:
+        y = factor.index_select(0, key).mul_(v)
+    rollout_y = batch.rollout_sums(y) if dtype == torch.float64 and y is not None else None
+    norm = normalise(batch, classes, layout, factor, squares, b, alpha2, epsilon, rollout_y)
+    advantage = norm.factor.index_select(0, key).mul_(v)
+    advantage += batch.per_token(norm.shift.to(dtype))  # (the slices' float32 addition)
+    reward = y.double() + batch.per_token_wide(b) if with_reward and y is not None else None
+    of_token = layout.of_key().index_select(0, key)
+    return TokenShaping(advantage, _scalars(batch, advantage), reward), norm.wide, of_token
 
 
 @register_outcome(
     "gtpo",
     formula="r~_it = alpha1 r_i + alpha2 d_t H_it / sum_O+ H_kt (correct), -alpha1 - alpha2 h_t "
-    "H_it^-1 / sum_O- H_kt^-1 (wrong); A_it = (r~_it - mean) / (std + eps) per class over the "
-    "group's tokens",
+    "H_it^-1 / sum_O- H_kt^-1 (wrong); A_it = (r~_it - mean) / (std + eps) per class over its "
+    "own tokens in the group",
     paper="Tan et al. 2025, GTPO and GRPO-S: Token and Sequence-Level Reward Shaping with "
     "Policy Entropy, arXiv 2508.04349v6 (GTPO)",
     params=PARAMS,
