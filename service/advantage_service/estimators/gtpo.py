@@ -377,8 +377,19 @@ def gtpo_advantage(
 
 
 def _scalars(batch: RolloutBatch, advantage: torch.Tensor) -> torch.Tensor:
-    """Each rollout's mean advantage, float64 (B,), 0 for an empty rollout."""
-    return batch.rollout_sums(advantage) / batch.lengths.double().clamp(min=1.0)
+    """Each rollout's mean advantage, float64 (B,), 0 for an empty rollout. On the CPU each
+    rollout's float64 sum is numpy's ``add.reduce`` of its slice, as :func:`_gtpo_by_slices`
+    takes it (the same bits)."""
+    if advantage.device.type != "cpu":
+        return batch.rollout_sums(advantage) / batch.lengths.double().clamp(min=1.0)
+    a = advantage.contiguous().numpy()
+    sums = np.zeros(batch.num_rollouts, dtype=np.float64)
+    for i, (o, t) in enumerate(
+        zip(batch.offsets[:-1].tolist(), batch.lengths.tolist(), strict=True)
+    ):
+        if t:
+            sums[i] = np.add.reduce(a[o : o + t], dtype=np.float64)
+    return torch.from_numpy(sums) / batch.lengths.double().clamp(min=1.0)
 
 
 def _gtpo_by_slices(
@@ -407,8 +418,8 @@ def _gtpo_by_slices(
     h = clamp_entropy(entropy).contiguous().numpy()
     # A group without contrast gets A = 0 whatever its shares: its keys are left at 0.
     busy = torch.cat([classes.contrast, classes.contrast]).index_select(0, cg).tolist()
-    rows: list[tuple[int, int, int, int]] = []
-    busy_rows: list[tuple[int, int, int, bool]] = []
+    busy_rows: list[tuple[int, int, int, int, bool]] = []
+    idle_runs: list[list[int]] = []  # [first token, end]: runs of idle rollouts' tokens
     for i, (o, t, s, c) in enumerate(
         zip(
             batch.offsets[:-1].tolist(),
@@ -418,23 +429,26 @@ def _gtpo_by_slices(
             strict=True,
         )
     ):
-        if t > 0:
-            rows.append((i, o, t, s))
-            if busy[i]:
-                busy_rows.append((o, t, s, not c))
-    # v and v^2 side by side; v's row becomes the answer.
-    vv = np.empty((2, n), dtype=np.float32)
-    v = vv[0]
-    np.copyto(v, h)
-    sums = np.zeros((2, layout.num_keys), dtype=np.float32)  # S and Q
+        if t == 0:
+            continue
+        if busy[i]:
+            busy_rows.append((i, o, t, s, not c))
+        elif idle_runs and idle_runs[-1][1] == o:
+            idle_runs[-1][1] = o + t
+        else:
+            idle_runs.append([o, o + t])
+    # The answer's buffer first holds 1/H of the wrong rollouts (their v); the correct ones'
+    # v is H, read in place.
+    out = np.empty(n, dtype=np.float32)
+    total = np.zeros(layout.num_keys, dtype=np.float32)  # S
+    squares = np.zeros(layout.num_keys, dtype=np.float32)  # Q
+    spare = np.empty(int(layout.longest.max()), dtype=np.float32)
     with np.errstate(divide="ignore", over="ignore"):
-        for o, t, _, wrong in busy_rows:
-            if wrong:
-                np.reciprocal(h[o : o + t], out=v[o : o + t])
-        np.multiply(v, v, out=vv[1])
-    for o, t, s, _ in busy_rows:
-        np.add(sums[:, s : s + t], vv[:, o : o + t], out=sums[:, s : s + t])
-    total, squares = sums
+        for _, o, t, s, wrong in busy_rows:
+            v = np.reciprocal(h[o : o + t], out=out[o : o + t]) if wrong else h[o : o + t]
+            np.add(total[s : s + t], v, out=total[s : s + t])
+            vv = np.multiply(v, v, out=spare[:t])
+            np.add(squares[s : s + t], vv, out=squares[s : s + t])
     busy_key = layout.per_key(torch.cat([classes.contrast, classes.contrast])).numpy()
     first_wrong = layout.first_wrong
     if not ((total[:first_wrong] > 0) | ~busy_key[:first_wrong]).all():
@@ -448,12 +462,16 @@ def _gtpo_by_slices(
         return None
     f = norm.factor.numpy()
     shift = norm.shift.float().tolist()
-    for i, o, t, s in rows:  # A = F v + shift (float32), in place of v
-        part = v[o : o + t]
-        np.multiply(f[s : s + t], part, out=part)
+    sums = np.zeros(batch.num_rollouts, dtype=np.float64)
+    for i, o, t, s, wrong in busy_rows:  # A = F v + shift (float32)
+        part = out[o : o + t]
+        np.multiply(f[s : s + t], part if wrong else h[o : o + t], out=part)
         np.add(part, np.float32(shift[i]), out=part)
-    advantage = torch.from_numpy(v)
-    return TokenShaping(advantage, _scalars(batch, advantage), None)
+        sums[i] = np.add.reduce(part, dtype=np.float64)  # (while the slice is in cache)
+    for first, end in idle_runs:  # (F = 0 and shift 0 there: 0, as the keyed path's 0 v + 0)
+        out[first:end] = 0.0
+    scalars = torch.from_numpy(sums) / batch.lengths.double().clamp(min=1.0)
+    return TokenShaping(torch.from_numpy(out), scalars, None)
 
 
 def _gtpo(
