@@ -5,7 +5,6 @@ phrases in decoded token text (a server with a tokenizer), in-process."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import numpy as np
@@ -16,7 +15,7 @@ from advantage_service import RequestError, RolloutBatch, compute, compute_batch
 from advantage_service.estimators import resolve_estimator
 from advantage_service.estimators.hicra import (
     DEFAULT_PHRASES,
-    normalise,
+    phrase_words,
     strategic_phrase_mask,
 )
 from advantage_service.estimators.pipeline import derive_inputs
@@ -161,7 +160,7 @@ def test_hicra_gives_planning_tokens_more_credit_and_less_blame_keeping_signs(ba
 
 # ---- the planning mask from strategic phrases ----------------------------------------------------
 
-# A word-level vocabulary, as a tokenizers WordLevel model decodes single ids: id -> text.
+# A vocabulary with spaces, as a byte-level BPE decodes single ids: id -> text.
 WORDS = [
     "<unk>",
     "So",
@@ -183,6 +182,12 @@ WORDS = [
     " x",
     " =",
     " 4",
+    " may",
+    " be",
+    " waiting",
+    "'s",
+    " ",
+    "wait ",
 ]
 ID = {w: i for i, w in enumerate(WORDS)}
 
@@ -192,36 +197,76 @@ def ids(*words: str) -> list[int]:
 
 
 def mask_of(
-    rollouts: list[list[int]], phrases: tuple[str, ...] = DEFAULT_PHRASES
+    rollouts: list[list[int]],
+    phrases: tuple[str, ...] = DEFAULT_PHRASES,
+    vocabulary: list[str] = WORDS,
 ) -> list[list[int]]:
     tokens = np.array([t for r in rollouts for t in r], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum([len(r) for r in rollouts])]).astype(np.int64)
-    mask = strategic_phrase_mask(tokens, offsets, WORDS, phrases)
+    mask = strategic_phrase_mask(tokens, offsets, vocabulary, phrases)
     return [mask[offsets[i] : offsets[i + 1]].astype(int).tolist() for i in range(len(rollouts))]
 
 
-def test_phrase_mask_marks_every_token_of_a_multi_token_phrase_whatever_case_and_spaces() -> None:
+def test_the_default_phrases_are_the_papers_strategic_grams() -> None:
+    """Listing 1 of arXiv 2509.03646v3, Appendix A: 249 lower-case entries, its first and last
+    ones, and entries with punctuation kept as the listing has them."""
+    assert len(DEFAULT_PHRASES) == 249 == len(set(DEFAULT_PHRASES))
+    assert DEFAULT_PHRASES[:2] == ("## step", "a good starting point is")
+    assert DEFAULT_PHRASES[-3:] == ("which means", "will consider the", "work our way")
+    for entry in ("hmm,", "let's", "wait, that's not right", "what am i missing?", "so, yes"):
+        assert entry in DEFAULT_PHRASES
+    assert "hmm" not in DEFAULT_PHRASES and "wait," not in DEFAULT_PHRASES
+    assert all(p == p.strip() == p.lower() for p in DEFAULT_PHRASES)
+
+
+def test_phrase_mask_marks_every_token_of_a_multi_token_phrase_whatever_case() -> None:
     rollout = ids("So", " wait", ",", " let", " me", " check", " the", " sum", ".")
-    assert mask_of([rollout]) == [[0, 1, 0, 1, 1, 1, 0, 0, 0]]
+    # "so", "wait", "let me": the paper's grams; "wait," is not one, "let me check" neither
+    assert mask_of([rollout]) == [[1, 1, 0, 1, 1, 0, 0, 0, 0]]
     assert mask_of([ids("Wait", ",", " x")]) == [[1, 0, 0]]  # "Wait": case is ignored
+    assert mask_of([rollout], ("let me check", "the sum.")) == [[0, 0, 0, 1, 1, 1, 1, 1, 1]]
 
 
 def test_phrase_mask_matches_whole_tokens_only() -> None:
-    # "await" contains "wait" but is one token that is not the phrase; " x" is no phrase
+    # "await" contains "wait" but is one token that is not the phrase; " waiting" begins with it
     assert mask_of([ids("await", " x", " =", " 4")]) == [[0, 0, 0, 0]]
+    assert mask_of([ids(" waiting", " x")]) == [[0, 0]]
+    # whitespace at a token's ends is no part of the phrase: "wait " is the gram "wait"
+    assert mask_of([ids("wait ", " x"), ids(" ", " wait", " ")]) == [[1, 0], [0, 1, 0]]
 
 
-def test_phrase_mask_joins_pieces_and_spans_whitespace_tokens() -> None:
-    # "double-check" over three tokens; " hmm" then a newline token then " let me check"
-    assert mask_of([ids(" double", "-", "check", " x")]) == [[1, 1, 1, 0]]
-    rollout = ids(" hmm", "\n", " let", " me", " check")
-    assert mask_of([rollout]) == [[1, 0, 1, 1, 1]]
-    assert mask_of([rollout], ("hmm let me",)) == [[1, 1, 1, 1, 0]]
+def test_phrase_mask_punctuation_belongs_to_the_phrase() -> None:
+    # "hmm," is the paper's gram, "hmm" alone is not
+    assert mask_of([ids(" hmm", ",", " x"), ids(" hmm", " x"), ids(" hmm", ".")]) == [
+        [1, 1, 0], [0, 0], [0, 0]
+    ]  # fmt: skip
+    # "let's": the apostrophe's token joins the word's
+    assert mask_of([ids(" let", "'s", " x")]) == [[1, 1, 0]]
+
+
+def test_phrase_mask_a_space_matches_whitespace_or_a_token_boundary_and_only_there() -> None:
+    # " may", " be" is two words: not the gram "maybe"; "let me" across a newline token
+    assert mask_of([ids(" may", " be")], ("maybe",)) == [[0, 0]]
+    assert mask_of([ids(" hmm", "\n", " let", " me", " check")], ("hmm let me",)) == [
+        [1, 1, 1, 1, 0]
+    ]
+    # "double-check" over three tokens, no whitespace inside
+    assert mask_of([ids(" double", "-", "check", " x")], ("double-check",)) == [[1, 1, 1, 0]]
+    assert mask_of([ids(" double", " ", "-", "check")], ("double-check",)) == [[0, 0, 0, 0]]
+    # A tokenizer whose lone tokens decode without their spaces (word-level, SentencePiece)
+    # leaves only the token boundary between words: "let", "me" is "let me" (and "may", "be"
+    # is "maybe": the text cannot tell them apart).
+    bare = ["let", "me", "check", "may", "be"]
+    assert mask_of([[0, 1, 2]], ("let me",), bare) == [[1, 1, 0]]
+    assert mask_of([[3, 4]], ("maybe",), bare) == [[1, 1]]
+    # A space of the phrase needs whitespace or a boundary: one token "letme" is not "let me"
+    assert mask_of([[0]], ("let me",), ["letme"]) == [[0]]
 
 
 def test_phrase_mask_never_spans_two_rollouts_and_skips_empty_ones() -> None:
     rollouts = [ids(" let", " me"), [], ids(" check", " x"), ids(" let", " me", " check")]
-    assert mask_of(rollouts) == [[0, 0], [], [0, 0], [1, 1, 1]]
+    assert mask_of(rollouts) == [[1, 1], [], [0, 0], [1, 1, 0]]
+    assert mask_of(rollouts, ("let me check",)) == [[0, 0], [], [0, 0], [1, 1, 1]]
     # ("check" alone is not a default phrase; a request's own phrases may make it one)
     assert mask_of(rollouts, ("check",)) == [[0, 0], [], [1, 0], [0, 0, 1]]
 
@@ -230,26 +275,95 @@ def test_phrase_mask_ids_past_the_vocabulary_have_no_text() -> None:
     """An id the tokenizer does not know decodes to nothing: a phrase spans it as it spans a
     whitespace token."""
     tokens = np.array([ID[" let"], 999, ID[" me"], ID[" check"], 999], dtype=np.int64)
-    mask = strategic_phrase_mask(tokens, np.array([0, 5]), WORDS)
+    mask = strategic_phrase_mask(tokens, np.array([0, 5]), WORDS, ("let me check",))
     assert mask.tolist() == [1.0, 1.0, 1.0, 1.0, 0.0]
+    assert strategic_phrase_mask(tokens, np.array([0, 5]), WORDS).tolist() == [1, 1, 1, 0, 0]
     assert strategic_phrase_mask(tokens[:0], np.array([0]), WORDS).tolist() == []
 
 
-def test_default_phrases_are_distinct_once_normalised() -> None:
-    forms = [normalise(p) for p in DEFAULT_PHRASES]
+def reference_mask(
+    rollouts: list[list[int]], vocabulary: list[str], phrases: tuple[str, ...]
+) -> list[int]:
+    """The mask by brute force over characters: every phrase tried at every token start."""
+    out: list[int] = []
+    for rollout in rollouts:
+        texts = [
+            vocabulary[t].lower().replace("\u2019", "'") if 0 <= t < len(vocabulary) else ""
+            for t in rollout
+        ]
+        chars = [(c, k) for k, text in enumerate(texts) for c in text]  # (char, its token)
+        marked = [0] * len(rollout)
+        for k, text in enumerate(texts):
+            lead = len(text) - len(text.lstrip())
+            if lead == len(text):
+                continue  # a phrase starts at a token's first non-space character
+            s = sum(len(t) for t in texts[:k]) + lead
+            for phrase in phrases:
+                end = match_at(chars, s, phrase.lower().replace("\u2019", "'").split())
+                if end is not None:
+                    for j in range(chars[s][1], chars[end][1] + 1):
+                        marked[j] = 1
+        out += marked
+    return out
+
+
+def match_at(chars: list[tuple[str, int]], s: int, words: list[str]) -> int | None:
+    """The position of the phrase's last character if it matches from ``s``, else None."""
+    i = s
+    for w, word in enumerate(words):
+        if w:  # a space: whitespace, a token boundary or both
+            j = i
+            while j < len(chars) and chars[j][0].isspace():
+                j += 1
+            if j == len(chars) or (j == i and chars[j][1] == chars[i - 1][1]):
+                return None
+            i = j
+        for c in word:  # adjacent characters, token boundaries allowed
+            if i == len(chars) or chars[i][0] != c:
+                return None
+            i += 1
+    last = i - 1
+    rest = [c for c, k in chars[i:] if k == chars[last][1]]
+    return last if all(c.isspace() for c in rest) else None  # the phrase ends its token
+
+
+PIECES = [" let", "let", " me", "me", "'s", " wait", "Wait", ",", " but", "but", " so", "so",
+          " ", "\n", " \n", "-", "check", " check", "ing", "?", " hmm", " may", " be", "be ",
+          "\u2019s", " step", " by", "##", " ##",
+          "letme", "maybe"]  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(-1, len(PIECES)), max_size=12), min_size=1, max_size=4),
+    st.sampled_from(["defaults", "own"]),
+)
+def test_phrase_mask_equals_a_brute_force_match(rollouts: list[list[int]], which: str) -> None:
+    """Random token runs (ids -1 and len(PIECES) have no text) against the paper's grams, or
+    phrases of our own with spaces, punctuation and a typographic apostrophe."""
+    own = ("let me", "let's", "but wait", "so", "wait, but", "check?", "may be", "## step",
+           "let\u2019s check", "me-check", "be", "maybe", "letme", "wait,but")  # fmt: skip
+    phrases = DEFAULT_PHRASES if which == "defaults" else own
+    tokens = np.array([t for r in rollouts for t in r], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum([len(r) for r in rollouts])]).astype(np.int64)
+    got = strategic_phrase_mask(tokens, offsets, PIECES, phrases).astype(int).tolist()
+    assert got == reference_mask(rollouts, PIECES, phrases)
+
+
+def test_phrases_are_matched_by_their_words() -> None:
+    assert phrase_words(" Let\u2019S  double-check\t") == ("let's", "double-check")
+    assert phrase_words("   ") == ()
+    forms = [phrase_words(p) for p in DEFAULT_PHRASES]
     assert len(forms) == len(set(forms)) and all(forms)
-    assert normalise(" Let ME\tcheck") == "letmecheck" and normalise("I\u2019m") == "i'm"
 
 
-def test_the_docs_list_the_default_phrases() -> None:
+def test_the_docs_name_the_papers_listing_as_the_default() -> None:
     from pathlib import Path
 
     docs = (Path(__file__).resolve().parents[1] / "docs" / "estimator-config.md").read_text()
     section = docs[docs.index("## HICRA") : docs.index("## Edge cases")]
-    listed = [
-        " ".join(p.split()) for p in re.findall(r"`([^`]+)`", section.split(" in English:")[1])
-    ]
-    assert listed == list(DEFAULT_PHRASES)
+    assert "Listing 1" in section and "DEFAULT_PHRASES" in section
+    assert "249" in section
 
 
 def request_without_mask(phrases: list[str] | None = None) -> dict[str, Any]:
@@ -274,7 +388,7 @@ def test_a_term_derives_its_missing_input_from_the_vocabulary_and_never_replaces
 
     req = parse_request(request_without_mask())
     derived = derive_inputs(req.batch, req.estimator, WORDS)
-    assert derived.planning_mask.tolist() == [0, 1, 0, 1, 1, 1, 0, 0, 1]  # type: ignore[union-attr]
+    assert derived.planning_mask.tolist() == [1, 1, 0, 1, 1, 0, 0, 0, 0]  # type: ignore[union-attr]
     assert derive_inputs(req.batch, req.estimator, None) is req.batch  # no tokenizer
     custom = parse_request(request_without_mask(["the sum"]))
     assert derive_inputs(custom.batch, custom.estimator, WORDS).planning_mask.tolist() == [

@@ -235,9 +235,9 @@ def tokenizer_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serv
 
 
 def sentences_request(estimator: Any) -> dict[str, Any]:
-    """Two groups whose rollouts hold strategic phrases ("wait", "let me check", "Hmm")."""
+    """Two groups whose rollouts hold the paper's grams ("so", "wait", "let me", "hmm,")."""
     texts = [
-        [("So wait , let me check the sum", 1.0), ("x = 4", 0.0), ("Hmm x = 4", 0.0)],
+        [("So wait , let me check the sum", 1.0), ("x = 4", 0.0), ("Hmm , x = 4", 0.0)],
         [("the sum = 4 , wait", 1.0), ("", 0.0), ("let me check x", 1.0)],
     ]
     return {
