@@ -461,12 +461,12 @@ def _gtpo_by_slices(
     if bool(norm.wide.any()):
         return None
     f = norm.factor.numpy()
-    shift = norm.shift.float().tolist()
+    shift = norm.shift.float().numpy()
     sums = np.zeros(batch.num_rollouts, dtype=np.float64)
     for i, o, t, s, wrong in busy_rows:  # A = F v + shift (float32)
         part = out[o : o + t]
         np.multiply(f[s : s + t], part if wrong else h[o : o + t], out=part)
-        np.add(part, np.float32(shift[i]), out=part)
+        np.add(part, shift[i], out=part)
         sums[i] = np.add.reduce(part, dtype=np.float64)  # (while the slice is in cache)
     for first, end in idle_runs:  # (F = 0 and shift 0 there: 0, as the keyed path's 0 v + 0)
         out[first:end] = 0.0
