@@ -32,31 +32,36 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from advantage_service import RolloutBatch, compute_batch
+from advantage_service.estimators.gtpo import key_layout, split_classes, token_keys
 from advantage_service.estimators.hicra import strategic_phrase_mask
 from synthetic import VOCAB, training_batch
 
 ESTIMATORS = ("grpo", "maxrl", "hicra", "gtpo", "grpo_s")
+SCATTER = "scatter"  # one index_add_ of the N entropies by (class, group, position): a floor
 GOALS = {"maxrl": 1.5, "hicra": 1.5, "gtpo": 3.0, "grpo_s": 3.0}
 
 
 def interleaved(
     fns: dict[str, Callable[[], object]], repeats: int
-) -> dict[str, tuple[float, float]]:
-    """(median, fastest) seconds of each function, run round-robin so noise hits all alike (the
-    fastest run is the one the machine's other load disturbed least). Each round
-    takes the functions in a new order, and times each one's second call in a row: a function
-    that frees much memory (GTPO) would otherwise tax the allocation of whichever runs next."""
+) -> dict[str, tuple[float, float, float]]:
+    """(median, fastest, median CPU) seconds of each function, run round-robin so noise hits
+    all alike (the fastest run is the one the machine's other load disturbed least; the CPU
+    time, this thread's, leaves out the time other processes held the core). Each round takes
+    the functions in a new order, and times each one's second call in a row: a function that
+    frees much memory (GTPO) would otherwise tax the allocation of whichever runs next."""
     order = list(fns)
     rng = random.Random(0)
     times: dict[str, list[float]] = {k: [] for k in fns}
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         rng.shuffle(order)
         for name in order:
             fns[name]()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             fns[name]()
             times[name].append(time.perf_counter() - start)
-    return {k: (statistics.median(v), min(v)) for k, v in times.items()}
+            cpu[name].append(time.thread_time() - start_cpu)
+    return {k: (statistics.median(v), min(v), statistics.median(cpu[k])) for k, v in times.items()}
 
 
 def synthetic_vocabulary(size: int = VOCAB) -> list[str]:
@@ -100,14 +105,27 @@ def main() -> None:
     def run(name: str) -> Callable[[], object]:
         return lambda: compute_batch(fresh(), name, diagnostics=("scalar",))
 
-    t = interleaved({name: run(name) for name in ESTIMATORS}, args.repeats)
-    print("  estimator   median ms  x GRPO   fastest ms  x GRPO")
-    for name in ESTIMATORS:
-        (median, fastest), (grpo_median, grpo_fastest) = t[name], t["grpo"]
+    # The least a per-position method does: one scatter-add of the entropies into the
+    # (class, group, position) keys, the keys given (GTPO sums H or 1/H and their squares per
+    # position, then writes the answer).
+    classes = split_classes(batch, 0.0)
+    layout = key_layout(batch, classes)
+    keys = token_keys(batch, layout)
+
+    def scatter() -> object:
+        return torch.zeros(layout.num_keys).index_add_(0, keys, entropy)
+
+    fns = {name: run(name) for name in ESTIMATORS}
+    fns[SCATTER] = scatter
+    t = interleaved(fns, args.repeats)
+    print("  estimator   median ms  x GRPO   fastest ms  x GRPO   CPU ms  x GRPO")
+    for name in (*ESTIMATORS, SCATTER):
+        (median, fastest, cpu), (grpo_median, grpo_fastest, grpo_cpu) = t[name], t["grpo"]
         goal = f"(goal <= {GOALS[name]:g}x)" if name in GOALS else ""
         print(
             f"  {name:8s} {median * 1e3:11.2f} {median / grpo_median:7.2f}x "
-            f"{fastest * 1e3:11.2f} {fastest / grpo_fastest:7.2f}x  {goal}"
+            f"{fastest * 1e3:11.2f} {fastest / grpo_fastest:7.2f}x "
+            f"{cpu * 1e3:8.2f} {cpu / grpo_cpu:7.2f}x  {goal}"
         )
 
     vocabulary = synthetic_vocabulary()
