@@ -425,7 +425,13 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
             try:
                 ticket, body = await receive_body(request, settings.max_body_bytes)
             except ClientDisconnect:
-                call.finish(499, "client_disconnected")
+                if engine.draining:
+                    # Past the shutdown deadline the server closes the connections whose bodies
+                    # it is still reading: a refusal (retry on another replica), not a client
+                    # that went away.
+                    call.finish(503, "shutting_down")
+                else:
+                    call.finish(499, "client_disconnected")
                 return Response(status_code=400)
             with ticket:
                 decode = releasing(
