@@ -360,10 +360,11 @@ class KeyTokenTables:
     """Contingency counts per (group, token id) present in the batch.
 
     ``group``/``token``: int64 (M,); float64 (M,): ``a``/``b`` correct/wrong rollouts containing
-    the token, ``occ_c``/``occ_w`` its occurrences in them. ``order`` (int64 (K,): the batch
-    position of each tabulated token, table by table) and ``run`` (tokens per table) map
-    per-table values back to token positions (:meth:`spread`); K < N when some tokens were
-    left out (groups without contrast, ignored ids).
+    the token, ``occ_c``/``occ_w`` its occurrences in them. ``sorted_at`` (int64 (K,): the
+    position of each tabulated token among them, table by table), ``kept_at`` (int64 (K,): the
+    batch positions of the tabulated tokens, ascending; None when every token was) and ``run``
+    (tokens per table) map per-table values back to token positions (:meth:`spread`); K < N
+    when some tokens were left out (groups without contrast, ignored ids).
     """
 
     group: torch.Tensor
@@ -372,10 +373,16 @@ class KeyTokenTables:
     b: torch.Tensor
     occ_c: torch.Tensor
     occ_w: torch.Tensor
-    order: torch.Tensor
+    sorted_at: torch.Tensor
     run: torch.Tensor
     num_tokens: int
     starts: torch.Tensor | None = None  # int64 (M,): first sorted position of each table
+    kept_at: torch.Tensor | None = None
+
+    @property
+    def order(self) -> torch.Tensor:
+        """int64 (K,): the batch position of each tabulated token, table by table."""
+        return self.sorted_at if self.kept_at is None else self.kept_at[self.sorted_at]
 
     @classmethod
     def empty(cls, num_tokens: int, device: torch.device) -> KeyTokenTables:
@@ -405,7 +412,7 @@ class KeyTokenTables:
             occ_c=self.occ_c[m_lo:m_hi],
             occ_w=self.occ_w[m_lo:m_hi],
             # (a request's tables hold its own tokens only)
-            order=self.order[s_lo:s_hi] - span.token_lo,
+            sorted_at=self.order[s_lo:s_hi] - span.token_lo,
             run=self.run[m_lo:m_hi],
             num_tokens=span.token_hi - span.token_lo,
             starts=starts[m_lo:m_hi] - s_lo,
@@ -418,11 +425,21 @@ class KeyTokenTables:
         """Per-table ``values`` (M,) -> per-token (N,), ``fill`` at tokens that were not
         tabulated."""
         out = fresh((self.num_tokens,), values.dtype, values.device)
-        if self.order.numel() != self.num_tokens:
+        k = self.sorted_at.numel()
+        if values.device.type == "cpu" and values.numel():
+            per_token = torch.from_numpy(np.repeat(values.numpy(), self.run.numpy()))
+        else:
+            per_token = repeat_runs(values, self._starts(), k)
+        if k != self.num_tokens:
             out.fill_(fill)
-        # (scatter_: ~3x faster than out[order] = ... on CPU; with the batch positions in
-        # order, one scatter places every tabulated token, a masked second pass none)
-        return out.scatter_(0, self.order, repeat_runs(values, self._starts(), self.order.numel()))
+        # (scatter_: ~3x faster than out[order] = ... on CPU)
+        if self.kept_at is None:
+            return out.scatter_(0, self.sorted_at, per_token)
+        # Placed among the tabulated tokens first, then at their batch positions in ascending
+        # order: two scatters, cheaper than the batch position of each sorted token (a random
+        # gather of int64 over the tabulated tokens).
+        tabulated = fresh((k,), values.dtype, values.device).scatter_(0, self.sorted_at, per_token)
+        return out.scatter_(0, self.kept_at, tabulated)
 
     def table_of_token(self) -> torch.Tensor:
         """int32 (N,): each token's table, M (one past the last) at tokens not tabulated. Many
@@ -450,19 +467,17 @@ def _nonzero(flags: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(flags).squeeze(1)
 
 
-def _compress(values: torch.Tensor, keep: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``values[keep]`` (keep: bool, values' shape) into ``out``."""
-    if values.device.type == "cpu":  # (numpy's: several times torch's on the CPU)
-        np.compress(keep.numpy(), values.numpy(), out=out.numpy())
-        return out
-    return out.copy_(values[keep])
-
-
-def _changes(values: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """bool (K,) into ``out``: True where ``values`` (sorted) starts a new run of equal values."""
+def _run_bounds(values: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 (runs + 1,): the first position of each run of equal ``values`` (sorted, (n,)),
+    then n. ``out``: bool (n + 1,) scratch for the run starts' flags (fresh when None)."""
+    n = values.numel()
+    if out is None:
+        out = torch.empty(n + 1, dtype=torch.bool, device=values.device)
     out[:1] = True
-    torch.ne(values[1:], values[:-1], out=out[1:])
-    return out
+    torch.ne(values[1:], values[:-1], out=out[1:n])
+    # (the end as one more flag: the bounds come out of one nonzero, with no copy to extend them)
+    out[n] = True
+    return _nonzero(out)
 
 
 class _Scratch:
@@ -482,32 +497,6 @@ class _Scratch:
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._arrays[name]
-
-
-def _positions(kept_at: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """``kept_at[order]``: the batch positions of the sorted kept tokens (int64)."""
-    if order.device.type == "cpu":
-        # In place over ``order`` (numpy's take without its buffer: each index is read before
-        # its slot is written), no fresh array.
-        out = order.numpy()
-        np.take(kept_at.numpy(), out, out=out, mode="clip")
-        return order
-    return kept_at.index_select(0, order)
-
-
-def _segment_sums(flags: Sequence[torch.Tensor], bounds: torch.Tensor, size: int) -> torch.Tensor:
-    """int32 (4, M): rows 0-2 the sums of each of ``flags`` (three (K,)) over each run
-    [bounds[i], bounds[i + 1]) of the sorted positions (differences of one cumulative sum at
-    the run bounds), row 3 left for the caller; one fresh block for the sums."""
-    total = fresh((len(flags), size + 1), torch.int32, bounds.device)
-    total[:, :1] = 0
-    for row, values in zip(total, flags, strict=True):
-        torch.cumsum(values, 0, dtype=torch.int32, out=row[1:])
-    at_bounds = fresh((len(flags), bounds.numel()), torch.int32, bounds.device)
-    torch.index_select(total, 1, bounds, out=at_bounds)
-    out = fresh((4, bounds.numel() - 1), torch.int32, bounds.device)
-    torch.sub(at_bounds[:, 1:], at_bounds[:, :-1], out=out[:3])
-    return out
 
 
 def tabulate(
@@ -554,47 +543,48 @@ def tabulate(
     key.add_(tokens if tokens.dtype == key_dtype else tokens.to(key_dtype), alpha=1 << low_bits)
     kept_at = None if keep is None else _nonzero(keep)
     k = key.numel() if kept_at is None else kept_at.numel()
-    # Every array of the sorted tokens below in one fresh block (huge pages on the CPU): a dozen
-    # fresh arrays would cost more in page faults than the passes that fill them.
+    # The arrays of the sorted tokens in one fresh block (huge pages on the CPU): fresh arrays
+    # would cost more in page faults than the passes that fill them.
     scratch = _Scratch(
         key.device,
         sorted_key=(k, key_dtype),
         kept_key=(k if kept_at is not None else 0, key_dtype),
-        is_correct=(k, key_dtype),
-        new_rollout=(k, torch.bool),
-        new_table=(k, torch.bool),
-        correct_flag=(k, torch.bool),
-        new_correct_rollout=(k, torch.bool),
+        new_pair=(k + 1, torch.bool),
     )
-    if keep is not None:
-        key = _compress(key, keep, scratch["kept_key"])
+    if kept_at is not None:
+        key = torch.index_select(key, 0, kept_at, out=scratch["kept_key"])
     # (the order outlives the scratch, in the tables: a fresh array of its own)
-    order = fresh((k,), torch.int64, key.device)
-    sorted_key, order = torch.sort(key, out=(scratch["sorted_key"], order))
-    key = sorted_key
-    if kept_at is not None:  # (order: positions in the batch, not among the kept tokens)
-        order = _positions(kept_at, order)
-    new_rollout = _changes(key, scratch["new_rollout"])
-    # (in place: the keys are the tables' now)
-    table_key = key.bitwise_right_shift_(rank_bits)
-    is_correct = torch.bitwise_and(table_key, 1, out=scratch["is_correct"])
-    table_key >>= 1
-    new_table = _changes(table_key, scratch["new_table"])
-    # Run bounds: each table's first sorted position, then the end.
-    first = _nonzero(new_table)
-    bounds = torch.cat([first, first.new_full((1,), key.numel())])
-    starts = bounds[:-1]
-    run = bounds[1:] - starts
-    # a, present rollouts and correct occurrences per table: segment sums of three flags, made
-    # whole (int32) in one block, then b and the wrong occurrences from them, and float64 once.
-    correct = torch.ne(is_correct, 0, out=scratch["correct_flag"])
-    new_correct = torch.bitwise_and(new_rollout, correct, out=scratch["new_correct_rollout"])
-    counts = _segment_sums((new_correct, new_rollout, is_correct), bounds, key.numel())
-    counts[1].sub_(counts[0])  # present -> b
-    counts[3] = run
-    counts[3].sub_(counts[2])  # run -> wrong occurrences
-    a, b, occ_c, occ_w = fresh(tuple(counts.shape), torch.float64, key.device).copy_(counts)
-    heads = table_key.index_select(0, starts).long()
+    sorted_at = fresh((k,), torch.int64, key.device)
+    key, sorted_at = torch.sort(key, out=(scratch["sorted_key"], sorted_at))
+    # Runs of equal keys are the (table, rollout) pairs, and the tokens are read once more only
+    # for where the pairs start: the rest works on the pairs' keys, then on the halves of the
+    # tables (group | token | correct), then on the tables, each a fraction of the tokens. A
+    # table's counts are differences of the bounds of its runs at each level.
+    pair_bound = _run_bounds(key, scratch["new_pair"])  # (R + 1,): tokens, then K
+    half = key.index_select(0, pair_bound[:-1]).bitwise_right_shift_(rank_bits)
+    half_bound = _run_bounds(half)  # (S + 1,): pairs, then R
+    half_key = half.index_select(0, half_bound[:-1])
+    table_key = half_key >> 1
+    table_bound = _run_bounds(table_key)  # (M + 1,): halves, then S
+    table_pair = half_bound.index_select(0, table_bound)  # (M + 1,): pairs, then R
+    table_token = pair_bound.index_select(0, table_pair)  # (M + 1,): tokens, then K
+    # A table's last half holds its correct rollouts when its correct bit is set: the wrong
+    # rollouts' half, when there is one, sorts first.
+    last = table_bound[1:] - 1
+    correct = half_key.index_select(0, last) & 1
+    correct_pair = half_bound.index_select(0, last)
+    correct_token = pair_bound.index_select(0, correct_pair)
+    starts = table_token[:-1]
+    run = table_token[1:] - starts
+    m = run.numel()
+    # a, b, correct and wrong occurrences, whole, then float64 in one block
+    counts = fresh((4, m), torch.int64, key.device)
+    torch.mul(table_pair[1:] - correct_pair, correct, out=counts[0])
+    torch.sub(table_pair[1:], table_pair[:-1], out=counts[1]).sub_(counts[0])
+    torch.mul(table_token[1:] - correct_token, correct, out=counts[2])
+    torch.sub(run, counts[2], out=counts[3])
+    a, b, occ_c, occ_w = fresh((4, m), torch.float64, key.device).copy_(counts)
+    heads = table_key.index_select(0, table_bound[:-1]).long()
     token = heads & ((1 << vocab_bits) - 1)
     return KeyTokenTables(
         group=heads >> vocab_bits,
@@ -603,10 +593,11 @@ def tabulate(
         b=b,
         occ_c=occ_c,
         occ_w=occ_w,
-        order=order,
+        sorted_at=sorted_at,
         run=run,
         num_tokens=batch.num_tokens,
         starts=starts,
+        kept_at=kept_at,
     )
 
 
@@ -761,7 +752,7 @@ def _counts(tables: KeyTokenTables, params: Mapping[str, Any]) -> TokenCounts | 
     every token of the batch and split the rollouts as the statistics do (reward > 0): per
     token id, the sums of its tables' counts over the groups. None otherwise (groups left out
     without contrast, ignored ids, another threshold): the engine counts them itself."""
-    if tables.order.numel() != tables.num_tokens or params["correct_threshold"] != 0.0:
+    if tables.sorted_at.numel() != tables.num_tokens or params["correct_threshold"] != 0.0:
         return None
     token = tables.token.cpu().numpy()
     columns = (tables.a, tables.b, tables.run)
