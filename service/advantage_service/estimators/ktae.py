@@ -270,6 +270,48 @@ def key_token_score(
     return x.add_(0.0)
 
 
+class AssociationGrid:
+    """:func:`association` of every possible whole-number table of some groups, to look tables
+    up in (:meth:`lookup`).
+
+    n_c, n_w: per-group float64 (G,) whole numbers. A group's tables all share its margins and
+    have cells of at most the group size, so the Fisher p-value, information gain and Cohen's h
+    are computed on the small grid of possible tables per distinct margin pair, once.
+    """
+
+    def __init__(self, n_c: torch.Tensor, n_w: torch.Tensor, params: Mapping[str, Any]) -> None:
+        p, margin_of_group, m1, m2 = margin_grid(n_c.long(), n_w.long())  # p: [margin, a+b, a]
+        _, k_count, x_count = p.shape
+        dev = p.device
+        a_grid = torch.arange(x_count, dtype=torch.float64, device=dev)[None, None, :]
+        k_grid = torch.arange(k_count, dtype=torch.float64, device=dev)[None, :, None]
+        b_grid = (k_grid - a_grid).clamp(min=0)
+        self.grid = association(
+            a_grid.expand_as(p),
+            b_grid.expand_as(p),
+            m1.double()[:, None, None].expand_as(p),
+            m2.double()[:, None, None].expand_as(p),
+            p,
+            params,
+        )
+        self.x_count = x_count
+        # (float64: a table's place is whole and far below 2^53, and float64 a and b are added
+        # to it in place, with no int64 copies of them)
+        self.group_base = (margin_of_group * (k_count * x_count)).double()
+
+    def lookup(
+        self, group: torch.Tensor, a: torch.Tensor, b: torch.Tensor, parts: bool = False
+    ) -> Association:
+        """The association of tables (``group``: int32 or int64 (M,); a, b: float64 (M,) whole
+        numbers); ``parts``: p, F and IG too (the statistics diagnostics: a few gathers from
+        the same grid, no second computation)."""
+        x_count = self.x_count
+        # The place (margin, a + b, a) of each table in the flat grid; int32 gathers faster.
+        at = self.group_base.index_select(0, group).add_(a, alpha=x_count + 1)
+        at = at.add_(b, alpha=x_count).int()
+        return self.grid.take(at, parts)
+
+
 def association_lookup(
     n_c: torch.Tensor,
     n_w: torch.Tensor,
@@ -279,30 +321,54 @@ def association_lookup(
     params: Mapping[str, Any],
     parts: bool = False,
 ) -> Association:
-    """:func:`association` for whole-number tables, evaluated once per possible table.
+    """:func:`association` for whole-number tables, evaluated once per possible table
+    (:class:`AssociationGrid`) and gathered, instead of once per (group, token).
 
-    n_c, n_w: per-group float64 (G,) whole numbers; group, a, b: per-table (M,). A group's tables
-    all share its margins and have cells of at most the group size, so the Fisher p-value,
-    information gain and Cohen's h are computed on the small grid of possible tables per distinct
-    margin pair and gathered, instead of once per (group, token). ``parts``: gather p, F and IG
-    too (the statistics diagnostics: a few gathers from the same grid, no second computation).
+    n_c, n_w: per-group float64 (G,) whole numbers; group, a, b: per-table (M,). ``parts``:
+    gather p, F and IG too.
     """
-    p, margin_of_group, m1, m2 = margin_grid(n_c.long(), n_w.long())  # p: [margin, a + b, a]
-    _, k_count, x_count = p.shape
-    dev = p.device
-    a_grid = torch.arange(x_count, dtype=torch.float64, device=dev)[None, None, :]
-    k_grid = torch.arange(k_count, dtype=torch.float64, device=dev)[None, :, None]
-    b_grid = (k_grid - a_grid).clamp(min=0)
-    grid = association(
-        a_grid.expand_as(p),
-        b_grid.expand_as(p),
-        m1.double()[:, None, None].expand_as(p),
-        m2.double()[:, None, None].expand_as(p),
-        p,
-        params,
-    )
-    at = (margin_of_group.index_select(0, group) * k_count + (a + b).long()) * x_count + a.long()
-    return grid.take(at, parts)
+    return AssociationGrid(n_c, n_w, params).lookup(group, a, b, parts)
+
+
+def table_scores(
+    tables: KeyTokenTables,
+    n_c: torch.Tensor,
+    n_w: torch.Tensor,
+    len_c: torch.Tensor,
+    len_w: torch.Tensor,
+    params: Mapping[str, Any],
+) -> torch.Tensor:
+    """float64 (M,): :func:`key_token_score` of every table (without history), as computed
+    over all of them, but per table only where it has more than one token.
+
+    A table of one token is (a, b, occ_c, occ_w) = (1, 0, 1, 0) or (0, 1, 0, 1): its score
+    depends on its group and that token's rollout being correct alone, and is computed once per
+    group for both (most tables of a Zipf batch: 87% of the training-sized one's). The same
+    elementwise operations on the same values give the same bits.
+    """
+    grid = AssociationGrid(n_c, n_w, params)
+    dev = tables.group.device
+    groups = n_c.numel()
+    # (each group's single-token tables: wrong, then correct)
+    single_group = torch.arange(groups, dtype=torch.int32, device=dev).repeat_interleave(2)
+    correct = torch.tensor([0.0, 1.0], dtype=torch.float64, device=dev).repeat(groups)
+    wrong = 1.0 - correct
+    single = grid.lookup(single_group, correct, wrong)
+    tf = _tf(correct, wrong, single_group, len_c, len_w, params)
+    single_score = key_token_score(single.strength, single.h, tf, params["scale"])
+    group = tables.group.int()
+    # Every table takes its group's single-token score first (a table of more tokens its
+    # correct one's when a > 0, a place in range), then the others are overwritten.
+    score = single_score.index_select(0, tables.a.clamp(max=1.0).add_(group, alpha=2).int())
+    several = _nonzero(tables.run > 1)
+    if several.numel():
+        g = group.index_select(0, several)
+        a, b = tables.a.index_select(0, several), tables.b.index_select(0, several)
+        assoc = grid.lookup(g, a, b)
+        occ_c, occ_w = tables.occ_c.index_select(0, several), tables.occ_w.index_select(0, several)
+        tf = _tf(occ_c, occ_w, g, len_c, len_w, params)
+        score.index_copy_(0, several, key_token_score(assoc.strength, assoc.h, tf, params["scale"]))
+    return score
 
 
 def _tf(
@@ -566,28 +632,32 @@ def tabulate(
     half_key = half.index_select(0, half_bound[:-1])
     table_key = half_key >> 1
     table_bound = _run_bounds(table_key)  # (M + 1,): halves, then S
+    # A table's first half holds its wrong rollouts unless its correct bit is set (then it is
+    # the only half). Bounds as int32 when they fit: torch's int64 arithmetic is several times
+    # slower on the CPU, and every table's count is a few differences of them.
+    if k < 2**31:
+        pair_bound, half_bound = pair_bound.int(), half_bound.int()
+    first = table_bound[:-1]
+    m = first.numel()
     table_pair = half_bound.index_select(0, table_bound)  # (M + 1,): pairs, then R
     table_token = pair_bound.index_select(0, table_pair)  # (M + 1,): tokens, then K
-    # A table's last half holds its correct rollouts when its correct bit is set: the wrong
-    # rollouts' half, when there is one, sorts first.
-    last = table_bound[1:] - 1
-    correct = half_key.index_select(0, last) & 1
-    correct_pair = half_bound.index_select(0, last)
-    correct_token = pair_bound.index_select(0, correct_pair)
-    starts = table_token[:-1]
-    run = table_token[1:] - starts
-    m = run.numel()
-    # a, b, correct and wrong occurrences, whole, then float64 in one block
-    counts = fresh((4, m), torch.int64, key.device)
-    torch.mul(table_pair[1:] - correct_pair, correct, out=counts[0])
-    torch.sub(table_pair[1:], table_pair[:-1], out=counts[1]).sub_(counts[0])
-    torch.mul(table_token[1:] - correct_token, correct, out=counts[2])
-    torch.sub(run, counts[2], out=counts[3])
+    wrong_pair = half_bound[1:].index_select(0, first)  # end of the first half, in pairs
+    wrong_token = pair_bound.index_select(0, wrong_pair)
+    wrong = half_key.index_select(0, first).bitwise_and_(1).bitwise_xor_(1)  # 1: a wrong half
+    # b, a, wrong and correct occurrences, whole, then float64 in one block
+    counts = fresh((4, m), table_pair.dtype, key.device)
+    torch.sub(wrong_pair, table_pair[:-1], out=counts[1]).mul_(wrong)
+    torch.sub(table_pair[1:], table_pair[:-1], out=counts[0]).sub_(counts[1])
+    run_t = torch.sub(table_token[1:], table_token[:-1], out=counts[2])
+    torch.sub(wrong_token, table_token[:-1], out=counts[3]).mul_(wrong)
+    run = run_t.long()
+    run_t.sub_(counts[3])
     a, b, occ_c, occ_w = fresh((4, m), torch.float64, key.device).copy_(counts)
-    heads = table_key.index_select(0, table_bound[:-1]).long()
-    token = heads & ((1 << vocab_bits) - 1)
+    starts = table_token[:-1].long()
+    heads = table_key.index_select(0, first)
+    token = (heads & ((1 << vocab_bits) - 1)).long()
     return KeyTokenTables(
-        group=heads >> vocab_bits,
+        group=(heads >> vocab_bits).long(),
         token=token if vocab is None else vocab[token],
         a=a,
         b=b,
@@ -854,7 +924,12 @@ def ktae(batch: RolloutBatch, params: Mapping[str, Any], ctx: TermContext) -> Te
     g = tables.group
     tf: torch.Tensor | None
     stored_rows = None
-    if prior is None:
+    assoc: Association | None = None
+    if prior is None and not stats:
+        score = table_scores(tables, n_c, n_w, len_c, len_w, params)
+        counts = (tables.a, tables.b)
+        tf = None
+    elif prior is None:
         assoc = association_lookup(n_c, n_w, g, tables.a, tables.b, params, parts=stats)
         counts = (tables.a, tables.b)
         tf = _tf(tables.occ_c, tables.occ_w, g, len_c, len_w, params)
@@ -871,7 +946,8 @@ def ktae(batch: RolloutBatch, params: Mapping[str, Any], ctx: TermContext) -> Te
         counts = (merged[:, 0], merged[:, 1])
         occ_c, occ_w = merged[:, 2].contiguous(), merged[:, 3].contiguous()
         tf = _tf(occ_c, occ_w, g, len_c, len_w, params)
-    score = key_token_score(assoc.strength, assoc.h, tf, params["scale"])
+    if assoc is not None:
+        score = key_token_score(assoc.strength, assoc.h, tf, params["scale"])
     # The score reaches the tokens by one spread; when statistics are asked for too, each token's
     # table is found once and every per-table value (the score among them) is one gather.
     table = tables.table_of_token() if stats else None
@@ -893,12 +969,14 @@ __all__ = [
     "PARAMS",
     "STATE",
     "STATISTICS",
+    "AssociationGrid",
     "KeyTokenTables",
     "KtaeState",
     "association",
     "association_lookup",
     "key_token_score",
     "ktae",
+    "table_scores",
     "tabulate",
     "tf_contrast",
 ]
