@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -356,16 +357,15 @@ def table_scores(
     single = grid.lookup(single_group, correct, wrong)
     tf = _tf(correct, wrong, single_group, len_c, len_w, params)
     single_score = key_token_score(single.strength, single.h, tf, params["scale"])
-    group = tables.group.int()
+    group, cells = tables.group32, tables.cells
     # Every table takes its group's single-token score first (a table of more tokens its
     # correct one's when a > 0, a place in range), then the others are overwritten.
-    score = single_score.index_select(0, tables.a.clamp(max=1.0).add_(group, alpha=2).int())
-    several = _nonzero(tables.run > 1)
+    score = single_score.index_select(0, cells[0].clamp(max=1).add_(group, alpha=2))
+    several = _nonzero(cells[4] > 1)
     if several.numel():
         g = group.index_select(0, several)
-        a, b = tables.a.index_select(0, several), tables.b.index_select(0, several)
+        a, b, occ_c, occ_w = cells[:4].index_select(1, several).double()
         assoc = grid.lookup(g, a, b)
-        occ_c, occ_w = tables.occ_c.index_select(0, several), tables.occ_w.index_select(0, several)
         tf = _tf(occ_c, occ_w, g, len_c, len_w, params)
         score.index_copy_(0, several, key_token_score(assoc.strength, assoc.h, tf, params["scale"]))
     return score
@@ -421,7 +421,6 @@ def _association_with_prior(
 # ---- the batched contingency tables -----------------------------------------------------------
 
 
-@dataclass
 class KeyTokenTables:
     """Contingency counts per (group, token id) present in the batch.
 
@@ -429,21 +428,118 @@ class KeyTokenTables:
     the token, ``occ_c``/``occ_w`` its occurrences in them. ``sorted_at`` (int64 (K,): the
     position of each tabulated token among them, table by table), ``kept_at`` (int64 (K,): the
     batch positions of the tabulated tokens, ascending; None when every token was) and ``run``
-    (tokens per table) map per-table values back to token positions (:meth:`spread`); K < N
-    when some tokens were left out (groups without contrast, ignored ids).
+    (int64 (M,): tokens per table) map per-table values back to token positions
+    (:meth:`spread`); K < N when some tokens were left out (groups without contrast, ignored
+    ids). ``starts``: int64 (M,), the first sorted position of each table.
+
+    :func:`tabulate` gives them compact (int32 counts and keys, :meth:`compact`): the int64 and
+    float64 fields are made when first read, since a score without history or statistics reads
+    few of them (:func:`table_scores` reads ``group32`` and ``cells``).
     """
 
-    group: torch.Tensor
-    token: torch.Tensor
-    a: torch.Tensor
-    b: torch.Tensor
-    occ_c: torch.Tensor
-    occ_w: torch.Tensor
-    sorted_at: torch.Tensor
-    run: torch.Tensor
-    num_tokens: int
-    starts: torch.Tensor | None = None  # int64 (M,): first sorted position of each table
-    kept_at: torch.Tensor | None = None
+    def __init__(
+        self,
+        group: torch.Tensor,
+        token: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        occ_c: torch.Tensor,
+        occ_w: torch.Tensor,
+        sorted_at: torch.Tensor,
+        run: torch.Tensor,
+        num_tokens: int,
+        starts: torch.Tensor | None = None,
+        kept_at: torch.Tensor | None = None,
+    ) -> None:
+        # (the cached properties' values, given)
+        self.__dict__.update(group=group, token=token, a=a, b=b, occ_c=occ_c, occ_w=occ_w, run=run)
+        if starts is not None:
+            self.__dict__["starts"] = starts
+        self.sorted_at, self.num_tokens, self.kept_at = sorted_at, num_tokens, kept_at
+        self._heads: torch.Tensor | None = None
+        self._vocab: torch.Tensor | None = None
+        self._vocab_bits = 0
+        self._cells: torch.Tensor | None = None
+        self._bounds: torch.Tensor | None = None
+
+    @classmethod
+    def compact(
+        cls,
+        heads: torch.Tensor,
+        vocab_bits: int,
+        vocab: torch.Tensor | None,
+        cells: torch.Tensor,
+        bounds: torch.Tensor,
+        sorted_at: torch.Tensor,
+        kept_at: torch.Tensor | None,
+        num_tokens: int,
+    ) -> KeyTokenTables:
+        """Tables from ``heads`` (M,) group << vocab_bits | token (the index into ``vocab``
+        when given), ``cells`` int (5, M): a, b, occ_c, occ_w and the run, ``bounds`` int
+        (M + 1,): each table's first sorted position, then K."""
+        tables = cls.__new__(cls)
+        tables.sorted_at, tables.num_tokens, tables.kept_at = sorted_at, num_tokens, kept_at
+        tables._heads, tables._vocab, tables._vocab_bits = heads, vocab, vocab_bits
+        tables._cells, tables._bounds = cells, bounds
+        return tables
+
+    @cached_property
+    def group32(self) -> torch.Tensor:
+        """int32 (M,): ``group``, as gathers index fastest."""
+        if self._heads is None:
+            return self.group.int()
+        return (self._heads >> self._vocab_bits).int()
+
+    @cached_property
+    def cells(self) -> torch.Tensor:
+        """int (5, M): a, b, occ_c, occ_w and the run of each table, whole."""
+        if self._cells is not None:
+            return self._cells
+        return torch.stack(
+            [self.a.long(), self.b.long(), self.occ_c.long(), self.occ_w.long(), self.run]
+        )
+
+    @cached_property
+    def group(self) -> torch.Tensor:
+        return self.group32.long()
+
+    @cached_property
+    def token(self) -> torch.Tensor:
+        assert self._heads is not None
+        token = (self._heads & ((1 << self._vocab_bits) - 1)).long()
+        return token if self._vocab is None else self._vocab[token]
+
+    @cached_property
+    def _counts(self) -> torch.Tensor:
+        """float64 (4, M): a, b, occ_c, occ_w, in one fresh block."""
+        counts = self.cells[:4]
+        return fresh(tuple(counts.shape), torch.float64, counts.device).copy_(counts)
+
+    @cached_property
+    def a(self) -> torch.Tensor:
+        return self._counts[0]
+
+    @cached_property
+    def b(self) -> torch.Tensor:
+        return self._counts[1]
+
+    @cached_property
+    def occ_c(self) -> torch.Tensor:
+        return self._counts[2]
+
+    @cached_property
+    def occ_w(self) -> torch.Tensor:
+        return self._counts[3]
+
+    @cached_property
+    def run(self) -> torch.Tensor:
+        return self.cells[4].long()
+
+    @cached_property
+    def starts(self) -> torch.Tensor:
+        if self._bounds is not None:
+            return self._bounds[:-1].long()
+        return torch.cumsum(self.run, 0) - self.run
 
     @property
     def order(self) -> torch.Tensor:
@@ -467,7 +563,7 @@ class KeyTokenTables:
         """The tables of the groups of ``span`` (one request of a merged batch), renumbered
         from 0 and mapping to that request's tokens: what tabulating it alone gives."""
         m_lo, m_hi = self.table_range(span)
-        starts = self._starts()
+        starts = self.starts
         s_lo = int(starts[m_lo]) if m_hi > m_lo else 0
         s_hi = s_lo + int(self.run[m_lo:m_hi].sum())
         return KeyTokenTables(
@@ -484,18 +580,16 @@ class KeyTokenTables:
             starts=starts[m_lo:m_hi] - s_lo,
         )
 
-    def _starts(self) -> torch.Tensor:
-        return self.starts if self.starts is not None else torch.cumsum(self.run, 0) - self.run
-
     def spread(self, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """Per-table ``values`` (M,) -> per-token (N,), ``fill`` at tokens that were not
         tabulated."""
         out = fresh((self.num_tokens,), values.dtype, values.device)
         k = self.sorted_at.numel()
         if values.device.type == "cpu" and values.numel():
-            per_token = torch.from_numpy(np.repeat(values.numpy(), self.run.numpy()))
+            run = self.cells[4].numpy()
+            per_token = torch.from_numpy(np.repeat(values.numpy(), run))
         else:
-            per_token = repeat_runs(values, self._starts(), k)
+            per_token = repeat_runs(values, self.starts, k)
         if k != self.num_tokens:
             out.fill_(fill)
         # (scatter_: ~3x faster than out[order] = ... on CPU)
@@ -644,30 +738,22 @@ def tabulate(
     wrong_pair = half_bound[1:].index_select(0, first)  # end of the first half, in pairs
     wrong_token = pair_bound.index_select(0, wrong_pair)
     wrong = half_key.index_select(0, first).bitwise_and_(1).bitwise_xor_(1)  # 1: a wrong half
-    # b, a, wrong and correct occurrences, whole, then float64 in one block
-    counts = fresh((4, m), table_pair.dtype, key.device)
-    torch.sub(wrong_pair, table_pair[:-1], out=counts[1]).mul_(wrong)
-    torch.sub(table_pair[1:], table_pair[:-1], out=counts[0]).sub_(counts[1])
-    run_t = torch.sub(table_token[1:], table_token[:-1], out=counts[2])
-    torch.sub(wrong_token, table_token[:-1], out=counts[3]).mul_(wrong)
-    run = run_t.long()
-    run_t.sub_(counts[3])
-    a, b, occ_c, occ_w = fresh((4, m), torch.float64, key.device).copy_(counts)
-    starts = table_token[:-1].long()
-    heads = table_key.index_select(0, first)
-    token = (heads & ((1 << vocab_bits) - 1)).long()
-    return KeyTokenTables(
-        group=(heads >> vocab_bits).long(),
-        token=token if vocab is None else vocab[token],
-        a=a,
-        b=b,
-        occ_c=occ_c,
-        occ_w=occ_w,
+    # a, b, correct and wrong occurrences and the run, whole, in one block
+    cells = fresh((5, m), table_pair.dtype, key.device)
+    torch.sub(wrong_pair, table_pair[:-1], out=cells[1]).mul_(wrong)
+    torch.sub(table_pair[1:], table_pair[:-1], out=cells[0]).sub_(cells[1])
+    torch.sub(table_token[1:], table_token[:-1], out=cells[4])
+    torch.sub(wrong_token, table_token[:-1], out=cells[3]).mul_(wrong)
+    torch.sub(cells[4], cells[3], out=cells[2])
+    return KeyTokenTables.compact(
+        heads=table_key.index_select(0, first),
+        vocab_bits=vocab_bits,
+        vocab=vocab,
+        cells=cells,
+        bounds=table_token,
         sorted_at=sorted_at,
-        run=run,
-        num_tokens=batch.num_tokens,
-        starts=starts,
         kept_at=kept_at,
+        num_tokens=batch.num_tokens,
     )
 
 
@@ -921,46 +1007,44 @@ def ktae(batch: RolloutBatch, params: Mapping[str, Any], ctx: TermContext) -> Te
     stats = any(name in wanted for name in STATISTICS)
     # A history read still in flight has had the tabulation's time to arrive.
     prior: HistoryPrior | None = None if ctx.read is None else ctx.read.result()
-    g = tables.group
-    tf: torch.Tensor | None
     stored_rows = None
-    assoc: Association | None = None
+    tf: torch.Tensor | None = None
     if prior is None and not stats:
+        # (the score alone: per table only where it needs to be, :func:`table_scores`)
         score = table_scores(tables, n_c, n_w, len_c, len_w, params)
-        counts = (tables.a, tables.b)
-        tf = None
-    elif prior is None:
-        assoc = association_lookup(n_c, n_w, g, tables.a, tables.b, params, parts=stats)
-        counts = (tables.a, tables.b)
-        tf = _tf(tables.occ_c, tables.occ_w, g, len_c, len_w, params)
     else:
-        n_c, n_w, len_c, len_w = (
-            n_c + prior.n_c,
-            n_w + prior.n_w,
-            len_c + prior.len_c,
-            len_w + prior.len_w,
-        )
-        contrast = (n_c > 0) & (n_w > 0)
-        merged, stored_rows = _merged_counts(tables, prior)
-        assoc = _association_with_prior(merged, g, n_c, n_w, params)
-        counts = (merged[:, 0], merged[:, 1])
-        occ_c, occ_w = merged[:, 2].contiguous(), merged[:, 3].contiguous()
-        tf = _tf(occ_c, occ_w, g, len_c, len_w, params)
-    if assoc is not None:
+        g = tables.group
+        if prior is None:
+            assoc = association_lookup(n_c, n_w, g, tables.a, tables.b, params, parts=stats)
+            counts = (tables.a, tables.b)
+            tf = _tf(tables.occ_c, tables.occ_w, g, len_c, len_w, params)
+        else:
+            n_c, n_w, len_c, len_w = (
+                n_c + prior.n_c,
+                n_w + prior.n_w,
+                len_c + prior.len_c,
+                len_w + prior.len_w,
+            )
+            contrast = (n_c > 0) & (n_w > 0)
+            merged, stored_rows = _merged_counts(tables, prior)
+            assoc = _association_with_prior(merged, g, n_c, n_w, params)
+            counts = (merged[:, 0], merged[:, 1])
+            occ_c, occ_w = merged[:, 2].contiguous(), merged[:, 3].contiguous()
+            tf = _tf(occ_c, occ_w, g, len_c, len_w, params)
         score = key_token_score(assoc.strength, assoc.h, tf, params["scale"])
     # The score reaches the tokens by one spread; when statistics are asked for too, each token's
     # table is found once and every per-table value (the score among them) is one gather.
     table = tables.table_of_token() if stats else None
     bonus = tables.spread(score.float()) if table is None else gather_tables(score.float(), table)
-    merged_totals = torch.stack([n_c, n_w, len_c, len_w], dim=1)
+    diagnostics = {"ktae_score": bonus}
+    if stats:
+        merged_totals = torch.stack([n_c, n_w, len_c, len_w], dim=1)
+        diagnostics.update(
+            statistics_diagnostics(batch, tables, table, merged_totals, assoc, counts, tf, wanted)
+        )
     return TermOutput(
         bonus=bonus,
-        diagnostics={
-            "ktae_score": bonus,
-            **statistics_diagnostics(
-                batch, tables, table, merged_totals, assoc, counts, tf, wanted
-            ),
-        },
+        diagnostics=diagnostics,
         state=KtaeState(tables, score, contrast, totals, stored_rows),
     )
 
