@@ -7,7 +7,8 @@ The score kt(v) is added to every occurrence of v in the group.
 The reference loops over groups and distinct tokens with dense vocabulary-sized arrays. Here one
 sort of (group, token, rollout) keys over the whole batch yields every group's contingency tables
 at once: runs of equal (group, token) are the tables, and a change of rollout inside a run is one
-more rollout containing the token. Everything after the sort is elementwise or a segment sum.
+more rollout containing the token. After the sort, a table's counts are differences of the bounds
+of its runs, and its score is elementwise (computed per group for the tables of a single token).
 """
 
 from __future__ import annotations
@@ -427,10 +428,11 @@ class KeyTokenTables:
     ``group``/``token``: int64 (M,); float64 (M,): ``a``/``b`` correct/wrong rollouts containing
     the token, ``occ_c``/``occ_w`` its occurrences in them. ``sorted_at`` (int64 (K,): the
     position of each tabulated token among them, table by table), ``kept_at`` (int64 (K,): the
-    batch positions of the tabulated tokens, ascending; None when every token was) and ``run``
-    (int64 (M,): tokens per table) map per-table values back to token positions
-    (:meth:`spread`); K < N when some tokens were left out (groups without contrast, ignored
-    ids). ``starts``: int64 (M,), the first sorted position of each table.
+    batch positions of the tabulated tokens, ascending; None: ``sorted_at`` holds batch
+    positions) and ``run`` (int64 (M,): tokens per table) map per-table values back to token
+    positions (:meth:`spread`, :attr:`order`); K < N when some tokens were left out (groups
+    without contrast, ignored ids). ``starts``: int64 (M,), the first sorted position of each
+    table.
 
     :func:`tabulate` gives them compact (int32 counts and keys, :meth:`compact`): the int64 and
     float64 fields are made when first read, since a score without history or statistics reads
@@ -586,8 +588,8 @@ class KeyTokenTables:
         out = fresh((self.num_tokens,), values.dtype, values.device)
         k = self.sorted_at.numel()
         if values.device.type == "cpu" and values.numel():
-            run = self.cells[4].numpy()
-            per_token = torch.from_numpy(np.repeat(values.numpy(), run))
+            run = self.run if self._cells is None else self._cells[4]
+            per_token = torch.from_numpy(np.repeat(values.numpy(), run.numpy()))
         else:
             per_token = repeat_runs(values, self.starts, k)
         if k != self.num_tokens:
