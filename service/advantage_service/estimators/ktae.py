@@ -38,7 +38,7 @@ from .state import TermState, TermWrites, TokenCounts, WriteOptions
 
 # "p is 1" within float rounding: such a token carries no evidence, so its Fisher factor is 0.
 P_IS_ONE = 1.0 - 1e-6
-# Bits of the packed sort key: int64 without the sign bit (negative keys mark dropped tokens).
+# Bits of the packed sort key: int64 without the sign bit (keys sort as signed integers).
 KEY_BITS = 63
 # The reference's floor in the term-frequency ratio; it lets z reach ~1e5 (hence tanh, not exp).
 TF_FLOOR = 1e-5
@@ -684,7 +684,7 @@ def tabulate(
         vocab, tokens = torch.unique(tokens.long(), return_inverse=True)
         vocab_bits = max(1, (vocab.numel() - 1).bit_length())
     # int32 keys when they fit (a training batch's do): they sort faster and halve the memory
-    # every pass below moves. The sign bit stays free: negative keys mark dropped tokens.
+    # every pass below moves.
     key_dtype = torch.int32 if group_bits + vocab_bits + 1 + rank_bits <= 31 else torch.int64
     low_bits = 1 + rank_bits
     prefix = (
@@ -692,16 +692,14 @@ def tabulate(
         | (correct.long() << rank_bits)
         | batch.rank_in_group
     ).to(key_dtype)
-    if drop is not None:
-        prefix = prefix.masked_fill(drop, -1)
     key = batch.per_token(prefix)
-    keep = key >= 0 if drop is not None else None
+    # (the kept rollouts' flags repeated: a pass over bytes, not over the keys)
+    keep = batch.per_token(~drop) if drop is not None else None
     if ignore is not None and ignore.numel():
         not_ignored = ~torch.isin(batch.tokens, ignore.to(batch.tokens.dtype))
         keep = not_ignored if keep is None else keep & not_ignored
     # The token ids' bits are 0 in the prefix, so adding them is or-ing them, in one pass and no
-    # temporary (a multiply, not <<: the shift has no vectorised CPU kernel). A dropped token's
-    # key leaves the sign it was marked with here, but it is left out below by ``keep``.
+    # temporary (a multiply, not <<: the shift has no vectorised CPU kernel).
     key.add_(tokens if tokens.dtype == key_dtype else tokens.to(key_dtype), alpha=1 << low_bits)
     kept_at = None if keep is None else _nonzero(keep)
     k = key.numel() if kept_at is None else kept_at.numel()
