@@ -348,27 +348,24 @@ def table_scores(
     group for both (most tables of a Zipf batch: 87% of the training-sized one's). The same
     elementwise operations on the same values give the same bits.
     """
-    grid = AssociationGrid(n_c, n_w, params)
-    dev = tables.group.device
+    dev = tables.group32.device
     groups = n_c.numel()
-    # (each group's single-token tables: wrong, then correct)
-    single_group = torch.arange(groups, dtype=torch.int32, device=dev).repeat_interleave(2)
-    correct = torch.tensor([0.0, 1.0], dtype=torch.float64, device=dev).repeat(groups)
-    wrong = 1.0 - correct
-    single = grid.lookup(single_group, correct, wrong)
-    tf = _tf(correct, wrong, single_group, len_c, len_w, params)
-    single_score = key_token_score(single.strength, single.h, tf, params["scale"])
     group, cells = tables.group32, tables.cells
+    several = _nonzero(cells[4] > 1)
+    # The tables evaluated: each group's two single-token tables, (a, b, occ_c, occ_w) =
+    # (0, 1, 0, 1) (wrong) and (1, 0, 1, 0) (correct), then the tables of several tokens.
+    single = torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0]], dtype=cells.dtype, device=dev)
+    single_group = torch.arange(groups, dtype=group.dtype, device=dev).repeat_interleave(2)
+    g = torch.cat([single_group, group.index_select(0, several)])
+    evaluated_cells = torch.cat([single.repeat(1, groups), cells[:4].index_select(1, several)], 1)
+    a, b, occ_c, occ_w = evaluated_cells.double()
+    assoc = AssociationGrid(n_c, n_w, params).lookup(g, a, b)
+    tf = _tf(occ_c, occ_w, g, len_c, len_w, params)
+    evaluated = key_token_score(assoc.strength, assoc.h, tf, params["scale"])
     # Every table takes its group's single-token score first (a table of more tokens its
     # correct one's when a > 0, a place in range), then the others are overwritten.
-    score = single_score.index_select(0, cells[0].clamp(max=1).add_(group, alpha=2))
-    several = _nonzero(cells[4] > 1)
-    if several.numel():
-        g = group.index_select(0, several)
-        a, b, occ_c, occ_w = cells[:4].index_select(1, several).double()
-        assoc = grid.lookup(g, a, b)
-        tf = _tf(occ_c, occ_w, g, len_c, len_w, params)
-        score.index_copy_(0, several, key_token_score(assoc.strength, assoc.h, tf, params["scale"]))
+    score = evaluated.index_select(0, cells[0].clamp(max=1).add_(group, alpha=2))
+    score.index_copy_(0, several, evaluated[2 * groups :])
     return score
 
 
