@@ -350,21 +350,22 @@ def table_scores(
     """
     dev = tables.group32.device
     groups = n_c.numel()
-    group, cells = tables.group32, tables.cells
-    several = _nonzero(cells[4] > 1)
+    group = tables.group32
+    several = _nonzero(tables.runs > 1)
+    several_cells = tables.cells_at(several)
     # The tables evaluated: each group's two single-token tables, (a, b, occ_c, occ_w) =
     # (0, 1, 0, 1) (wrong) and (1, 0, 1, 0) (correct), then the tables of several tokens.
-    single = torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0]], dtype=cells.dtype, device=dev)
+    single = torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0]], dtype=several_cells.dtype, device=dev)
     single_group = torch.arange(groups, dtype=group.dtype, device=dev).repeat_interleave(2)
     g = torch.cat([single_group, group.index_select(0, several)])
-    evaluated_cells = torch.cat([single.repeat(1, groups), cells[:4].index_select(1, several)], 1)
+    evaluated_cells = torch.cat([single.repeat(1, groups), several_cells[:4]], 1)
     a, b, occ_c, occ_w = evaluated_cells.double()
     assoc = AssociationGrid(n_c, n_w, params).lookup(g, a, b)
     tf = _tf(occ_c, occ_w, g, len_c, len_w, params)
     evaluated = key_token_score(assoc.strength, assoc.h, tf, params["scale"])
-    # Every table takes its group's single-token score first (a table of more tokens its
-    # correct one's when a > 0, a place in range), then the others are overwritten.
-    score = evaluated.index_select(0, cells[0].clamp(max=1).add_(group, alpha=2))
+    # Every table takes its group's single-token score first (any place in range for a table
+    # of several tokens), then those are overwritten.
+    score = evaluated.index_select(0, tables.single_side().add_(group, alpha=2))
     score.index_copy_(0, several, evaluated[2 * groups :])
     return score
 
@@ -419,6 +420,39 @@ def _association_with_prior(
 # ---- the batched contingency tables -----------------------------------------------------------
 
 
+@dataclass
+class _TableBounds:
+    """Where each table's runs of sorted tokens start and end (int32 when they fit), from which
+    its counts are differences: ``pair`` (R + 1,): the first token of each (table, rollout) pair,
+    then K; per table, ``table_pair`` and ``table_token`` (M + 1,): its first pair and token,
+    then R and K, and (M,) ``first_end``: the end of its first half in pairs, and ``wrong``: 1
+    when that half is its wrong rollouts' (0: it has correct rollouts alone)."""
+
+    pair: torch.Tensor
+    table_pair: torch.Tensor
+    table_token: torch.Tensor
+    first_end: torch.Tensor
+    wrong: torch.Tensor
+
+    def cells(self, at: torch.Tensor | None = None) -> torch.Tensor:
+        """int (5, M): a, b, occ_c, occ_w and the run of each table (of the tables ``at``)."""
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t if at is None else t.index_select(0, at)
+
+        pair_lo, pair_hi = pick(self.table_pair[:-1]), pick(self.table_pair[1:])
+        token_lo, token_hi = pick(self.table_token[:-1]), pick(self.table_token[1:])
+        first_end, wrong = pick(self.first_end), pick(self.wrong)
+        cells = fresh((5, pair_lo.numel()), pair_lo.dtype, pair_lo.device)
+        torch.sub(first_end, pair_lo, out=cells[1]).mul_(wrong)
+        torch.sub(pair_hi, pair_lo, out=cells[0]).sub_(cells[1])
+        torch.sub(token_hi, token_lo, out=cells[4])
+        wrong_end = self.pair.index_select(0, first_end)
+        torch.sub(wrong_end, token_lo, out=cells[3]).mul_(wrong)
+        torch.sub(cells[4], cells[3], out=cells[2])
+        return cells
+
+
 class KeyTokenTables:
     """Contingency counts per (group, token id) present in the batch.
 
@@ -431,9 +465,10 @@ class KeyTokenTables:
     without contrast, ignored ids). ``starts``: int64 (M,), the first sorted position of each
     table.
 
-    :func:`tabulate` gives them compact (int32 counts and keys, :meth:`compact`): the int64 and
-    float64 fields are made when first read, since a score without history or statistics reads
-    few of them (:func:`table_scores` reads ``group32`` and ``cells``).
+    :func:`tabulate` gives them compact (int32 keys and run bounds, :meth:`compact`): the int64
+    and float64 fields are made when first read, since a score without history or statistics
+    reads few of them (:func:`table_scores` reads ``group32``, ``runs``, :meth:`single_side`
+    and the counts of a few tables, :meth:`cells_at`).
     """
 
     def __init__(
@@ -458,8 +493,7 @@ class KeyTokenTables:
         self._heads: torch.Tensor | None = None
         self._vocab: torch.Tensor | None = None
         self._vocab_bits = 0
-        self._cells: torch.Tensor | None = None
-        self._bounds: torch.Tensor | None = None
+        self._bounds: _TableBounds | None = None
 
     @classmethod
     def compact(
@@ -467,19 +501,17 @@ class KeyTokenTables:
         heads: torch.Tensor,
         vocab_bits: int,
         vocab: torch.Tensor | None,
-        cells: torch.Tensor,
-        bounds: torch.Tensor,
+        bounds: _TableBounds,
         sorted_at: torch.Tensor,
         kept_at: torch.Tensor | None,
         num_tokens: int,
     ) -> KeyTokenTables:
         """Tables from ``heads`` (M,) group << vocab_bits | token (the index into ``vocab``
-        when given), ``cells`` int (5, M): a, b, occ_c, occ_w and the run, ``bounds`` int
-        (M + 1,): each table's first sorted position, then K."""
+        when given) and the bounds of their runs."""
         tables = cls.__new__(cls)
         tables.sorted_at, tables.num_tokens, tables.kept_at = sorted_at, num_tokens, kept_at
         tables._heads, tables._vocab, tables._vocab_bits = heads, vocab, vocab_bits
-        tables._cells, tables._bounds = cells, bounds
+        tables._bounds = bounds
         return tables
 
     @cached_property
@@ -492,11 +524,32 @@ class KeyTokenTables:
     @cached_property
     def cells(self) -> torch.Tensor:
         """int (5, M): a, b, occ_c, occ_w and the run of each table, whole."""
-        if self._cells is not None:
-            return self._cells
+        if self._bounds is not None:
+            return self._bounds.cells()
         return torch.stack(
             [self.a.long(), self.b.long(), self.occ_c.long(), self.occ_w.long(), self.run]
         )
+
+    def cells_at(self, at: torch.Tensor) -> torch.Tensor:
+        """int (5, len(at)): :attr:`cells` of the tables ``at``."""
+        if self._bounds is not None and "cells" not in self.__dict__:
+            return self._bounds.cells(at)
+        return self.cells.index_select(1, at)
+
+    @cached_property
+    def runs(self) -> torch.Tensor:
+        """int (M,): ``run``, int32 when the tables are compact."""
+        if self._bounds is None:
+            return self.run
+        token = self._bounds.table_token
+        return token[1:] - token[:-1]
+
+    def single_side(self) -> torch.Tensor:
+        """int (M,), fresh: 1 for a table of correct rollouts alone, 0 for one with wrong
+        rollouts; for a table of a single token, whether that token's rollout is correct."""
+        if self._bounds is None:
+            return (self.b == 0).to(self.group32.dtype)
+        return self._bounds.wrong.bitwise_xor(1)
 
     @cached_property
     def group(self) -> torch.Tensor:
@@ -532,12 +585,12 @@ class KeyTokenTables:
 
     @cached_property
     def run(self) -> torch.Tensor:
-        return self.cells[4].long()
+        return self.runs.long()
 
     @cached_property
     def starts(self) -> torch.Tensor:
         if self._bounds is not None:
-            return self._bounds[:-1].long()
+            return self._bounds.table_token[:-1].long()
         return torch.cumsum(self.run, 0) - self.run
 
     @property
@@ -585,8 +638,7 @@ class KeyTokenTables:
         out = fresh((self.num_tokens,), values.dtype, values.device)
         k = self.sorted_at.numel()
         if values.device.type == "cpu" and values.numel():
-            run = self.run if self._cells is None else self._cells[4]
-            per_token = torch.from_numpy(np.repeat(values.numpy(), run.numpy()))
+            per_token = torch.from_numpy(np.repeat(values.numpy(), self.runs.numpy()))
         else:
             per_token = repeat_runs(values, self.starts, k)
         if k != self.num_tokens:
@@ -729,25 +781,19 @@ def tabulate(
     if k < 2**31:
         pair_bound, half_bound = pair_bound.int(), half_bound.int()
     first = table_bound[:-1]
-    m = first.numel()
-    table_pair = half_bound.index_select(0, table_bound)  # (M + 1,): pairs, then R
-    table_token = pair_bound.index_select(0, table_pair)  # (M + 1,): tokens, then K
-    wrong_pair = half_bound[1:].index_select(0, first)  # end of the first half, in pairs
-    wrong_token = pair_bound.index_select(0, wrong_pair)
-    wrong = half_key.index_select(0, first).bitwise_and_(1).bitwise_xor_(1)  # 1: a wrong half
-    # a, b, correct and wrong occurrences and the run, whole, in one block
-    cells = fresh((5, m), table_pair.dtype, key.device)
-    torch.sub(wrong_pair, table_pair[:-1], out=cells[1]).mul_(wrong)
-    torch.sub(table_pair[1:], table_pair[:-1], out=cells[0]).sub_(cells[1])
-    torch.sub(table_token[1:], table_token[:-1], out=cells[4])
-    torch.sub(wrong_token, table_token[:-1], out=cells[3]).mul_(wrong)
-    torch.sub(cells[4], cells[3], out=cells[2])
+    table_pair = half_bound.index_select(0, table_bound)
+    bounds = _TableBounds(
+        pair=pair_bound,
+        table_pair=table_pair,
+        table_token=pair_bound.index_select(0, table_pair),
+        first_end=half_bound[1:].index_select(0, first),
+        wrong=half_key.index_select(0, first).bitwise_and_(1).bitwise_xor_(1),
+    )
     return KeyTokenTables.compact(
         heads=table_key.index_select(0, first),
         vocab_bits=vocab_bits,
         vocab=vocab,
-        cells=cells,
-        bounds=table_token,
+        bounds=bounds,
         sorted_at=sorted_at,
         kept_at=kept_at,
         num_tokens=batch.num_tokens,
