@@ -553,7 +553,7 @@ class KeyTokenTables:
 
     @cached_property
     def group(self) -> torch.Tensor:
-        return self.group32.long()
+        return self.group32.long()  # (made from the heads when compact)
 
     @cached_property
     def token(self) -> torch.Tensor:
@@ -656,8 +656,8 @@ class KeyTokenTables:
         """int32 (N,): each token's table, M (one past the last) at tokens not tabulated. Many
         per-table values reach the tokens by one gather each (:func:`gather_tables`) instead of
         one :meth:`spread` each."""
-        m = self.group.numel()
-        return self.spread(torch.arange(m, dtype=torch.int32, device=self.group.device), m)
+        m = self.group32.numel()
+        return self.spread(torch.arange(m, dtype=torch.int32, device=self.group32.device), m)
 
 
 def gather_tables(
