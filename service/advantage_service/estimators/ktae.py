@@ -762,7 +762,7 @@ def tabulate(
     )
     if kept_at is not None:
         key = torch.index_select(key, 0, kept_at, out=scratch["kept_key"])
-    # (the order outlives the scratch, in the tables: a fresh array of its own)
+    # (the sorted positions outlive the scratch, in the tables: a fresh array of their own)
     sorted_at = fresh((k,), torch.int64, key.device)
     key, sorted_at = torch.sort(key, out=(scratch["sorted_key"], sorted_at))
     # Runs of equal keys are the (table, rollout) pairs, and the tokens are read once more only
