@@ -73,3 +73,37 @@ def test_ktae_statistics_are_listed_and_only_with_ktae() -> None:
 
     with pytest.raises(RequestError, match="ktae_p"):
         compute(request, device="cpu")
+
+
+@pytest.mark.parametrize(
+    "estimator",
+    [
+        "ktae",
+        {"outcome": "rloo", "ktae": {"tf": False, "scale": 2.0}},
+        {"ktae": {"correct_threshold": 0.5, "fisher_weight": 0.3, "tf_b": 1.0}},
+    ],
+    ids=["ktae", "tf_off_scaled", "threshold_weights"],
+)
+def test_ktae_score_alone_is_the_score_beside_its_statistics_bit_for_bit(estimator: Any) -> None:
+    """Without statistics the score is evaluated per table only for tables of several tokens
+    (a single token's once per group and side); with them, on every table. Same bits."""
+    from advantage_service import RolloutBatch, compute_batch
+
+    rng = np.random.default_rng(11)
+    for trial in range(30):
+        groups, size = int(rng.integers(1, 6)), int(rng.integers(1, 9))
+        lengths = rng.integers(0, 40, groups * size)
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        group_index = np.repeat(np.arange(groups), size)
+        batch = RolloutBatch.from_flat(
+            tokens=rng.integers(0, [6, 60, 2**31 - 1][trial % 3], offsets[-1]).astype(np.int32),
+            offsets=offsets,
+            group_ids=[f"p{g}" for g in range(groups)],
+            group_index=rng.permutation(group_index) if trial % 2 else group_index,
+            rewards=rng.choice([0.0, 0.25, 1.0], groups * size).astype(np.float32),
+        )
+        ignore = [int(rng.integers(0, 6))] if trial % 4 == 1 else None
+        alone = compute_batch(batch, estimator, ignore_token_ids=ignore)
+        beside = compute_batch(batch, estimator, diagnostics=RETURNS, ignore_token_ids=ignore)
+        assert alone.advantages.numpy().tobytes() == beside.advantages.numpy().tobytes()
+        assert len(beside.diagnostics["ktae_score"]) == batch.num_tokens

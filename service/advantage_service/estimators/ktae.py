@@ -7,13 +7,15 @@ The score kt(v) is added to every occurrence of v in the group.
 The reference loops over groups and distinct tokens with dense vocabulary-sized arrays. Here one
 sort of (group, token, rollout) keys over the whole batch yields every group's contingency tables
 at once: runs of equal (group, token) are the tables, and a change of rollout inside a run is one
-more rollout containing the token. Everything after the sort is elementwise or a segment sum.
+more rollout containing the token. After the sort, a table's counts are differences of the bounds
+of its runs, and its score is elementwise (computed per group for the tables of a single token).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -36,7 +38,7 @@ from .state import TermState, TermWrites, TokenCounts, WriteOptions
 
 # "p is 1" within float rounding: such a token carries no evidence, so its Fisher factor is 0.
 P_IS_ONE = 1.0 - 1e-6
-# Bits of the packed sort key: int64 without the sign bit (negative keys mark dropped tokens).
+# Bits of the packed sort key: int64 without the sign bit (keys sort as signed integers).
 KEY_BITS = 63
 # The reference's floor in the term-frequency ratio; it lets z reach ~1e5 (hence tanh, not exp).
 TF_FLOOR = 1e-5
@@ -270,6 +272,48 @@ def key_token_score(
     return x.add_(0.0)
 
 
+class AssociationGrid:
+    """:func:`association` of every possible whole-number table of some groups, to look tables
+    up in (:meth:`lookup`).
+
+    n_c, n_w: per-group float64 (G,) whole numbers. A group's tables all share its margins and
+    have cells of at most the group size, so the Fisher p-value, information gain and Cohen's h
+    are computed on the small grid of possible tables per distinct margin pair, once.
+    """
+
+    def __init__(self, n_c: torch.Tensor, n_w: torch.Tensor, params: Mapping[str, Any]) -> None:
+        p, margin_of_group, m1, m2 = margin_grid(n_c.long(), n_w.long())  # p: [margin, a+b, a]
+        _, k_count, x_count = p.shape
+        dev = p.device
+        a_grid = torch.arange(x_count, dtype=torch.float64, device=dev)[None, None, :]
+        k_grid = torch.arange(k_count, dtype=torch.float64, device=dev)[None, :, None]
+        b_grid = (k_grid - a_grid).clamp(min=0)
+        self.grid = association(
+            a_grid.expand_as(p),
+            b_grid.expand_as(p),
+            m1.double()[:, None, None].expand_as(p),
+            m2.double()[:, None, None].expand_as(p),
+            p,
+            params,
+        )
+        self.x_count = x_count
+        # (float64: a table's place is whole and far below 2^53, and float64 a and b are added
+        # to it in place, with no int64 copies of them)
+        self.group_base = (margin_of_group * (k_count * x_count)).double()
+
+    def lookup(
+        self, group: torch.Tensor, a: torch.Tensor, b: torch.Tensor, parts: bool = False
+    ) -> Association:
+        """The association of tables (``group``: int32 or int64 (M,); a, b: float64 (M,) whole
+        numbers); ``parts``: p, F and IG too (the statistics diagnostics: a few gathers from
+        the same grid, no second computation)."""
+        x_count = self.x_count
+        # The place (margin, a + b, a) of each table in the flat grid; int32 gathers faster.
+        at = self.group_base.index_select(0, group).add_(a, alpha=x_count + 1)
+        at = at.add_(b, alpha=x_count).int()
+        return self.grid.take(at, parts)
+
+
 def association_lookup(
     n_c: torch.Tensor,
     n_w: torch.Tensor,
@@ -279,30 +323,51 @@ def association_lookup(
     params: Mapping[str, Any],
     parts: bool = False,
 ) -> Association:
-    """:func:`association` for whole-number tables, evaluated once per possible table.
+    """:func:`association` for whole-number tables, evaluated once per possible table
+    (:class:`AssociationGrid`) and gathered, instead of once per (group, token).
 
-    n_c, n_w: per-group float64 (G,) whole numbers; group, a, b: per-table (M,). A group's tables
-    all share its margins and have cells of at most the group size, so the Fisher p-value,
-    information gain and Cohen's h are computed on the small grid of possible tables per distinct
-    margin pair and gathered, instead of once per (group, token). ``parts``: gather p, F and IG
-    too (the statistics diagnostics: a few gathers from the same grid, no second computation).
+    n_c, n_w: per-group float64 (G,) whole numbers; group, a, b: per-table (M,). ``parts``:
+    gather p, F and IG too.
     """
-    p, margin_of_group, m1, m2 = margin_grid(n_c.long(), n_w.long())  # p: [margin, a + b, a]
-    _, k_count, x_count = p.shape
-    dev = p.device
-    a_grid = torch.arange(x_count, dtype=torch.float64, device=dev)[None, None, :]
-    k_grid = torch.arange(k_count, dtype=torch.float64, device=dev)[None, :, None]
-    b_grid = (k_grid - a_grid).clamp(min=0)
-    grid = association(
-        a_grid.expand_as(p),
-        b_grid.expand_as(p),
-        m1.double()[:, None, None].expand_as(p),
-        m2.double()[:, None, None].expand_as(p),
-        p,
-        params,
-    )
-    at = (margin_of_group.index_select(0, group) * k_count + (a + b).long()) * x_count + a.long()
-    return grid.take(at, parts)
+    return AssociationGrid(n_c, n_w, params).lookup(group, a, b, parts)
+
+
+def table_scores(
+    tables: KeyTokenTables,
+    n_c: torch.Tensor,
+    n_w: torch.Tensor,
+    len_c: torch.Tensor,
+    len_w: torch.Tensor,
+    params: Mapping[str, Any],
+) -> torch.Tensor:
+    """float64 (M,): :func:`key_token_score` of every table (without history), as computed
+    over all of them, but per table only where it has more than one token.
+
+    A table of one token is (a, b, occ_c, occ_w) = (1, 0, 1, 0) or (0, 1, 0, 1): its score
+    depends on its group and that token's rollout being correct alone, and is computed once per
+    group for both (most tables of a Zipf batch: 87% of the training-sized one's). The same
+    elementwise operations on the same values give the same bits.
+    """
+    dev = tables.group32.device
+    groups = n_c.numel()
+    group = tables.group32
+    several = _nonzero(tables.runs > 1)
+    several_cells = tables.cells_at(several)
+    # The tables evaluated: each group's two single-token tables, (a, b, occ_c, occ_w) =
+    # (0, 1, 0, 1) (wrong) and (1, 0, 1, 0) (correct), then the tables of several tokens.
+    single = torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0]], dtype=several_cells.dtype, device=dev)
+    single_group = torch.arange(groups, dtype=group.dtype, device=dev).repeat_interleave(2)
+    g = torch.cat([single_group, group.index_select(0, several)])
+    evaluated_cells = torch.cat([single.repeat(1, groups), several_cells[:4]], 1)
+    a, b, occ_c, occ_w = evaluated_cells.double()
+    assoc = AssociationGrid(n_c, n_w, params).lookup(g, a, b)
+    tf = _tf(occ_c, occ_w, g, len_c, len_w, params)
+    evaluated = key_token_score(assoc.strength, assoc.h, tf, params["scale"])
+    # Every table takes its group's single-token score first (any place in range for a table
+    # of several tokens), then those are overwritten.
+    score = evaluated.index_select(0, tables.single_side().add_(group, alpha=2))
+    score.index_copy_(0, several, evaluated[2 * groups :])
+    return score
 
 
 def _tf(
@@ -356,26 +421,182 @@ def _association_with_prior(
 
 
 @dataclass
+class _TableBounds:
+    """Where each table's runs of sorted tokens start and end (int32 when they fit), from which
+    its counts are differences: ``pair`` (R + 1,): the first token of each (table, rollout) pair,
+    then K; per table, ``table_pair`` and ``table_token`` (M + 1,): its first pair and token,
+    then R and K, and (M,) ``first_end``: the end of its first half in pairs, and ``wrong``: 1
+    when that half is its wrong rollouts' (0: it has correct rollouts alone)."""
+
+    pair: torch.Tensor
+    table_pair: torch.Tensor
+    table_token: torch.Tensor
+    first_end: torch.Tensor
+    wrong: torch.Tensor
+
+    def cells(self, at: torch.Tensor | None = None) -> torch.Tensor:
+        """int (5, M): a, b, occ_c, occ_w and the run of each table (of the tables ``at``)."""
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t if at is None else t.index_select(0, at)
+
+        pair_lo, pair_hi = pick(self.table_pair[:-1]), pick(self.table_pair[1:])
+        token_lo, token_hi = pick(self.table_token[:-1]), pick(self.table_token[1:])
+        first_end, wrong = pick(self.first_end), pick(self.wrong)
+        cells = fresh((5, pair_lo.numel()), pair_lo.dtype, pair_lo.device)
+        torch.sub(first_end, pair_lo, out=cells[1]).mul_(wrong)
+        torch.sub(pair_hi, pair_lo, out=cells[0]).sub_(cells[1])
+        torch.sub(token_hi, token_lo, out=cells[4])
+        wrong_end = self.pair.index_select(0, first_end)
+        torch.sub(wrong_end, token_lo, out=cells[3]).mul_(wrong)
+        torch.sub(cells[4], cells[3], out=cells[2])
+        return cells
+
+
 class KeyTokenTables:
     """Contingency counts per (group, token id) present in the batch.
 
     ``group``/``token``: int64 (M,); float64 (M,): ``a``/``b`` correct/wrong rollouts containing
-    the token, ``occ_c``/``occ_w`` its occurrences in them. ``order`` (int64 (K,): the batch
-    position of each tabulated token, table by table) and ``run`` (tokens per table) map
-    per-table values back to token positions (:meth:`spread`); K < N when some tokens were
-    left out (groups without contrast, ignored ids).
+    the token, ``occ_c``/``occ_w`` its occurrences in them. ``sorted_at`` (int64 (K,): the
+    position of each tabulated token among them, table by table), ``kept_at`` (int64 (K,): the
+    batch positions of the tabulated tokens, ascending; None: ``sorted_at`` holds batch
+    positions) and ``run`` (int64 (M,): tokens per table) map per-table values back to token
+    positions (:meth:`spread`, :attr:`order`); K < N when some tokens were left out (groups
+    without contrast, ignored ids). ``starts``: int64 (M,), the first sorted position of each
+    table.
+
+    :func:`tabulate` gives them compact (int32 keys and run bounds, :meth:`compact`): the int64
+    and float64 fields are made when first read, since a score without history or statistics
+    reads few of them (:func:`table_scores` reads ``group32``, ``runs``, :meth:`single_side`
+    and the counts of a few tables, :meth:`cells_at`).
     """
 
-    group: torch.Tensor
-    token: torch.Tensor
-    a: torch.Tensor
-    b: torch.Tensor
-    occ_c: torch.Tensor
-    occ_w: torch.Tensor
-    order: torch.Tensor
-    run: torch.Tensor
-    num_tokens: int
-    starts: torch.Tensor | None = None  # int64 (M,): first sorted position of each table
+    def __init__(
+        self,
+        group: torch.Tensor,
+        token: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        occ_c: torch.Tensor,
+        occ_w: torch.Tensor,
+        sorted_at: torch.Tensor,
+        run: torch.Tensor,
+        num_tokens: int,
+        starts: torch.Tensor | None = None,
+        kept_at: torch.Tensor | None = None,
+    ) -> None:
+        # (the cached properties' values, given)
+        self.__dict__.update(group=group, token=token, a=a, b=b, occ_c=occ_c, occ_w=occ_w, run=run)
+        if starts is not None:
+            self.__dict__["starts"] = starts
+        self.sorted_at, self.num_tokens, self.kept_at = sorted_at, num_tokens, kept_at
+        self._heads: torch.Tensor | None = None
+        self._vocab: torch.Tensor | None = None
+        self._vocab_bits = 0
+        self._bounds: _TableBounds | None = None
+
+    @classmethod
+    def compact(
+        cls,
+        heads: torch.Tensor,
+        vocab_bits: int,
+        vocab: torch.Tensor | None,
+        bounds: _TableBounds,
+        sorted_at: torch.Tensor,
+        kept_at: torch.Tensor | None,
+        num_tokens: int,
+    ) -> KeyTokenTables:
+        """Tables from ``heads`` (M,) group << vocab_bits | token (the index into ``vocab``
+        when given) and the bounds of their runs."""
+        tables = cls.__new__(cls)
+        tables.sorted_at, tables.num_tokens, tables.kept_at = sorted_at, num_tokens, kept_at
+        tables._heads, tables._vocab, tables._vocab_bits = heads, vocab, vocab_bits
+        tables._bounds = bounds
+        return tables
+
+    @cached_property
+    def group32(self) -> torch.Tensor:
+        """int32 (M,): ``group``, as gathers index fastest."""
+        if self._heads is None:
+            return self.group.int()
+        return (self._heads >> self._vocab_bits).int()
+
+    @cached_property
+    def cells(self) -> torch.Tensor:
+        """int (5, M): a, b, occ_c, occ_w and the run of each table, whole."""
+        if self._bounds is not None:
+            return self._bounds.cells()
+        return torch.stack(
+            [self.a.long(), self.b.long(), self.occ_c.long(), self.occ_w.long(), self.run]
+        )
+
+    def cells_at(self, at: torch.Tensor) -> torch.Tensor:
+        """int (5, len(at)): :attr:`cells` of the tables ``at``."""
+        if self._bounds is not None and "cells" not in self.__dict__:
+            return self._bounds.cells(at)
+        return self.cells.index_select(1, at)
+
+    @cached_property
+    def runs(self) -> torch.Tensor:
+        """int (M,): ``run``, int32 when the tables are compact."""
+        if self._bounds is None:
+            return self.run
+        token = self._bounds.table_token
+        return token[1:] - token[:-1]
+
+    def single_side(self) -> torch.Tensor:
+        """int (M,), fresh: 1 for a table of correct rollouts alone, 0 for one with wrong
+        rollouts; for a table of a single token, whether that token's rollout is correct."""
+        if self._bounds is None:
+            return (self.b == 0).to(self.group32.dtype)
+        return self._bounds.wrong.bitwise_xor(1)
+
+    @cached_property
+    def group(self) -> torch.Tensor:
+        return self.group32.long()  # (made from the heads when compact)
+
+    @cached_property
+    def token(self) -> torch.Tensor:
+        assert self._heads is not None
+        token = (self._heads & ((1 << self._vocab_bits) - 1)).long()
+        return token if self._vocab is None else self._vocab[token]
+
+    @cached_property
+    def _counts(self) -> torch.Tensor:
+        """float64 (4, M): a, b, occ_c, occ_w, in one fresh block."""
+        counts = self.cells[:4]
+        return fresh(tuple(counts.shape), torch.float64, counts.device).copy_(counts)
+
+    @cached_property
+    def a(self) -> torch.Tensor:
+        return self._counts[0]
+
+    @cached_property
+    def b(self) -> torch.Tensor:
+        return self._counts[1]
+
+    @cached_property
+    def occ_c(self) -> torch.Tensor:
+        return self._counts[2]
+
+    @cached_property
+    def occ_w(self) -> torch.Tensor:
+        return self._counts[3]
+
+    @cached_property
+    def run(self) -> torch.Tensor:
+        return self.runs.long()
+
+    @cached_property
+    def starts(self) -> torch.Tensor:
+        if self._bounds is not None:
+            return self._bounds.table_token[:-1].long()
+        return torch.cumsum(self.run, 0) - self.run
+
+    @property
+    def order(self) -> torch.Tensor:
+        """int64 (K,): the batch position of each tabulated token, table by table."""
+        return self.sorted_at if self.kept_at is None else self.kept_at[self.sorted_at]
 
     @classmethod
     def empty(cls, num_tokens: int, device: torch.device) -> KeyTokenTables:
@@ -394,7 +615,7 @@ class KeyTokenTables:
         """The tables of the groups of ``span`` (one request of a merged batch), renumbered
         from 0 and mapping to that request's tokens: what tabulating it alone gives."""
         m_lo, m_hi = self.table_range(span)
-        starts = self._starts()
+        starts = self.starts
         s_lo = int(starts[m_lo]) if m_hi > m_lo else 0
         s_hi = s_lo + int(self.run[m_lo:m_hi].sum())
         return KeyTokenTables(
@@ -405,31 +626,38 @@ class KeyTokenTables:
             occ_c=self.occ_c[m_lo:m_hi],
             occ_w=self.occ_w[m_lo:m_hi],
             # (a request's tables hold its own tokens only)
-            order=self.order[s_lo:s_hi] - span.token_lo,
+            sorted_at=self.order[s_lo:s_hi] - span.token_lo,
             run=self.run[m_lo:m_hi],
             num_tokens=span.token_hi - span.token_lo,
             starts=starts[m_lo:m_hi] - s_lo,
         )
 
-    def _starts(self) -> torch.Tensor:
-        return self.starts if self.starts is not None else torch.cumsum(self.run, 0) - self.run
-
     def spread(self, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """Per-table ``values`` (M,) -> per-token (N,), ``fill`` at tokens that were not
         tabulated."""
         out = fresh((self.num_tokens,), values.dtype, values.device)
-        if self.order.numel() != self.num_tokens:
+        k = self.sorted_at.numel()
+        if values.device.type == "cpu" and values.numel():
+            per_token = torch.from_numpy(np.repeat(values.numpy(), self.runs.numpy()))
+        else:
+            per_token = repeat_runs(values, self.starts, k)
+        if k != self.num_tokens:
             out.fill_(fill)
-        # (scatter_: ~3x faster than out[order] = ... on CPU; with the batch positions in
-        # order, one scatter places every tabulated token, a masked second pass none)
-        return out.scatter_(0, self.order, repeat_runs(values, self._starts(), self.order.numel()))
+        # (scatter_: ~3x faster than out[order] = ... on CPU)
+        if self.kept_at is None:
+            return out.scatter_(0, self.sorted_at, per_token)
+        # Placed among the tabulated tokens first, then at their batch positions in ascending
+        # order: two scatters, cheaper than the batch position of each sorted token (a random
+        # gather of int64 over the tabulated tokens).
+        tabulated = fresh((k,), values.dtype, values.device).scatter_(0, self.sorted_at, per_token)
+        return out.scatter_(0, self.kept_at, tabulated)
 
     def table_of_token(self) -> torch.Tensor:
         """int32 (N,): each token's table, M (one past the last) at tokens not tabulated. Many
         per-table values reach the tokens by one gather each (:func:`gather_tables`) instead of
         one :meth:`spread` each."""
-        m = self.group.numel()
-        return self.spread(torch.arange(m, dtype=torch.int32, device=self.group.device), m)
+        m = self.group32.numel()
+        return self.spread(torch.arange(m, dtype=torch.int32, device=self.group32.device), m)
 
 
 def gather_tables(
@@ -450,19 +678,17 @@ def _nonzero(flags: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(flags).squeeze(1)
 
 
-def _compress(values: torch.Tensor, keep: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``values[keep]`` (keep: bool, values' shape) into ``out``."""
-    if values.device.type == "cpu":  # (numpy's: several times torch's on the CPU)
-        np.compress(keep.numpy(), values.numpy(), out=out.numpy())
-        return out
-    return out.copy_(values[keep])
-
-
-def _changes(values: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """bool (K,) into ``out``: True where ``values`` (sorted) starts a new run of equal values."""
+def _run_bounds(values: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 (runs + 1,): the first position of each run of equal ``values`` (sorted, (n,)),
+    then n. ``out``: bool (n + 1,) scratch for the run starts' flags (fresh when None)."""
+    n = values.numel()
+    if out is None:
+        out = torch.empty(n + 1, dtype=torch.bool, device=values.device)
     out[:1] = True
-    torch.ne(values[1:], values[:-1], out=out[1:])
-    return out
+    torch.ne(values[1:], values[:-1], out=out[1:n])
+    # (the end as one more flag: the bounds come out of one nonzero, with no copy to extend them)
+    out[n] = True
+    return _nonzero(out)
 
 
 class _Scratch:
@@ -482,32 +708,6 @@ class _Scratch:
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._arrays[name]
-
-
-def _positions(kept_at: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """``kept_at[order]``: the batch positions of the sorted kept tokens (int64)."""
-    if order.device.type == "cpu":
-        # In place over ``order`` (numpy's take without its buffer: each index is read before
-        # its slot is written), no fresh array.
-        out = order.numpy()
-        np.take(kept_at.numpy(), out, out=out, mode="clip")
-        return order
-    return kept_at.index_select(0, order)
-
-
-def _segment_sums(flags: Sequence[torch.Tensor], bounds: torch.Tensor, size: int) -> torch.Tensor:
-    """int32 (4, M): rows 0-2 the sums of each of ``flags`` (three (K,)) over each run
-    [bounds[i], bounds[i + 1]) of the sorted positions (differences of one cumulative sum at
-    the run bounds), row 3 left for the caller; one fresh block for the sums."""
-    total = fresh((len(flags), size + 1), torch.int32, bounds.device)
-    total[:, :1] = 0
-    for row, values in zip(total, flags, strict=True):
-        torch.cumsum(values, 0, dtype=torch.int32, out=row[1:])
-    at_bounds = fresh((len(flags), bounds.numel()), torch.int32, bounds.device)
-    torch.index_select(total, 1, bounds, out=at_bounds)
-    out = fresh((4, bounds.numel() - 1), torch.int32, bounds.device)
-    torch.sub(at_bounds[:, 1:], at_bounds[:, :-1], out=out[:3])
-    return out
 
 
 def tabulate(
@@ -533,7 +733,7 @@ def tabulate(
         vocab, tokens = torch.unique(tokens.long(), return_inverse=True)
         vocab_bits = max(1, (vocab.numel() - 1).bit_length())
     # int32 keys when they fit (a training batch's do): they sort faster and halve the memory
-    # every pass below moves. The sign bit stays free: negative keys mark dropped tokens.
+    # every pass below moves.
     key_dtype = torch.int32 if group_bits + vocab_bits + 1 + rank_bits <= 31 else torch.int64
     low_bits = 1 + rank_bits
     prefix = (
@@ -541,72 +741,62 @@ def tabulate(
         | (correct.long() << rank_bits)
         | batch.rank_in_group
     ).to(key_dtype)
-    if drop is not None:
-        prefix = prefix.masked_fill(drop, -1)
     key = batch.per_token(prefix)
-    keep = key >= 0 if drop is not None else None
+    # (the kept rollouts' flags repeated: a pass over bytes, not over the keys)
+    keep = batch.per_token(~drop) if drop is not None else None
     if ignore is not None and ignore.numel():
         not_ignored = ~torch.isin(batch.tokens, ignore.to(batch.tokens.dtype))
         keep = not_ignored if keep is None else keep & not_ignored
     # The token ids' bits are 0 in the prefix, so adding them is or-ing them, in one pass and no
-    # temporary (a multiply, not <<: the shift has no vectorised CPU kernel). A dropped token's
-    # key leaves the sign it was marked with here, but it is left out below by ``keep``.
+    # temporary (a multiply, not <<: the shift has no vectorised CPU kernel).
     key.add_(tokens if tokens.dtype == key_dtype else tokens.to(key_dtype), alpha=1 << low_bits)
     kept_at = None if keep is None else _nonzero(keep)
     k = key.numel() if kept_at is None else kept_at.numel()
-    # Every array of the sorted tokens below in one fresh block (huge pages on the CPU): a dozen
-    # fresh arrays would cost more in page faults than the passes that fill them.
+    # The arrays of the sorted tokens in one fresh block (huge pages on the CPU): fresh arrays
+    # would cost more in page faults than the passes that fill them.
     scratch = _Scratch(
         key.device,
         sorted_key=(k, key_dtype),
         kept_key=(k if kept_at is not None else 0, key_dtype),
-        is_correct=(k, key_dtype),
-        new_rollout=(k, torch.bool),
-        new_table=(k, torch.bool),
-        correct_flag=(k, torch.bool),
-        new_correct_rollout=(k, torch.bool),
+        new_pair=(k + 1, torch.bool),
     )
-    if keep is not None:
-        key = _compress(key, keep, scratch["kept_key"])
-    # (the order outlives the scratch, in the tables: a fresh array of its own)
-    order = fresh((k,), torch.int64, key.device)
-    sorted_key, order = torch.sort(key, out=(scratch["sorted_key"], order))
-    key = sorted_key
-    if kept_at is not None:  # (order: positions in the batch, not among the kept tokens)
-        order = _positions(kept_at, order)
-    new_rollout = _changes(key, scratch["new_rollout"])
-    # (in place: the keys are the tables' now)
-    table_key = key.bitwise_right_shift_(rank_bits)
-    is_correct = torch.bitwise_and(table_key, 1, out=scratch["is_correct"])
-    table_key >>= 1
-    new_table = _changes(table_key, scratch["new_table"])
-    # Run bounds: each table's first sorted position, then the end.
-    first = _nonzero(new_table)
-    bounds = torch.cat([first, first.new_full((1,), key.numel())])
-    starts = bounds[:-1]
-    run = bounds[1:] - starts
-    # a, present rollouts and correct occurrences per table: segment sums of three flags, made
-    # whole (int32) in one block, then b and the wrong occurrences from them, and float64 once.
-    correct = torch.ne(is_correct, 0, out=scratch["correct_flag"])
-    new_correct = torch.bitwise_and(new_rollout, correct, out=scratch["new_correct_rollout"])
-    counts = _segment_sums((new_correct, new_rollout, is_correct), bounds, key.numel())
-    counts[1].sub_(counts[0])  # present -> b
-    counts[3] = run
-    counts[3].sub_(counts[2])  # run -> wrong occurrences
-    a, b, occ_c, occ_w = fresh(tuple(counts.shape), torch.float64, key.device).copy_(counts)
-    heads = table_key.index_select(0, starts).long()
-    token = heads & ((1 << vocab_bits) - 1)
-    return KeyTokenTables(
-        group=heads >> vocab_bits,
-        token=token if vocab is None else vocab[token],
-        a=a,
-        b=b,
-        occ_c=occ_c,
-        occ_w=occ_w,
-        order=order,
-        run=run,
+    if kept_at is not None:
+        key = torch.index_select(key, 0, kept_at, out=scratch["kept_key"])
+    # (the sorted positions outlive the scratch, in the tables: a fresh array of their own)
+    sorted_at = fresh((k,), torch.int64, key.device)
+    key, sorted_at = torch.sort(key, out=(scratch["sorted_key"], sorted_at))
+    # Runs of equal keys are the (table, rollout) pairs, and the tokens are read once more only
+    # for where the pairs start: the rest works on the pairs' keys, then on the halves of the
+    # tables (group | token | correct), then on the tables, each a fraction of the tokens. A
+    # table's counts are differences of the bounds of its runs at each level.
+    pair_bound = _run_bounds(key, scratch["new_pair"])  # (R + 1,): tokens, then K
+    half = key.index_select(0, pair_bound[:-1]).bitwise_right_shift_(rank_bits)
+    half_bound = _run_bounds(half)  # (S + 1,): pairs, then R
+    half_key = half.index_select(0, half_bound[:-1])
+    table_key = half_key >> 1
+    table_bound = _run_bounds(table_key)  # (M + 1,): halves, then S
+    # A table's first half holds its wrong rollouts unless its correct bit is set (then it is
+    # the only half). Bounds as int32 when they fit: torch's int64 arithmetic is several times
+    # slower on the CPU, and every table's count is a few differences of them.
+    if k < 2**31:
+        pair_bound, half_bound = pair_bound.int(), half_bound.int()
+    first = table_bound[:-1]
+    table_pair = half_bound.index_select(0, table_bound)
+    bounds = _TableBounds(
+        pair=pair_bound,
+        table_pair=table_pair,
+        table_token=pair_bound.index_select(0, table_pair),
+        first_end=half_bound[1:].index_select(0, first),
+        wrong=half_key.index_select(0, first).bitwise_and_(1).bitwise_xor_(1),
+    )
+    return KeyTokenTables.compact(
+        heads=table_key.index_select(0, first),
+        vocab_bits=vocab_bits,
+        vocab=vocab,
+        bounds=bounds,
+        sorted_at=sorted_at,
+        kept_at=kept_at,
         num_tokens=batch.num_tokens,
-        starts=starts,
     )
 
 
@@ -761,7 +951,7 @@ def _counts(tables: KeyTokenTables, params: Mapping[str, Any]) -> TokenCounts | 
     every token of the batch and split the rollouts as the statistics do (reward > 0): per
     token id, the sums of its tables' counts over the groups. None otherwise (groups left out
     without contrast, ignored ids, another threshold): the engine counts them itself."""
-    if tables.order.numel() != tables.num_tokens or params["correct_threshold"] != 0.0:
+    if tables.sorted_at.numel() != tables.num_tokens or params["correct_threshold"] != 0.0:
         return None
     token = tables.token.cpu().numpy()
     columns = (tables.a, tables.b, tables.run)
@@ -860,40 +1050,44 @@ def ktae(batch: RolloutBatch, params: Mapping[str, Any], ctx: TermContext) -> Te
     stats = any(name in wanted for name in STATISTICS)
     # A history read still in flight has had the tabulation's time to arrive.
     prior: HistoryPrior | None = None if ctx.read is None else ctx.read.result()
-    g = tables.group
-    tf: torch.Tensor | None
     stored_rows = None
-    if prior is None:
-        assoc = association_lookup(n_c, n_w, g, tables.a, tables.b, params, parts=stats)
-        counts = (tables.a, tables.b)
-        tf = _tf(tables.occ_c, tables.occ_w, g, len_c, len_w, params)
+    tf: torch.Tensor | None = None
+    if prior is None and not stats:
+        # (the score alone: per table only where it needs to be, :func:`table_scores`)
+        score = table_scores(tables, n_c, n_w, len_c, len_w, params)
     else:
-        n_c, n_w, len_c, len_w = (
-            n_c + prior.n_c,
-            n_w + prior.n_w,
-            len_c + prior.len_c,
-            len_w + prior.len_w,
-        )
-        contrast = (n_c > 0) & (n_w > 0)
-        merged, stored_rows = _merged_counts(tables, prior)
-        assoc = _association_with_prior(merged, g, n_c, n_w, params)
-        counts = (merged[:, 0], merged[:, 1])
-        occ_c, occ_w = merged[:, 2].contiguous(), merged[:, 3].contiguous()
-        tf = _tf(occ_c, occ_w, g, len_c, len_w, params)
-    score = key_token_score(assoc.strength, assoc.h, tf, params["scale"])
+        g = tables.group
+        if prior is None:
+            assoc = association_lookup(n_c, n_w, g, tables.a, tables.b, params, parts=stats)
+            counts = (tables.a, tables.b)
+            tf = _tf(tables.occ_c, tables.occ_w, g, len_c, len_w, params)
+        else:
+            n_c, n_w, len_c, len_w = (
+                n_c + prior.n_c,
+                n_w + prior.n_w,
+                len_c + prior.len_c,
+                len_w + prior.len_w,
+            )
+            contrast = (n_c > 0) & (n_w > 0)
+            merged, stored_rows = _merged_counts(tables, prior)
+            assoc = _association_with_prior(merged, g, n_c, n_w, params)
+            counts = (merged[:, 0], merged[:, 1])
+            occ_c, occ_w = merged[:, 2].contiguous(), merged[:, 3].contiguous()
+            tf = _tf(occ_c, occ_w, g, len_c, len_w, params)
+        score = key_token_score(assoc.strength, assoc.h, tf, params["scale"])
     # The score reaches the tokens by one spread; when statistics are asked for too, each token's
     # table is found once and every per-table value (the score among them) is one gather.
     table = tables.table_of_token() if stats else None
     bonus = tables.spread(score.float()) if table is None else gather_tables(score.float(), table)
-    merged_totals = torch.stack([n_c, n_w, len_c, len_w], dim=1)
+    diagnostics = {"ktae_score": bonus}
+    if stats:
+        merged_totals = torch.stack([n_c, n_w, len_c, len_w], dim=1)
+        diagnostics.update(
+            statistics_diagnostics(batch, tables, table, merged_totals, assoc, counts, tf, wanted)
+        )
     return TermOutput(
         bonus=bonus,
-        diagnostics={
-            "ktae_score": bonus,
-            **statistics_diagnostics(
-                batch, tables, table, merged_totals, assoc, counts, tf, wanted
-            ),
-        },
+        diagnostics=diagnostics,
         state=KtaeState(tables, score, contrast, totals, stored_rows),
     )
 
@@ -902,12 +1096,14 @@ __all__ = [
     "PARAMS",
     "STATE",
     "STATISTICS",
+    "AssociationGrid",
     "KeyTokenTables",
     "KtaeState",
     "association",
     "association_lookup",
     "key_token_score",
     "ktae",
+    "table_scores",
     "tabulate",
     "tf_contrast",
 ]
