@@ -107,3 +107,95 @@ def test_ktae_score_alone_is_the_score_beside_its_statistics_bit_for_bit(estimat
         beside = compute_batch(batch, estimator, diagnostics=RETURNS, ignore_token_ids=ignore)
         assert alone.advantages.numpy().tobytes() == beside.advantages.numpy().tobytes()
         assert len(beside.diagnostics["ktae_score"]) == batch.num_tokens
+
+
+def every_table_statistics(
+    batch: Any, params: dict[str, Any], ignore: list[int] | None
+) -> dict[str, np.ndarray]:
+    """The score and statistics per token with every table evaluated on its own (the grid
+    lookup, tf contrast and score over all tables) and gathered to its tokens by its table."""
+    import torch
+    from advantage_service.estimators.ktae import (
+        association_lookup,
+        gather_tables,
+        key_token_score,
+        tabulate,
+        tf_contrast,
+    )
+
+    correct = batch.rewards > params["correct_threshold"]
+    g = batch.group_index
+    n_c = torch.zeros(batch.num_groups, dtype=torch.float64).index_add_(0, g, correct.double())
+    n_w = batch.group_sizes.double() - n_c
+    lengths = batch.lengths.double()
+    len_c = torch.zeros_like(n_c).index_add_(0, g, lengths * correct)
+    len_w = torch.zeros_like(n_c).index_add_(0, g, lengths) - len_c
+    contrast = (n_c > 0) & (n_w > 0)
+    drop = None if bool(contrast.all()) else ~contrast[g]
+    ignore_ids = None if ignore is None else torch.tensor(ignore)
+    tables = tabulate(batch, correct, drop, ignore_ids)
+    group = tables.group
+    assoc = association_lookup(n_c, n_w, group, tables.a, tables.b, params, parts=True)
+    tf = None
+    if params["tf"]:
+        tf = tf_contrast(
+            tables.occ_c, tables.occ_w, group, len_c, len_w, params["tf_k1"], params["tf_b"]
+        )
+    score = key_token_score(assoc.strength, assoc.h, tf, params["scale"])
+    table = tables.table_of_token()
+    zero = torch.zeros_like(score)
+    per_table = {
+        "ktae_score": score,
+        "ktae_a": tables.a,
+        "ktae_b": tables.b,
+        "ktae_p": assoc.p,
+        "ktae_fisher": assoc.fisher,
+        "ktae_ig": assoc.ig,
+        "ktae_h": assoc.h,
+        "ktae_tf": zero if tf is None else tf,
+    }
+    out = {
+        name: gather_tables(values.float(), table, 1.0 if name == "ktae_p" else 0.0).numpy()
+        for name, values in per_table.items()
+    }
+    for name, column in (("ktae_n_correct", n_c), ("ktae_n_wrong", n_w)):
+        out[name] = column.float()[batch.per_token(g)].numpy()
+    return out
+
+
+@pytest.mark.parametrize(
+    "estimator",
+    [
+        "ktae",
+        {"outcome": "rloo", "ktae": {"tf": False, "scale": 2.0}},
+        {"ktae": {"correct_threshold": 0.5, "fisher_weight": 0.3, "tf_b": 1.0}},
+    ],
+    ids=["ktae", "tf_off_scaled", "threshold_weights"],
+)
+def test_ktae_statistics_are_every_tables_own_bit_for_bit(estimator: Any) -> None:
+    """With statistics, a table of one token takes the values computed once for its group and
+    side, and only tables of several tokens are evaluated on their own; evaluating every table
+    on its own gives every token the same bits, score and statistics alike."""
+    from advantage_service import RolloutBatch, compute_batch
+
+    params = resolve_estimator(estimator)["ktae"]
+    rng = np.random.default_rng(23)
+    for trial in range(30):
+        groups, size = int(rng.integers(1, 6)), int(rng.integers(1, 9))
+        lengths = rng.integers(0, 40, groups * size)
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        group_index = np.repeat(np.arange(groups), size)
+        batch = RolloutBatch.from_flat(
+            tokens=rng.integers(0, [6, 60, 2**31 - 1][trial % 3], offsets[-1]).astype(np.int32),
+            offsets=offsets,
+            group_ids=[f"p{g}" for g in range(groups)],
+            group_index=rng.permutation(group_index) if trial % 2 else group_index,
+            rewards=rng.choice([0.0, 0.25, 1.0], groups * size).astype(np.float32),
+        )
+        ignore = [int(rng.integers(0, 6))] if trial % 4 == 1 else None
+        got = compute_batch(batch, estimator, diagnostics=RETURNS, ignore_token_ids=ignore)
+        want = every_table_statistics(batch, params, ignore)
+        for name in RETURNS:
+            row = got.diagnostics[name]
+            assert row.dtype.itemsize == 4 and row.is_contiguous(), name
+            assert row.numpy().tobytes() == want[name].tobytes(), (trial, name)

@@ -332,6 +332,79 @@ def association_lookup(
     return AssociationGrid(n_c, n_w, params).lookup(group, a, b, parts)
 
 
+@dataclass
+class EvaluatedTables:
+    """The tables whose association, tf contrast and score are computed ("entries", E of
+    them), and which entry holds each table's values.
+
+    ``group``: int (E,); ``a``, ``b``: float64 (E,) counts (with history the merged ones);
+    ``assoc``: their :class:`Association` (with p, F and IG when the statistics were asked
+    for); ``tf``: float64 (E,), None with tf off; ``score``: float64 (E,)
+    (:func:`key_token_score`); ``entry``: int32 (M,), each table's entry, None when the
+    entries are the tables.
+    """
+
+    group: torch.Tensor
+    a: torch.Tensor
+    b: torch.Tensor
+    assoc: Association
+    tf: torch.Tensor | None
+    score: torch.Tensor
+    entry: torch.Tensor | None = None
+
+    def per_table(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-entry ``values`` (E,) -> per table (M,)."""
+        return values if self.entry is None else values.index_select(0, self.entry)
+
+    def entry_of_token(self, tables: KeyTokenTables) -> torch.Tensor:
+        """int32 (N,): each token's entry, E (one past the last) at tokens not tabulated: the
+        per-entry values reach the tokens by one gather each (:func:`gather_tables`)."""
+        if self.entry is None:
+            return tables.table_of_token()
+        return tables.spread(self.entry, fill=self.group.numel())
+
+
+def evaluate_tables(
+    tables: KeyTokenTables,
+    n_c: torch.Tensor,
+    n_w: torch.Tensor,
+    len_c: torch.Tensor,
+    len_w: torch.Tensor,
+    params: Mapping[str, Any],
+    parts: bool = False,
+) -> EvaluatedTables:
+    """:func:`key_token_score` of every table (without history), as computed over all of them,
+    but per table only where it has more than one token (``parts``: with the association's
+    p, F and IG, for the statistics diagnostics).
+
+    A table of one token is (a, b, occ_c, occ_w) = (1, 0, 1, 0) or (0, 1, 0, 1): its values
+    depend on its group and that token's rollout being correct alone, and are computed once per
+    group for both (most tables of a Zipf batch: 87% of the training-sized one's). The same
+    elementwise operations on the same values give the same bits. Entries 2g and 2g + 1 are
+    group g's single-token tables (wrong, correct), then come the tables of several tokens.
+    """
+    dev = tables.group32.device
+    groups = n_c.numel()
+    group = tables.group32
+    several = _nonzero(tables.runs > 1)
+    several_cells = tables.cells_at(several)
+    # (a, b, occ_c, occ_w) of the single-token tables: (0, 1, 0, 1) and (1, 0, 1, 0)
+    single = torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0]], dtype=several_cells.dtype, device=dev)
+    single_group = torch.arange(groups, dtype=group.dtype, device=dev).repeat_interleave(2)
+    g = torch.cat([single_group, group.index_select(0, several)])
+    evaluated_cells = torch.cat([single.repeat(1, groups), several_cells[:4]], 1)
+    a, b, occ_c, occ_w = evaluated_cells.double()
+    assoc = AssociationGrid(n_c, n_w, params).lookup(g, a, b, parts)
+    tf = _tf(occ_c, occ_w, g, len_c, len_w, params)
+    score = key_token_score(assoc.strength, assoc.h, tf, params["scale"])
+    # Every table takes its group's single-token entry first (any entry in range for a table
+    # of several tokens), then those of several tokens are overwritten.
+    entry = tables.single_side().add_(group, alpha=2).int()
+    first_several = torch.arange(2 * groups, g.numel(), dtype=torch.int32, device=dev)
+    entry.index_copy_(0, several, first_several)
+    return EvaluatedTables(g, a, b, assoc, tf, score, entry)
+
+
 def table_scores(
     tables: KeyTokenTables,
     n_c: torch.Tensor,
@@ -340,34 +413,10 @@ def table_scores(
     len_w: torch.Tensor,
     params: Mapping[str, Any],
 ) -> torch.Tensor:
-    """float64 (M,): :func:`key_token_score` of every table (without history), as computed
-    over all of them, but per table only where it has more than one token.
-
-    A table of one token is (a, b, occ_c, occ_w) = (1, 0, 1, 0) or (0, 1, 0, 1): its score
-    depends on its group and that token's rollout being correct alone, and is computed once per
-    group for both (most tables of a Zipf batch: 87% of the training-sized one's). The same
-    elementwise operations on the same values give the same bits.
-    """
-    dev = tables.group32.device
-    groups = n_c.numel()
-    group = tables.group32
-    several = _nonzero(tables.runs > 1)
-    several_cells = tables.cells_at(several)
-    # The tables evaluated: each group's two single-token tables, (a, b, occ_c, occ_w) =
-    # (0, 1, 0, 1) (wrong) and (1, 0, 1, 0) (correct), then the tables of several tokens.
-    single = torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0]], dtype=several_cells.dtype, device=dev)
-    single_group = torch.arange(groups, dtype=group.dtype, device=dev).repeat_interleave(2)
-    g = torch.cat([single_group, group.index_select(0, several)])
-    evaluated_cells = torch.cat([single.repeat(1, groups), several_cells[:4]], 1)
-    a, b, occ_c, occ_w = evaluated_cells.double()
-    assoc = AssociationGrid(n_c, n_w, params).lookup(g, a, b)
-    tf = _tf(occ_c, occ_w, g, len_c, len_w, params)
-    evaluated = key_token_score(assoc.strength, assoc.h, tf, params["scale"])
-    # Every table takes its group's single-token score first (any place in range for a table
-    # of several tokens), then those are overwritten.
-    score = evaluated.index_select(0, tables.single_side().add_(group, alpha=2))
-    score.index_copy_(0, several, evaluated[2 * groups :])
-    return score
+    """float64 (M,): :func:`key_token_score` of every table (without history), evaluated per
+    table only where it has more than one token (:func:`evaluate_tables`)."""
+    evaluated = evaluate_tables(tables, n_c, n_w, len_c, len_w, params)
+    return evaluated.per_table(evaluated.score)
 
 
 def _tf(
@@ -803,7 +852,7 @@ def tabulate(
 # ---- the per-token statistics diagnostics (why a token got its score: the viewer's table) --------
 
 # Per token, the statistics of its (group, token id) table; a request asks for any of them in
-# `return`. Computed only when asked for (they cost a few more passes over the tables).
+# `return`. Computed only when asked for (each costs a pass over the tokens: one gather).
 STATISTICS = (
     "ktae_a",  # correct rollouts containing the token
     "ktae_b",  # wrong rollouts containing it
@@ -815,69 +864,68 @@ STATISTICS = (
     "ktae_h",  # Cohen's h
     "ktae_tf",  # the term-frequency contrast (0 with tf off)
 )
+# Those of them that are per group, not per table: repeated per rollout, no table read.
+GROUP_STATISTICS = ("ktae_n_correct", "ktae_n_wrong")
 
 
 def statistics_diagnostics(
     batch: RolloutBatch,
-    tables: KeyTokenTables,
-    table: torch.Tensor | None,
+    evaluated: EvaluatedTables,
+    entry_of_token: torch.Tensor | None,
     totals: torch.Tensor,
-    parts: Association | None,
-    counts: tuple[torch.Tensor, torch.Tensor],
-    tf: torch.Tensor | None,
     wanted: frozenset[str],
 ) -> dict[str, torch.Tensor]:
     """The per-token (N,) float32 statistics of :data:`STATISTICS` in ``wanted``, from what
-    the score was computed with: ``parts`` (its :class:`Association` with p, F and IG),
-    ``counts`` (a, b per table, with history the merged ones), ``tf`` (per table; None with tf
-    off) and ``totals`` float64 (G, 4) n_c, n_w, len_c, len_w (with history the merged ones).
-    ``table``: :meth:`KeyTokenTables.table_of_token`. A token outside the tables (an ignored
-    id, a group without both correct and wrong rollouts) has a = b = 0, p = 1 and 0
-    statistics; |C| and |W| are its group's in every case; tables of groups without contrast
+    the score was computed with: ``evaluated`` (its entries' counts, :class:`Association`
+    with p, F and IG, and tf contrast) and ``totals`` float64 (G, 4) n_c, n_w, len_c, len_w
+    (with history the merged ones). ``entry_of_token``: :meth:`EvaluatedTables.
+    entry_of_token` (None when only |C| and |W| are asked for). A token outside the tables
+    (an ignored id, a group without both correct and wrong rollouts) has a = b = 0, p = 1 and
+    0 statistics; |C| and |W| are its group's in every case; tables of groups without contrast
     get 0 but for their counts and p = 1."""
     names = [name for name in STATISTICS if name in wanted]
     if not names:
         return {}
-    # One fresh block for every row: fresh memory costs a page fault per page on first touch,
-    # which one large allocation (huge pages on the CPU) mostly avoids; the rows are contiguous.
-    block = fresh((len(names), batch.num_tokens), torch.float32, batch.device)
-    rows = dict(zip(names, block, strict=True))
+    rows: dict[str, torch.Tensor] = {}
     n_c, n_w = totals[:, 0], totals[:, 1]
-    if "ktae_n_correct" in wanted or "ktae_n_wrong" in wanted:
-        group_of_token = batch.per_token(batch.group_index.to(torch.int32))
-        for name, column in (("ktae_n_correct", n_c), ("ktae_n_wrong", n_w)):
-            if name in wanted:
-                torch.index_select(column.float(), 0, group_of_token, out=rows[name])
-    per_table = [name for name in names if name not in ("ktae_n_correct", "ktae_n_wrong")]
-    if not per_table:
-        return rows
-    assert table is not None and parts is not None
-    assert parts.p is not None and parts.fisher is not None and parts.ig is not None
-    contrast = ((n_c > 0) & (n_w > 0)).index_select(0, tables.group)
-    values: dict[str, torch.Tensor | None] = {
-        "ktae_a": counts[0],
-        "ktae_b": counts[1],
-        "ktae_p": parts.p,
-        "ktae_fisher": parts.fisher,
-        "ktae_ig": parts.ig,
-        "ktae_h": parts.h,
-        "ktae_tf": tf,
-    }
-    # The per-table float32 values, each followed by its value at tokens outside the tables,
-    # in one fresh block (each gathered from its row by the tokens' tables).
-    m = tables.group.numel()
-    source = fresh((len(per_table), m + 1), torch.float32, batch.device)
-    for name, row in zip(per_table, source, strict=True):
-        per_table_values = values[name]
-        if per_table_values is None:  # (tf off)
-            rows[name].zero_()
-            continue
-        row[:m].copy_(per_table_values)
-        row[m] = 1.0 if name == "ktae_p" else 0.0
-        if name in ("ktae_p", "ktae_tf"):
-            row[:m].masked_fill_(~contrast, 1.0 if name == "ktae_p" else 0.0)
-        torch.index_select(row, 0, table, out=rows[name])
-    return rows
+    for name, column in zip(GROUP_STATISTICS, (n_c, n_w), strict=True):
+        if name in wanted:
+            # (per rollout, repeated over its tokens: a copy per rollout, no gather)
+            rows[name] = batch.per_token(column.float().index_select(0, batch.group_index))
+    per_entry = [name for name in names if name not in rows]
+    if per_entry:
+        assert entry_of_token is not None
+        parts = evaluated.assoc
+        assert parts.p is not None and parts.fisher is not None and parts.ig is not None
+        contrast = ((n_c > 0) & (n_w > 0)).index_select(0, evaluated.group)
+        values: dict[str, torch.Tensor | None] = {
+            "ktae_a": evaluated.a,
+            "ktae_b": evaluated.b,
+            "ktae_p": parts.p,
+            "ktae_fisher": parts.fisher,
+            "ktae_ig": parts.ig,
+            "ktae_h": parts.h,
+            "ktae_tf": evaluated.tf,
+        }
+        # The per-entry float32 values, each followed by its value at tokens outside the
+        # tables, in one block, each gathered by the tokens' entries into a row of one fresh
+        # block (fresh memory costs a page fault per page on first touch, which one large
+        # allocation, huge pages on the CPU, mostly avoids; the rows are contiguous).
+        e = evaluated.group.numel()
+        source = fresh((len(per_entry), e + 1), torch.float32, batch.device)
+        block = fresh((len(per_entry), batch.num_tokens), torch.float32, batch.device)
+        for name, row, out in zip(per_entry, source, block, strict=True):
+            rows[name] = out
+            per_entry_values = values[name]
+            if per_entry_values is None:  # (tf off)
+                out.zero_()
+                continue
+            row[:e].copy_(per_entry_values)
+            row[e] = 1.0 if name == "ktae_p" else 0.0
+            if name in ("ktae_p", "ktae_tf"):
+                row[:e].masked_fill_(~contrast, 1.0 if name == "ktae_p" else 0.0)
+            torch.index_select(row, 0, entry_of_token, out=out)
+    return {name: rows[name] for name in names}
 
 
 # ---- state across requests: history per prompt, key scores in the vocabulary statistics --------
@@ -1023,71 +1071,63 @@ def ktae(batch: RolloutBatch, params: Mapping[str, Any], ctx: TermContext) -> Te
     if ctx.read is None and not bool(contrast.all()):
         # Groups without both correct and wrong rollouts score 0: skip their tokens entirely.
         drop = ~contrast[batch.group_index]
+    wanted = ctx.diagnostics
+    # (the statistics of each token's table; |C| and |W| are its group's)
+    stats = any(name in wanted for name in STATISTICS if name not in GROUP_STATISTICS)
     if batch.num_tokens == 0 or (drop is not None and bool(drop.all())):
         bonus = torch.zeros(batch.num_tokens, dtype=torch.float32, device=device)
         empty = KeyTokenTables.empty(batch.num_tokens, device)
         score = torch.zeros(0, dtype=torch.float64, device=device)
-        none = Association(score, score, score, score, score)
+        assoc = Association(score, score, score, score, score)
+        none = EvaluatedTables(empty.group32, score, score, assoc, score, score)
+        entry_of_token = none.entry_of_token(empty) if stats else None
         return TermOutput(
             bonus=bonus,
             diagnostics={
                 "ktae_score": bonus,
-                **statistics_diagnostics(
-                    batch,
-                    empty,
-                    empty.table_of_token(),
-                    totals,
-                    none,
-                    (score, score),
-                    score,
-                    ctx.diagnostics,
-                ),
+                **statistics_diagnostics(batch, none, entry_of_token, totals, wanted),
             },
             state=KtaeState(empty, score, contrast, totals),
         )
     tables = tabulate(batch, correct, drop, ctx.ignore_token_ids)
-    wanted = ctx.diagnostics
-    stats = any(name in wanted for name in STATISTICS)
     # A history read still in flight has had the tabulation's time to arrive.
     prior: HistoryPrior | None = None if ctx.read is None else ctx.read.result()
     stored_rows = None
-    tf: torch.Tensor | None = None
-    if prior is None and not stats:
-        # (the score alone: per table only where it needs to be, :func:`table_scores`)
-        score = table_scores(tables, n_c, n_w, len_c, len_w, params)
+    if prior is None:
+        # (per table only where it needs to be: :func:`evaluate_tables`)
+        evaluated = evaluate_tables(tables, n_c, n_w, len_c, len_w, params, parts=stats)
     else:
-        g = tables.group
-        if prior is None:
-            assoc = association_lookup(n_c, n_w, g, tables.a, tables.b, params, parts=stats)
-            counts = (tables.a, tables.b)
-            tf = _tf(tables.occ_c, tables.occ_w, g, len_c, len_w, params)
-        else:
-            n_c, n_w, len_c, len_w = (
-                n_c + prior.n_c,
-                n_w + prior.n_w,
-                len_c + prior.len_c,
-                len_w + prior.len_w,
-            )
-            contrast = (n_c > 0) & (n_w > 0)
-            merged, stored_rows = _merged_counts(tables, prior)
-            assoc = _association_with_prior(merged, g, n_c, n_w, params)
-            counts = (merged[:, 0], merged[:, 1])
-            occ_c, occ_w = merged[:, 2].contiguous(), merged[:, 3].contiguous()
-            tf = _tf(occ_c, occ_w, g, len_c, len_w, params)
-        score = key_token_score(assoc.strength, assoc.h, tf, params["scale"])
-    # The score reaches the tokens by one spread; when statistics are asked for too, each token's
-    # table is found once and every per-table value (the score among them) is one gather.
-    table = tables.table_of_token() if stats else None
-    bonus = tables.spread(score.float()) if table is None else gather_tables(score.float(), table)
-    diagnostics = {"ktae_score": bonus}
-    if stats:
-        merged_totals = torch.stack([n_c, n_w, len_c, len_w], dim=1)
-        diagnostics.update(
-            statistics_diagnostics(batch, tables, table, merged_totals, assoc, counts, tf, wanted)
+        n_c, n_w, len_c, len_w = (
+            n_c + prior.n_c,
+            n_w + prior.n_w,
+            len_c + prior.len_c,
+            len_w + prior.len_w,
         )
+        contrast = (n_c > 0) & (n_w > 0)
+        g = tables.group
+        merged, stored_rows = _merged_counts(tables, prior)
+        assoc = _association_with_prior(merged, g, n_c, n_w, params)
+        occ_c, occ_w = merged[:, 2].contiguous(), merged[:, 3].contiguous()
+        tf = _tf(occ_c, occ_w, g, len_c, len_w, params)
+        score = key_token_score(assoc.strength, assoc.h, tf, params["scale"])
+        evaluated = EvaluatedTables(g, merged[:, 0], merged[:, 1], assoc, tf, score)
+    score = evaluated.per_table(evaluated.score)
+    entry_of_token = None
+    if not stats:
+        bonus = tables.spread(score.float())
+    else:
+        # Each token's entry is found once, and every per-entry value (the score among them)
+        # reaches the tokens by one gather from a small array.
+        entry_of_token = evaluated.entry_of_token(tables)
+        bonus = fresh((batch.num_tokens,), torch.float32, device)
+        gather_tables(evaluated.score.float(), entry_of_token, out=bonus)
+    merged_totals = torch.stack([n_c, n_w, len_c, len_w], dim=1)
     return TermOutput(
         bonus=bonus,
-        diagnostics=diagnostics,
+        diagnostics={
+            "ktae_score": bonus,
+            **statistics_diagnostics(batch, evaluated, entry_of_token, merged_totals, wanted),
+        },
         state=KtaeState(tables, score, contrast, totals, stored_rows),
     )
 
@@ -1097,10 +1137,12 @@ __all__ = [
     "STATE",
     "STATISTICS",
     "AssociationGrid",
+    "EvaluatedTables",
     "KeyTokenTables",
     "KtaeState",
     "association",
     "association_lookup",
+    "evaluate_tables",
     "key_token_score",
     "ktae",
     "table_scores",
