@@ -870,7 +870,7 @@ GROUP_STATISTICS = ("ktae_n_correct", "ktae_n_wrong")
 
 def statistics_diagnostics(
     batch: RolloutBatch,
-    evaluated: EvaluatedTables,
+    evaluated: EvaluatedTables | None,
     entry_of_token: torch.Tensor | None,
     totals: torch.Tensor,
     wanted: frozenset[str],
@@ -879,7 +879,7 @@ def statistics_diagnostics(
     the score was computed with: ``evaluated`` (its entries' counts, :class:`Association`
     with p, F and IG, and tf contrast) and ``totals`` float64 (G, 4) n_c, n_w, len_c, len_w
     (with history the merged ones). ``entry_of_token``: :meth:`EvaluatedTables.
-    entry_of_token` (None when only |C| and |W| are asked for). A token outside the tables
+    entry_of_token` (both None when only |C| and |W| are asked for). A token outside the tables
     (an ignored id, a group without both correct and wrong rollouts) has a = b = 0, p = 1 and
     0 statistics; |C| and |W| are its group's in every case; tables of groups without contrast
     get 0 but for their counts and p = 1."""
@@ -894,7 +894,7 @@ def statistics_diagnostics(
             rows[name] = batch.per_token(column.float().index_select(0, batch.group_index))
     per_entry = [name for name in names if name not in rows]
     if per_entry:
-        assert entry_of_token is not None
+        assert evaluated is not None and entry_of_token is not None
         parts = evaluated.assoc
         assert parts.p is not None and parts.fisher is not None and parts.ig is not None
         contrast = ((n_c > 0) & (n_w > 0)).index_select(0, evaluated.group)
@@ -1112,22 +1112,22 @@ def ktae(batch: RolloutBatch, params: Mapping[str, Any], ctx: TermContext) -> Te
         score = key_token_score(assoc.strength, assoc.h, tf, params["scale"])
         evaluated = EvaluatedTables(g, merged[:, 0], merged[:, 1], assoc, tf, score)
     score = evaluated.per_table(evaluated.score)
-    entry_of_token = None
+    merged_totals = torch.stack([n_c, n_w, len_c, len_w], dim=1)
     if not stats:
+        # (the entries are let go before the spread, where memory peaks)
+        del evaluated
         bonus = tables.spread(score.float())
+        statistics = statistics_diagnostics(batch, None, None, merged_totals, wanted)
     else:
         # Each token's entry is found once, and every per-entry value (the score among them)
         # reaches the tokens by one gather from a small array.
         entry_of_token = evaluated.entry_of_token(tables)
         bonus = fresh((batch.num_tokens,), torch.float32, device)
         gather_tables(evaluated.score.float(), entry_of_token, out=bonus)
-    merged_totals = torch.stack([n_c, n_w, len_c, len_w], dim=1)
+        statistics = statistics_diagnostics(batch, evaluated, entry_of_token, merged_totals, wanted)
     return TermOutput(
         bonus=bonus,
-        diagnostics={
-            "ktae_score": bonus,
-            **statistics_diagnostics(batch, evaluated, entry_of_token, merged_totals, wanted),
-        },
+        diagnostics={"ktae_score": bonus, **statistics},
         state=KtaeState(tables, score, contrast, totals, stored_rows),
     )
 
