@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import torch
 from advantage_service import RolloutBatch, compute, compute_batch
-from advantage_service.estimators import ktae as ktae_module
-from advantage_service.estimators import resolve_estimator
+from advantage_service.estimators import ktae_tables, resolve_estimator
 from advantage_service.estimators.pipeline import estimator_diagnostics
 from oracle import PRESETS, random_request
 
@@ -239,7 +238,7 @@ def test_ktae_densifies_token_ids_when_the_packed_key_would_overflow(monkeypatch
         for r in g["rollouts"]:
             r["tokens"] = [t * 300_000_007 % (2**31 - 1) for t in r["tokens"]]
     expected = compute(req, device="cpu")
-    monkeypatch.setattr(ktae_module, "KEY_BITS", 20)
+    monkeypatch.setattr(ktae_tables, "KEY_BITS", 20)
     got = compute(req, device="cpu")
     for g1, g2 in zip(expected["groups"], got["groups"], strict=True):
         for r1, r2 in zip(g1["rollouts"], g2["rollouts"], strict=True):
