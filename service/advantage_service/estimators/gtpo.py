@@ -406,11 +406,13 @@ def _gtpo_by_slices(
 
     Why: per token, the keyed path builds an int32 key, gathers per-key tables and scatters
     into them; each is a pass over N tokens with a fresh N-sized buffer. Here the keys of
-    rollout i's tokens are the range [start_i, start_i + T_i), so the per-position sums are
-    slice additions into the (K,) tables, in batch order as ``index_add_`` adds them (v and
-    v^2 side by side: one addition per rollout sums both), and the answer is one slice
-    multiplication per rollout and one addition over the tokens. A numpy call per rollout
-    costs less than those passes (a batch has hundreds of rollouts of thousands of tokens)."""
+    rollout i's tokens are the range [start_i, start_i + T_i), so the per-position sums of v
+    and v^2 are slice additions into the (K,) tables, in batch order as ``index_add_`` adds
+    them (v^2 in a scratch slice that stays in cache), and the answer is a slice
+    multiplication and addition per rollout, whose mean is taken while the slice is in cache.
+    A few numpy calls per rollout cost less than those passes (a batch has hundreds of
+    rollouts of thousands of tokens); a group without contrast costs no call of its own (its
+    rollouts' tokens are zeroed in runs)."""
     classes = split_classes(batch, correct_threshold)
     layout = key_layout(batch, classes)
     cg = classes.class_group
