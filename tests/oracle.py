@@ -1113,10 +1113,10 @@ def entropy_shares(values: list[float], inverse: bool) -> list[float]:
     return [(1.0 / v) / inv_total for v in values]
 
 
-def standardise_with_zeros(own: list[float], zeros: int, epsilon: float) -> list[float]:
+def standardise(own: list[float], epsilon: float) -> list[float]:
     """(x - mean) / (std + epsilon) for each x of ``own``, mean and sample std taken over
-    ``own`` plus ``zeros`` zeros; 0 / 0 = 0."""
-    pool = list(own) + [0.0] * zeros
+    ``own``; 0 / 0 = 0."""
+    pool = list(own)
     n = len(pool)
     mean = sum(pool) / n
     std = math.sqrt(sum((x - mean) ** 2 for x in pool) / (n - 1)) if n >= 2 else 0.0
@@ -1159,7 +1159,7 @@ def gtpo_group(
             # Eq. 6: each class over its own tokens in the group.
             members = [i for i in range(len(rollouts)) if correct[i] == cls]
             own = [float(x) for i in members for x in shaped[i]]
-            normalised = standardise_with_zeros(own, 0, epsilon) if own else []
+            normalised = standardise(own, epsilon) if own else []
             start = 0
             for i in members:
                 advantages[i] = np.array(normalised[start : start + lengths[i]], dtype=np.float64)
@@ -1196,7 +1196,7 @@ def grpo_s_group(
     advantages = [0.0] * len(rollouts)
     if any(correct) and not all(correct):
         # As GRPO: over the group's rollouts, both classes together.
-        advantages = standardise_with_zeros(shaped, 0, epsilon)
+        advantages = standardise(shaped, epsilon)
     return list(zip(shaped, advantages, strict=True))
 
 

@@ -27,9 +27,12 @@ def group_sum(batch: RolloutBatch, values: torch.Tensor) -> torch.Tensor:
     return out.index_add_(0, batch.group_index, values)
 
 
-def group_mean_std(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-group (mean, sample std) of the rewards, float64 (G,); (0, 1) for a group of one."""
-    r = batch.rewards.double()
+def group_mean_std(
+    batch: RolloutBatch, values: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group (mean, sample std) of per-rollout ``values`` (default: the rewards), float64
+    (G,); (0, 1) for a group of one."""
+    r = batch.rewards.double() if values is None else values.double()
     n = batch.group_sizes.double()
     mean = group_sum(batch, r) / n
     # Two passes (deviations from the mean) keep the variance exact for large rewards.

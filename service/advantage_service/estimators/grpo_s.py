@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..batch import RolloutBatch
+from .baselines import divide_by_spread, group_mean_std
 from .gtpo import PARAMS, Classes, clamp_entropy, outcome_rewards, split_classes
 from .registry import OutcomeOutput, register_outcome
 
@@ -96,18 +97,12 @@ def grpo_s_advantage(
     share, members = sequence_shares(batch, classes, entropy)
     sign = torch.where(classes.correct, 1.0, -1.0).double()
     reward = outcome_rewards(batch, classes, alpha1) + sign * alpha2 * members * share
+    # As GRPO over the shaped rewards; a group without contrast (or of one) gets 0.
+    mean, std = group_mean_std(batch, reward)
     group = batch.group_index
-    g = batch.num_groups
-    count = batch.group_sizes.double()
-    mean = torch.zeros(g, dtype=torch.float64, device=reward.device).index_add_(0, group, reward)
-    mean /= count.clamp(min=1.0)
     d = reward - mean.index_select(0, group)
-    squares = torch.zeros(g, dtype=torch.float64, device=reward.device).index_add_(0, group, d * d)
-    std = torch.sqrt(squares / (count - 1.0).clamp(min=1.0))
-    denominator = std + epsilon
-    usable = classes.contrast & (denominator > 0)
-    scale = torch.where(usable, 1.0 / torch.where(usable, denominator, 1.0), 0.0)
-    advantage = d * scale.index_select(0, group)
+    a = divide_by_spread(d, std.index_select(0, group) + epsilon)
+    advantage = torch.where(classes.contrast.index_select(0, group), a, torch.zeros_like(a))
     return SequenceShaping(reward, advantage)
 
 
