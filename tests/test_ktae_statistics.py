@@ -75,21 +75,20 @@ def test_ktae_statistics_are_listed_and_only_with_ktae() -> None:
         compute(request, device="cpu")
 
 
-@pytest.mark.parametrize(
-    "estimator",
-    [
-        "ktae",
-        {"outcome": "rloo", "ktae": {"tf": False, "scale": 2.0}},
-        {"ktae": {"correct_threshold": 0.5, "fisher_weight": 0.3, "tf_b": 1.0}},
-    ],
-    ids=["ktae", "tf_off_scaled", "threshold_weights"],
-)
-def test_ktae_score_alone_is_the_score_beside_its_statistics_bit_for_bit(estimator: Any) -> None:
-    """Without statistics the score is evaluated per table only for tables of several tokens
-    (a single token's once per group and side); with them, on every table. Same bits."""
-    from advantage_service import RolloutBatch, compute_batch
+RANDOM_ESTIMATORS = [
+    "ktae",
+    {"outcome": "rloo", "ktae": {"tf": False, "scale": 2.0}},
+    {"ktae": {"correct_threshold": 0.5, "fisher_weight": 0.3, "tf_b": 1.0}},
+]
+RANDOM_IDS = ["ktae", "tf_off_scaled", "threshold_weights"]
 
-    rng = np.random.default_rng(11)
+
+def random_ktae_batches(seed: int) -> Any:
+    """30 (trial, batch, ignored ids): 1-5 groups of 1-8 rollouts of 0-39 tokens from 6, 60 or
+    2^31 - 1 ids, groups in order or shuffled, rewards 0, 0.25 or 1, an ignored id in a quarter."""
+    from advantage_service import RolloutBatch
+
+    rng = np.random.default_rng(seed)
     for trial in range(30):
         groups, size = int(rng.integers(1, 6)), int(rng.integers(1, 9))
         lengths = rng.integers(0, 40, groups * size)
@@ -103,6 +102,16 @@ def test_ktae_score_alone_is_the_score_beside_its_statistics_bit_for_bit(estimat
             rewards=rng.choice([0.0, 0.25, 1.0], groups * size).astype(np.float32),
         )
         ignore = [int(rng.integers(0, 6))] if trial % 4 == 1 else None
+        yield trial, batch, ignore
+
+
+@pytest.mark.parametrize("estimator", RANDOM_ESTIMATORS, ids=RANDOM_IDS)
+def test_ktae_score_alone_is_the_score_beside_its_statistics_bit_for_bit(estimator: Any) -> None:
+    """Without statistics the score is evaluated per table only for tables of several tokens
+    (a single token's once per group and side); with them, on every table. Same bits."""
+    from advantage_service import compute_batch
+
+    for _, batch, ignore in random_ktae_batches(11):
         alone = compute_batch(batch, estimator, ignore_token_ids=ignore)
         beside = compute_batch(batch, estimator, diagnostics=RETURNS, ignore_token_ids=ignore)
         assert alone.advantages.numpy().tobytes() == beside.advantages.numpy().tobytes()
@@ -163,36 +172,15 @@ def every_table_statistics(
     return out
 
 
-@pytest.mark.parametrize(
-    "estimator",
-    [
-        "ktae",
-        {"outcome": "rloo", "ktae": {"tf": False, "scale": 2.0}},
-        {"ktae": {"correct_threshold": 0.5, "fisher_weight": 0.3, "tf_b": 1.0}},
-    ],
-    ids=["ktae", "tf_off_scaled", "threshold_weights"],
-)
+@pytest.mark.parametrize("estimator", RANDOM_ESTIMATORS, ids=RANDOM_IDS)
 def test_ktae_statistics_are_every_tables_own_bit_for_bit(estimator: Any) -> None:
     """With statistics, a table of one token takes the values computed once for its group and
     side, and only tables of several tokens are evaluated on their own; evaluating every table
     on its own gives every token the same bits, score and statistics alike."""
-    from advantage_service import RolloutBatch, compute_batch
+    from advantage_service import compute_batch
 
     params = resolve_estimator(estimator)["ktae"]
-    rng = np.random.default_rng(23)
-    for trial in range(30):
-        groups, size = int(rng.integers(1, 6)), int(rng.integers(1, 9))
-        lengths = rng.integers(0, 40, groups * size)
-        offsets = np.concatenate([[0], np.cumsum(lengths)])
-        group_index = np.repeat(np.arange(groups), size)
-        batch = RolloutBatch.from_flat(
-            tokens=rng.integers(0, [6, 60, 2**31 - 1][trial % 3], offsets[-1]).astype(np.int32),
-            offsets=offsets,
-            group_ids=[f"p{g}" for g in range(groups)],
-            group_index=rng.permutation(group_index) if trial % 2 else group_index,
-            rewards=rng.choice([0.0, 0.25, 1.0], groups * size).astype(np.float32),
-        )
-        ignore = [int(rng.integers(0, 6))] if trial % 4 == 1 else None
+    for trial, batch, ignore in random_ktae_batches(23):
         got = compute_batch(batch, estimator, diagnostics=RETURNS, ignore_token_ids=ignore)
         want = every_table_statistics(batch, params, ignore)
         for name in RETURNS:
