@@ -70,12 +70,15 @@ RUN groupadd --system --gid 10001 advantage \
     && useradd --system --uid 10001 --gid advantage --no-create-home \
        --home-dir /nonexistent --shell /usr/sbin/nologin advantage
 COPY --from=builder /opt/venv /opt/venv
+# NUMBA_CACHE_DIR: the compiled CPU loops (estimators/kernels.py) are cached under /tmp, the one
+# writable place of a read-only root filesystem (the Deployment's emptyDir).
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     ADV_HOST=0.0.0.0 \
     ADV_HTTP_PORT=8000 \
-    ADV_GRPC_PORT=50051
+    ADV_GRPC_PORT=50051 \
+    NUMBA_CACHE_DIR=/tmp/numba-cache
 USER 10001:10001
 WORKDIR /tmp
 EXPOSE 8000 50051

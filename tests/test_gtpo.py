@@ -14,7 +14,7 @@ import pytest
 import torch
 from advantage_service import RolloutBatch, compute_batch
 from advantage_service.estimators.grpo_s import grpo_s_advantage
-from advantage_service.estimators.gtpo import _gtpo, _gtpo_by_slices, gtpo_advantage
+from advantage_service.estimators.gtpo import _gtpo, _gtpo_compiled, gtpo_advantage
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from token_batches import flat_batch
@@ -80,10 +80,10 @@ def test_grpo_s_matches_the_oracle_on_random_ragged_groups(params: dict[str, Any
         )
 
 
-def test_gtpo_slices_give_the_keyed_path_bits() -> None:
-    """The CPU path over rollout slices (per-position sums in batch order, as ``index_add_``)
-    gives the keyed path's bits, and hands back to it where entropies of 0 need equal shares
-    or rewards other than 0/1 need float64."""
+def test_gtpo_compiled_loops_give_the_keyed_path_bits() -> None:
+    """The compiled CPU loops over rollout slices (per-position sums in batch order, as
+    ``index_add_``) give the keyed path's bits, and hand back to it where entropies of 0 need
+    equal shares or rewards other than 0/1 need float64."""
     compared = 0
     for seed in range(20):
         rng = np.random.default_rng(seed)
@@ -95,7 +95,7 @@ def test_gtpo_slices_give_the_keyed_path_bits() -> None:
         batch, fields = flat_batch(groups)
         entropy = fields["entropy"]
         args = (1.0, 0.1, 0.0, 1e-6)
-        fast = _gtpo_by_slices(batch, entropy, *args)
+        fast = _gtpo_compiled(batch, entropy, *args)
         keyed, wide, _ = _gtpo(batch, entropy, torch.float32, *args, False)
         if bool(wide.any()):
             assert fast is None
@@ -106,9 +106,9 @@ def test_gtpo_slices_give_the_keyed_path_bits() -> None:
         compared += 1
     assert compared >= 10
     batch, fields = flat_batch([[rollout(1.0, [0.0, 1.0]), rollout(0.0, [0.5])]])
-    assert _gtpo_by_slices(batch, fields["entropy"], 1.0, 0.1, 0.0, 1e-6) is None
+    assert _gtpo_compiled(batch, fields["entropy"], 1.0, 0.1, 0.0, 1e-6) is None
     batch, fields = flat_batch([[rollout(1.0, [1.0, 1.0]), rollout(0.5, [0.5]), rollout(0, [1])]])
-    assert _gtpo_by_slices(batch, fields["entropy"], 1.0, 0.1, 0.0, 1e-6) is None  # 1 != 0.5
+    assert _gtpo_compiled(batch, fields["entropy"], 1.0, 0.1, 0.0, 1e-6) is None  # 1 != 0.5
 
 
 def test_gtpo_shaped_rewards_by_hand() -> None:

@@ -55,10 +55,11 @@ Over the flat batch: (class, group, position) pairs are dense keys (as OTB's (gr
 the per-position sums S (of v = H in O+, 1/H in O-) and Q (of v^2) are float32 sums in batch
 order, and from them alone each class's mean and std (its sum of y = r~ - b is +-alpha2 times
 its tokens; its sum of y^2 is sum_k F_k^2 Q_k): no pass over the tokens for the statistics. On
-the CPU (:func:`_gtpo_by_slices`) a rollout's keys are one contiguous range, so the sums and the
-answer are a numpy call per rollout on slices, with no per-token keys or gathers; the keyed path
-(:func:`_gtpo`, ``index_add_`` and gathers, nothing looping) gives the same bits and serves the
-cases the slices hand back (entropies of 0, classes computed again in float64, other devices).
+the CPU (:func:`_gtpo_compiled`) a rollout's keys are one contiguous range, so the sums and the
+answer are two compiled loops over each rollout's slice (:mod:`.kernels`), with no per-token
+keys or gathers; the keyed path (:func:`_gtpo`, ``index_add_`` and gathers, nothing looping)
+gives the same bits and serves the cases the loops hand back (entropies of 0, classes computed
+again in float64, other devices).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ import numpy as np
 import torch
 
 from ..batch import RolloutBatch
+from . import kernels
 from .registry import OutcomeOutput, Param, register_outcome
 
 PARAMS = (
@@ -146,7 +148,6 @@ class KeyLayout(NamedTuple):
     so a token is in O- iff its key >= ``first_wrong``."""
 
     start: torch.Tensor  # int64 (B,): the key of each rollout's first token
-    alive: torch.Tensor  # float64 (K,): the class group's rollouts that reach the position
     longest: torch.Tensor  # int64 (2G,): each class group's longest rollout
     first_wrong: int
     num_keys: int
@@ -156,18 +157,27 @@ class KeyLayout(NamedTuple):
         groups = torch.arange(self.longest.numel(), device=self.longest.device)
         return torch.repeat_interleave(groups, self.longest, output_size=self.num_keys)
 
-    def class_sums(self, values: torch.Tensor) -> torch.Tensor:
-        """Per class group, the sum of its keys' float64 ``values`` (K,), in key order: float64
-        (2G,), each class group's sum on its own (numpy's ``add.reduceat`` over its range on
-        the CPU)."""
-        out = torch.zeros(self.longest.numel(), dtype=torch.float64, device=values.device)
-        if values.device.type != "cpu":
-            return out.index_add_(0, self.of_key(), values)
-        nonempty = torch.nonzero(self.longest > 0).flatten()
-        if nonempty.numel():
-            bounds = (torch.cumsum(self.longest, 0) - self.longest).index_select(0, nonempty)
-            out[nonempty] = torch.from_numpy(np.add.reduceat(values.numpy(), bounds.numpy()))
-        return out
+    def alive(self, lengths: torch.Tensor) -> torch.Tensor:
+        """float64 (K,): the class group's rollouts that reach each key (``lengths``: T_i,
+        (B,)): +1 where a rollout starts, -1 past its end, summed up."""
+        edges = torch.zeros(self.num_keys + 1, dtype=torch.float64, device=self.start.device)
+        edges.index_add_(0, self.start, torch.ones_like(self.start, dtype=torch.float64))
+        edges.index_add_(0, self.start + lengths, -torch.ones_like(self.start, dtype=torch.float64))
+        return torch.cumsum(edges, 0)[:-1]
+
+    def square_sums(self, factor: torch.Tensor, squares: torch.Tensor) -> torch.Tensor:
+        """Per class group, sum_k F_k^2 Q_k over its keys in float64: float64 (2G,) (on the CPU
+        the compiled loop's order, which the fast path shares)."""
+        if factor.device.type == "cpu":
+            return torch.from_numpy(
+                kernels.class_square_sums(
+                    factor.contiguous().numpy(), squares.contiguous().numpy(), self.longest.numpy()
+                )
+            )
+        f2q = factor.to(torch.float64, copy=True)
+        f2q.square_().mul_(squares)
+        out = torch.zeros(self.longest.numel(), dtype=torch.float64, device=factor.device)
+        return out.index_add_(0, self.of_key(), f2q)
 
     def per_key(self, values: torch.Tensor) -> torch.Tensor:
         """Per-class-group ``values`` (2G,) repeated over each class group's keys: (K,)."""
@@ -186,13 +196,8 @@ def key_layout(batch: RolloutBatch, classes: Classes) -> KeyLayout:
     if num_keys >= 2**31:
         raise ValueError(f"{num_keys} (class, group, position) keys do not fit int32")
     start = base.index_select(0, cg)
-    # Rollouts alive at each key: +1 where a rollout starts, -1 past its end, summed up.
-    edges = torch.zeros(num_keys + 1, dtype=torch.float64, device=start.device)
-    edges.index_add_(0, start, torch.ones_like(start, dtype=torch.float64))
-    edges.index_add_(0, start + lengths, -torch.ones_like(start, dtype=torch.float64))
-    alive = torch.cumsum(edges, 0)[:-1]
     first_wrong = int(longest[: batch.num_groups].sum())
-    return KeyLayout(start, alive, longest, first_wrong, num_keys)
+    return KeyLayout(start, longest, first_wrong, num_keys)
 
 
 def token_keys(batch: RolloutBatch, layout: KeyLayout) -> torch.Tensor:
@@ -212,7 +217,11 @@ def token_keys(batch: RolloutBatch, layout: KeyLayout) -> torch.Tensor:
 
 
 def token_shares(
-    entropy: torch.Tensor, layout: KeyLayout, key: torch.Tensor, dtype: torch.dtype
+    entropy: torch.Tensor,
+    layout: KeyLayout,
+    alive: torch.Tensor,
+    key: torch.Tensor,
+    dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(v, S): token i's share of its position is v_it / S[key_it]: v ``dtype`` (N,) (a fresh
     tensor, the caller's to reuse), S ``dtype`` (K,) (sums in batch order). v = H for O+ and 1/H
@@ -229,7 +238,7 @@ def token_shares(
         every = torch.zeros(num_keys, dtype=torch.bool, device=v.device)
         every[:first_wrong] = flat
         v.masked_fill_(every.index_select(0, key), 1.0)
-        total = torch.where(every, layout.alive.to(dtype), total)
+        total = torch.where(every, alive.to(dtype), total)
     if bool(torch.isinf(total[first_wrong:]).any()):  # some O- token has H = 0: they share
         certain = torch.isinf(total)
         zero = torch.isinf(v).to(dtype)
@@ -240,21 +249,23 @@ def token_shares(
     return v, total
 
 
-def key_factor(layout: KeyLayout, total: torch.Tensor, alpha2: float) -> torch.Tensor:
+def key_factor(
+    alive: torch.Tensor, total: torch.Tensor, first_wrong: int, alpha2: float
+) -> torch.Tensor:
     """y_it = F[key_it] v_it, the entropy part of r~ (O- negative): F = +-alpha2 d_t / S_t, in
-    ``total``'s dtype (K,)."""
-    factor = layout.alive.to(total.dtype, copy=True).mul_(alpha2).div_(total)
-    factor[layout.first_wrong :].neg_()
+    ``total``'s dtype (K,) (d_t: ``alive``)."""
+    factor = alive.to(total.dtype, copy=True).mul_(alpha2).div_(total)
+    factor[first_wrong:].neg_()
     return factor
 
 
 class Normalisation(NamedTuple):
-    """A_it = ``factor``[key_it] v_it + ``shift``_i: ``factor`` F / (std + eps) of the token's
-    class, ``dtype`` (K,) (0 for a class without contrast or of one rollout); ``shift`` (b_i -
+    """A_it = F[key_it] ``scale``_c v_it + ``shift``_i: ``scale`` 1 / (std + eps) of each class
+    group, float64 (2G,) (0 for a class without contrast or of one rollout); ``shift`` (b_i -
     mean) / (std + eps), float64 (B,); ``wide``, bool (2G,): the classes whose answer a float32
     pass leaves to a float64 one."""
 
-    factor: torch.Tensor
+    scale: torch.Tensor
     shift: torch.Tensor
     wide: torch.Tensor
 
@@ -262,9 +273,7 @@ class Normalisation(NamedTuple):
 def normalise(
     batch: RolloutBatch,
     classes: Classes,
-    layout: KeyLayout,
-    factor: torch.Tensor,
-    squares: torch.Tensor,
+    y2: torch.Tensor,
     b: torch.Tensor,
     alpha2: float,
     epsilon: float,
@@ -272,57 +281,142 @@ def normalise(
 ) -> Normalisation:
     """Each class's mean and sample std of r~_it = b_i + y_it over its own tokens in the group
     (Eq. 6), from per-key sums: y sums to +-alpha2 d_t at each key (the shares sum to 1), so a
-    class's sum of y is +-alpha2 n_c (n_c its tokens); its sum of y^2 is sum_k F_k^2 Q_k, with
-    ``squares`` Q_k = sum of v^2 at key k. Where the b_i of a class differ (rewards other than
-    0/1), the cross terms need each rollout's sum of y (``rollout_y``, float64 (B,)); without it
-    those classes are ``wide``.
+    class's sum of y is +-alpha2 n_c (n_c its tokens); its sum of y^2 is ``y2`` = sum_k F_k^2
+    Q_k, with Q_k the sum of v^2 at key k (:meth:`KeyLayout.square_sums`). Where the b_i of a
+    class differ (rewards other than 0/1), the cross terms need each rollout's sum of y
+    (``rollout_y``, float64 (B,)); without it those classes are ``wide``.
 
     A class of one rollout has r~ = b + alpha2 on every token (its share is 1 at each position):
     its std is 0 and so is its advantage, set here exactly (float32 rounding of y would
     otherwise be divided by eps). A class whose std is under 1e-3 of its entropy part's root
     mean square in a float32 pass (shares all alike but for rounding, which the division by
-    std + eps would amplify) is ``wide``, as are classes whose Q overflowed float32."""
-    num_cg = 2 * batch.num_groups
-    cg = classes.class_group
-    device = b.device
-    tokens = batch.lengths.double()
+    std + eps would amplify) is ``wide``, as are classes whose Q overflowed float32.
 
-    def per_class(values: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(num_cg, dtype=torch.float64, device=device).index_add_(0, cg, values)
+    Every array here has a value per rollout or per class group: on the CPU numpy's (a call
+    costs a microsecond; torch's several), elsewhere torch's."""
+    if b.device.type == "cpu":
+        lengths = batch.lengths.numpy()
+        with np.errstate(all="ignore"):  # (classes left out may hold inf or nan: unused)
+            scale, shift, wide = _class_statistics(
+                np,
+                lengths.astype(np.float64),
+                (lengths > 0).astype(np.float64),
+                classes.class_group.numpy(),
+                classes.contrast.numpy(),
+                y2.numpy(),
+                b.numpy(),
+                alpha2,
+                epsilon,
+                None if rollout_y is None else rollout_y.numpy(),
+            )
+        return Normalisation(
+            torch.from_numpy(scale), torch.from_numpy(shift), torch.from_numpy(wide)
+        )
+    return Normalisation(
+        *_class_statistics(
+            _TorchOps(b.device),
+            batch.lengths.double(),
+            (batch.lengths > 0).double(),
+            classes.class_group,
+            classes.contrast,
+            y2,
+            b,
+            alpha2,
+            epsilon,
+            rollout_y,
+        )
+    )
+
+
+class _TorchOps:
+    """The few numpy functions :func:`_class_statistics` calls, on torch tensors of a device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.sqrt = torch.sqrt
+        self.isfinite = torch.isfinite
+        self.where = torch.where
+        self.concatenate = torch.cat
+        self.float64 = torch.float64
+
+    def zeros(self, n: int, dtype: Any) -> torch.Tensor:
+        return torch.zeros(n, dtype=dtype, device=self.device)
+
+    def full(self, n: int, value: float, dtype: Any) -> torch.Tensor:
+        return torch.full((n,), value, dtype=dtype, device=self.device)
+
+    @staticmethod
+    def add_at(out: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+        out.index_add_(0, index, values)
+
+    @staticmethod
+    def max_at(out: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+        out.scatter_reduce_(0, index, values, "amax")
+
+    @staticmethod
+    def maximum(x: torch.Tensor, floor: float) -> torch.Tensor:
+        return x.clamp(min=floor)
+
+
+class _NumpyOps:
+    """numpy's, with the two scatters named as :class:`_TorchOps` names them."""
+
+    add_at = staticmethod(np.add.at)
+    max_at = staticmethod(np.maximum.at)
+    maximum = staticmethod(np.maximum)
+
+
+def _class_statistics(
+    xp: Any,
+    tokens: Any,
+    has_tokens: Any,
+    cg: Any,
+    group_contrast: Any,
+    y2: Any,
+    b: Any,
+    alpha2: float,
+    epsilon: float,
+    rollout_y: Any,
+) -> tuple[Any, Any, Any]:
+    """:func:`normalise`'s arithmetic on per-rollout and per-class-group arrays of ``xp``
+    (numpy, or :class:`_TorchOps`): (scale, shift, wide). The same float64 operations in the
+    same order either way (sums over a class's rollouts in batch order)."""
+    ops = _NumpyOps if xp is np else xp
+    num_cg = y2.shape[0]
+    g = num_cg // 2
+
+    def per_class(values: Any) -> Any:
+        out = xp.zeros(num_cg, xp.float64)
+        ops.add_at(out, cg, values)
+        return out
 
     n = per_class(tokens)
-    members = per_class((batch.lengths > 0).double())
-    f2q = factor.to(torch.float64, copy=True)
-    f2q.square_().mul_(squares)
-    y2 = layout.class_sums(f2q)
-    sign = torch.ones(num_cg, dtype=torch.float64, device=device)
-    sign[batch.num_groups :] = -1.0
+    members = per_class(has_tokens)
+    sign = xp.full(num_cg, 1.0, xp.float64)
+    sign[g:] = -1.0
     sum_y = sign * alpha2 * n
     # Centred on b_ref, one b_i of the class: with 0/1 rewards every b_i - b_ref is 0 exactly,
     # and so is the mean's outcome part (a mean of equal values in floating point may not be).
-    b_ref = torch.full((num_cg,), -torch.inf, dtype=torch.float64, device=device)
-    b_ref = b_ref.scatter_reduce(0, cg, b, "amax")
-    rel = b - b_ref.index_select(0, cg)
-    varying = per_class((rel != 0).double()) > 0
-    mean = (per_class(rel * tokens) + sum_y) / n.clamp(min=1.0)
-    d = rel - mean.index_select(0, cg)
+    b_ref = xp.full(num_cg, -np.inf, xp.float64)
+    ops.max_at(b_ref, cg, b)
+    rel = b - b_ref[cg]
+    varying = per_class(abs(rel)) > 0
+    n1 = ops.maximum(n, 1.0)
+    mean = (per_class(rel * tokens) + sum_y) / n1
+    d = rel - mean[cg]
     # sum_i d_i sum_t y_it: with one b per class, d_i = -mean for all its rollouts.
     cross = -mean * sum_y if rollout_y is None else per_class(d * rollout_y)
-    centred = (per_class(tokens * d * d) + 2.0 * cross + y2).clamp_(min=0.0)
-    std = torch.sqrt(centred / (n - 1.0).clamp(min=1.0))
+    centred = ops.maximum(per_class(tokens * d * d) + 2.0 * cross + y2, 0.0)
+    std = xp.sqrt(centred / ops.maximum(n - 1.0, 1.0))
     denominator = std + epsilon
-    contrast = torch.cat([classes.contrast, classes.contrast])
+    contrast = xp.concatenate([group_contrast, group_contrast])
     usable = contrast & (members > 1) & (denominator > 0)
-    scale = torch.where(usable, 1.0 / torch.where(usable, denominator, 1.0), 0.0)
-    rms = torch.sqrt(y2 / n.clamp(min=1.0))
+    scale = xp.where(usable, 1.0 / xp.where(usable, denominator, 1.0), 0.0)
+    rms = xp.sqrt(y2 / n1)
     wide = usable & (
-        ((std <= 1e-3 * rms) & (rms > 0)) | ~torch.isfinite(y2) | (varying & (rollout_y is None))
+        ((std <= 1e-3 * rms) & (rms > 0)) | ~xp.isfinite(y2) | (varying & (rollout_y is None))
     )
-    scale_of_key = layout.per_key(scale.to(factor.dtype))
-    per_key = factor.mul(scale_of_key)
-    # (a factor may be infinite where its class is left out: a group without contrast)
-    per_key.masked_fill_(scale_of_key == 0, 0.0)
-    return Normalisation(per_key, d * scale.index_select(0, cg), wide)
+    return scale, d * scale[cg], wide
 
 
 class TokenShaping(NamedTuple):
@@ -355,7 +449,7 @@ def gtpo_advantage(
     the requests merged with it.
     """
     if entropy.device.type == "cpu" and batch.num_tokens and not with_reward:
-        fast = _gtpo_by_slices(batch, entropy, alpha1, alpha2, correct_threshold, epsilon)
+        fast = _gtpo_compiled(batch, entropy, alpha1, alpha2, correct_threshold, epsilon)
         if fast is not None:
             return fast
     shaping, wide_classes, of_token = _gtpo(
@@ -378,21 +472,15 @@ def gtpo_advantage(
 
 def _scalars(batch: RolloutBatch, advantage: torch.Tensor) -> torch.Tensor:
     """Each rollout's mean advantage, float64 (B,), 0 for an empty rollout. On the CPU each
-    rollout's float64 sum is numpy's ``add.reduce`` of its slice, as :func:`_gtpo_by_slices`
-    takes it (the same bits)."""
+    rollout's float64 sum is the compiled loop's (the bits :func:`_gtpo_compiled` gives)."""
+    lengths = batch.lengths.double().clamp(min=1.0)
     if advantage.device.type != "cpu":
-        return batch.rollout_sums(advantage) / batch.lengths.double().clamp(min=1.0)
-    a = advantage.contiguous().numpy()
-    sums = np.zeros(batch.num_rollouts, dtype=np.float64)
-    for i, (o, t) in enumerate(
-        zip(batch.offsets[:-1].tolist(), batch.lengths.tolist(), strict=True)
-    ):
-        if t:
-            sums[i] = np.add.reduce(a[o : o + t], dtype=np.float64)
-    return torch.from_numpy(sums) / batch.lengths.double().clamp(min=1.0)
+        return batch.rollout_sums(advantage) / lengths
+    offsets = batch.offsets.numpy()
+    return torch.from_numpy(kernels.segment_sums(advantage.contiguous().numpy(), offsets)) / lengths
 
 
-def _gtpo_by_slices(
+def _gtpo_compiled(
     batch: RolloutBatch,
     entropy: torch.Tensor,
     alpha1: float,
@@ -400,78 +488,41 @@ def _gtpo_by_slices(
     correct_threshold: float,
     epsilon: float,
 ) -> TokenShaping | None:
-    """GTPO on the CPU over each rollout's contiguous slice of tokens: the same float32
-    arithmetic in the same order as :func:`_gtpo` (the same bits); None where that one must
-    decide (an entropy of 0 at some position, a class its float32 pass leaves to float64).
+    """GTPO on the CPU by two compiled loops over each rollout's contiguous slice of tokens
+    (:mod:`.kernels`): the same float32 arithmetic in the same order as :func:`_gtpo` (the same
+    bits); None where that one must decide (an entropy of 0 at some position, a class its
+    float32 pass leaves to float64).
 
     Why: per token, the keyed path builds an int32 key, gathers per-key tables and scatters
     into them; each is a pass over N tokens with a fresh N-sized buffer. Here the keys of
-    rollout i's tokens are the range [start_i, start_i + T_i), so the per-position sums of v
-    and v^2 are slice additions into the (K,) tables, in batch order as ``index_add_`` adds
-    them (v^2 in a scratch slice that stays in cache), and the answer is a slice
-    multiplication and addition per rollout, whose mean is taken while the slice is in cache.
-    A few numpy calls per rollout cost less than those passes (a batch has hundreds of
-    rollouts of thousands of tokens); a group without contrast costs no call of its own (its
-    rollouts' tokens are zeroed in runs)."""
+    rollout i's tokens are the range [start_i, start_i + T_i): one loop adds v and v^2 into
+    the per-position tables S and Q (and counts the rollouts reaching each position), the
+    other writes A = F scale v + shift and takes each rollout's sum while its slice is in
+    cache. A group without contrast takes no part in the sums and gets 0."""
     classes = split_classes(batch, correct_threshold)
     layout = key_layout(batch, classes)
-    cg = classes.class_group
-    n = batch.num_tokens
-    h = clamp_entropy(entropy).contiguous().numpy()
-    # A group without contrast gets A = 0 whatever its shares: its keys are left at 0.
-    busy = torch.cat([classes.contrast, classes.contrast]).index_select(0, cg).tolist()
-    busy_rows: list[tuple[int, int, int, int, bool]] = []
-    idle_runs: list[list[int]] = []  # [first token, end]: runs of idle rollouts' tokens
-    for i, (o, t, s, c) in enumerate(
-        zip(
-            batch.offsets[:-1].tolist(),
-            batch.lengths.tolist(),
-            layout.start.tolist(),
-            classes.correct.tolist(),
-            strict=True,
-        )
-    ):
-        if t == 0:
-            continue
-        if busy[i]:
-            busy_rows.append((i, o, t, s, not c))
-        elif idle_runs and idle_runs[-1][1] == o:
-            idle_runs[-1][1] = o + t
-        else:
-            idle_runs.append([o, o + t])
-    # The answer's buffer first holds 1/H of the wrong rollouts (their v); the correct ones'
-    # v is H, read in place.
-    out = np.empty(n, dtype=np.float32)
-    total = np.zeros(layout.num_keys, dtype=np.float32)  # S
-    squares = np.zeros(layout.num_keys, dtype=np.float32)  # Q
-    spare = np.empty(int(layout.longest.max()), dtype=np.float32)
-    with np.errstate(divide="ignore", over="ignore"):
-        for _, o, t, s, wrong in busy_rows:
-            v = np.reciprocal(h[o : o + t], out=out[o : o + t]) if wrong else h[o : o + t]
-            np.add(total[s : s + t], v, out=total[s : s + t])
-            vv = np.multiply(v, v, out=spare[:t])
-            np.add(squares[s : s + t], vv, out=squares[s : s + t])
-    busy_key = layout.per_key(torch.cat([classes.contrast, classes.contrast])).numpy()
-    first_wrong = layout.first_wrong
-    if not ((total[:first_wrong] > 0) | ~busy_key[:first_wrong]).all():
-        return None  # every O+ entropy 0 at a position: the keyed path's equal shares
-    if not np.isfinite(total[first_wrong:]).all():
-        return None  # an O- entropy of 0: the keyed path's shares
-    factor = key_factor(layout, torch.from_numpy(total), alpha2)  # (inf where idle: unused)
+    cg = classes.class_group.numpy()
+    h = entropy.float().contiguous().numpy()
+    contrast = classes.contrast.numpy()
+    busy = np.concatenate([contrast, contrast])[cg]
+    wrong = ~classes.correct.numpy()
+    offsets = batch.offsets.numpy()
+    start = layout.start.numpy()
+    total, squares, edges, negative = kernels.gtpo_position_sums(
+        h, offsets, start, busy, wrong, layout.num_keys
+    )
+    factor, status = kernels.gtpo_factor(total, edges, layout.first_wrong, alpha2)
+    if status:  # an entropy of 0 where the keyed path's shares decide
+        return None
+    y2 = kernels.class_square_sums(factor, squares, layout.longest.numpy())
     b = outcome_rewards(batch, classes, alpha1)
-    norm = normalise(batch, classes, layout, factor, torch.from_numpy(squares), b, alpha2, epsilon)
+    norm = normalise(batch, classes, torch.from_numpy(y2), b, alpha2, epsilon)
     if bool(norm.wide.any()):
         return None
-    f = norm.factor.numpy()
-    shift = norm.shift.float().numpy()
-    sums = np.zeros(batch.num_rollouts, dtype=np.float64)
-    for i, o, t, s, wrong in busy_rows:  # A = F v + shift (float32)
-        part = out[o : o + t]
-        np.multiply(f[s : s + t], part if wrong else h[o : o + t], out=part)
-        np.add(part, shift[i], out=part)
-        sums[i] = np.add.reduce(part, dtype=np.float64)  # (while the slice is in cache)
-    for first, end in idle_runs:  # (F = 0 and shift 0 there: 0, as the keyed path's 0 v + 0)
-        out[first:end] = 0.0
+    scale = norm.scale.numpy().astype(np.float32)[cg]
+    shift = norm.shift.numpy().astype(np.float32)
+    out = np.empty(batch.num_tokens, dtype=np.float32)
+    sums = kernels.gtpo_write(h, offsets, start, busy, wrong, negative, factor, scale, shift, out)
     scalars = torch.from_numpy(sums) / batch.lengths.double().clamp(min=1.0)
     return TokenShaping(torch.from_numpy(out), scalars, None)
 
@@ -490,18 +541,24 @@ def _gtpo(
     leaves to a float64 one (bool (2G,)); each token's class group (int64 (N,))."""
     classes = split_classes(batch, correct_threshold)
     layout = key_layout(batch, classes)
+    alive = layout.alive(batch.lengths)
     key = token_keys(batch, layout)
-    v, total = token_shares(entropy, layout, key, dtype)
+    v, total = token_shares(entropy, layout, alive, key, dtype)
     squares = torch.zeros_like(total).index_add_(0, key, v * v)
-    factor = key_factor(layout, total, alpha2)
+    factor = key_factor(alive, total, layout.first_wrong, alpha2)
     b = outcome_rewards(batch, classes, alpha1)
     y = None
     if with_reward or dtype == torch.float64:
         y = factor.index_select(0, key).mul_(v)
     rollout_y = batch.rollout_sums(y) if dtype == torch.float64 and y is not None else None
-    norm = normalise(batch, classes, layout, factor, squares, b, alpha2, epsilon, rollout_y)
-    advantage = norm.factor.index_select(0, key).mul_(v)
-    advantage += batch.per_token(norm.shift.to(dtype))  # (the slices' float32 addition)
+    y2 = layout.square_sums(factor, squares)
+    norm = normalise(batch, classes, y2, b, alpha2, epsilon, rollout_y)
+    scale_of_key = layout.per_key(norm.scale.to(dtype))
+    per_key = factor.mul(scale_of_key)
+    # (a factor may be infinite where its class is left out: a group without contrast)
+    per_key.masked_fill_(scale_of_key == 0, 0.0)
+    advantage = per_key.index_select(0, key).mul_(v)
+    advantage += batch.per_token(norm.shift.to(dtype))  # (the compiled loop's float32 addition)
     reward = y.double() + batch.per_token_wide(b) if with_reward and y is not None else None
     of_token = layout.of_key().index_select(0, key)
     return TokenShaping(advantage, _scalars(batch, advantage), reward), norm.wide, of_token

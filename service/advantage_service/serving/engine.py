@@ -27,7 +27,7 @@ import torch
 from ..batch import RolloutBatch
 from ..config import Settings
 from ..errors import LimitExceeded, RequestError, deadline_exceeded
-from ..estimators import TERMS, AdvantageResult, TermContext, resolve_device
+from ..estimators import TERMS, AdvantageResult, TermContext, kernels, resolve_device
 from ..estimators.pipeline import check_inputs, derivable_inputs, derive_inputs
 from ..estimators.state import WriteOptions
 from ..observability.metrics import TOKEN_SAMPLE, Metrics
@@ -170,6 +170,7 @@ class Engine:
             }
         )
         compute_request(req, self.device)
+        kernels.compile_all()
         self.warm = True
 
     def close(self) -> None:
