@@ -207,6 +207,30 @@ def mask_of(
     return [mask[offsets[i] : offsets[i + 1]].astype(int).tolist() for i in range(len(rollouts))]
 
 
+ONE_PASS = [
+    {"hicra": {"alpha": 0.3}},  # broadcast and amplified in one pass
+    {"hicra": {"alpha": 0.7}, "clip": 0.4},  # clipped a_i, then the same
+    {"outcome": "rloo", "hicra": {"alpha": 0.3}, "whiten": True},  # amplified in place
+]
+
+
+@SETTINGS
+@given(planned_batches(), st.sampled_from(ONE_PASS))
+def test_hicra_one_pass_loops_give_torchs_bits(batch, estimator):
+    """On the CPU HICRA runs as one compiled pass (while a_i is broadcast, or in place after
+    whitening); its answer is, bit for bit, torch's A + alpha |A| m on the answer without
+    HICRA, and the answer of the path that also returns what HICRA added."""
+    alpha = estimator["hicra"]["alpha"]
+    without = compute_batch(batch, {k: v for k, v in estimator.items() if k != "hicra"})
+    expected = without.advantages.clone()
+    expected.addcmul_(expected.abs(), batch.planning_mask, value=alpha)
+    got = compute_batch(batch, estimator)
+    assert torch.equal(got.advantages, expected)
+    with_bonus = compute_batch(batch, estimator, diagnostics=("hicra_bonus",))
+    assert torch.equal(with_bonus.advantages, expected)
+    assert torch.equal(got.scalars, without.scalars)
+
+
 def test_the_default_phrases_are_the_papers_strategic_grams() -> None:
     """Listing 1 of arXiv 2509.03646v3, Appendix A: 249 lower-case entries, its first and last
     ones, and entries with punctuation kept as the listing has them."""

@@ -16,7 +16,8 @@ import torch
 
 from ..batch import RolloutBatch
 from ..errors import RequestError
-from .registry import OUTCOMES, TERMS, OutcomeOutput, TermContext
+from . import kernels
+from .registry import OUTCOMES, TERMS, OutcomeOutput, TermContext, TermOutput
 from .spec import EstimatorSpec, resolve_estimator
 
 WHITEN_EPS = 1e-8
@@ -172,6 +173,54 @@ def _tensor(value: torch.Tensor | Callable[[], torch.Tensor]) -> torch.Tensor:
     return value if isinstance(value, torch.Tensor) else value()
 
 
+def _clip(advantages: torch.Tensor, clip: float) -> torch.Tensor:
+    # A bound past float32's range clips nothing (and torch refuses to convert it).
+    bound = min(clip, torch.finfo(advantages.dtype).max)
+    return advantages.clamp(-bound, bound)
+
+
+def _fused_amplification(
+    batch: RolloutBatch,
+    spec: EstimatorSpec,
+    outputs: Iterable[TermOutput],
+    diagnostics: frozenset[str],
+) -> TermOutput | None:
+    """The one amplification (HICRA) that can be applied while a per-rollout a_i is broadcast
+    over the tokens, on the CPU: where nothing else makes the advantage differ between a
+    rollout's tokens before it (no weight, bonus or whitening; clipping applies to a_i alike),
+    and where what it added is not asked for. A_it = a_i + k |a_i| m_it is then one pass writing
+    the answer (:func:`.kernels.broadcast_amplified`) instead of a broadcast and a pass reading
+    and writing it again: the same float32 operations."""
+    if batch.tokens.device.type != "cpu" or spec.whiten:
+        return None
+    outputs = list(outputs)
+    if any(out.weight is not None or out.bonus is not None for out in outputs):
+        return None
+    amplifying = [out for out in outputs if out.amplification is not None]
+    if len(amplifying) != 1 or amplifying[0].amplification_diagnostic in diagnostics:
+        return None
+    return amplifying[0]
+
+
+def _broadcast_amplified(
+    batch: RolloutBatch, a: torch.Tensor, clip: float | None, fused: TermOutput
+) -> torch.Tensor:
+    """a_i (float32 (B,)) clipped, broadcast over each rollout's tokens and amplified by
+    ``fused``: float32 (N,), the bits of a broadcast, a clip and the amplification after."""
+    if clip is not None:
+        a = _clip(a, clip)
+    assert fused.amplification is not None
+    out = torch.empty(batch.num_tokens, dtype=torch.float32)
+    kernels.broadcast_amplified(
+        a.contiguous().numpy(),
+        batch.offsets.numpy(),
+        fused.amplification.float().contiguous().numpy(),
+        fused.amplification_scale,
+        out.numpy(),
+    )
+    return out
+
+
 def compute_batch(
     batch: RolloutBatch,
     estimator: str | Mapping[str, Any] | EstimatorSpec | None = None,
@@ -215,6 +264,7 @@ def compute_batch(
         name: TERMS[name].fn(batch, spec.terms[name], ctx.for_term(name)) for name in run_order
     }
     outputs = {name: computed[name] for name in spec.terms}
+    fused: TermOutput | None = None  # an amplification applied while broadcasting a_i
     # a_it w_it + sum_k c_k b_it in float32 (the output precision), built in place in one fresh
     # tensor: weights scale only the outcome term, never a bonus, so they go first.
     produced: dict[str, torch.Tensor | Callable[[], torch.Tensor]] = dict(outcome.diagnostics)
@@ -229,7 +279,11 @@ def compute_batch(
         advantages = outcome.advantage.to(torch.float32)
     else:
         scalars = outcome.advantage  # float64 (B,)
-        advantages = batch.per_token(scalars.float())
+        fused = _fused_amplification(batch, spec, outputs.values(), ctx.diagnostics)
+        if fused is not None:
+            advantages = _broadcast_amplified(batch, scalars.float(), spec.clip, fused)
+        else:
+            advantages = batch.per_token(scalars.float())
     for out in outputs.values():
         if out.weight is not None:
             advantages.mul_(out.weight)
@@ -245,19 +299,25 @@ def compute_batch(
             advantages = whiten(advantages)
         else:
             advantages = torch.cat([whiten(advantages[s.tokens]) for s in spans])
-    if spec.clip is not None:
-        # A bound past float32's range clips nothing (and torch refuses to convert it).
-        bound = min(spec.clip, torch.finfo(advantages.dtype).max)
-        advantages = advantages.clamp(-bound, bound)
+    if spec.clip is not None and fused is None:
+        advantages = _clip(advantages, spec.clip)
     # Amplifications of the combined advantage (HICRA): after whitening and clipping, so that
     # A_it + k |A_it| is exactly what the term's paper states of the advantage it is given.
     for out in outputs.values():
-        if out.amplification is None:
+        if out.amplification is None or out is fused:
             continue
         if out.amplification_diagnostic in ctx.diagnostics:
             added = advantages.abs().mul_(out.amplification).mul_(out.amplification_scale)
             produced[out.amplification_diagnostic] = added
             advantages.add_(added)
+        elif advantages.device.type == "cpu":
+            # One pass in place (torch: a fresh |A| and an addcmul_ reading three arrays).
+            advantages = advantages.contiguous()
+            kernels.amplify(
+                advantages.numpy(),
+                out.amplification.contiguous().numpy(),
+                out.amplification_scale,
+            )
         else:
             advantages.addcmul_(advantages.abs(), out.amplification, value=out.amplification_scale)
     # Masks last: a masked token carries nothing, whatever the formula, whitening or clip gave.
