@@ -499,32 +499,56 @@ def _gtpo_compiled(
     the per-position tables S and Q (and counts the rollouts reaching each position), the
     other writes A = F scale v + shift and takes each rollout's sum while its slice is in
     cache. A group without contrast takes no part in the sums and gets 0."""
-    classes = split_classes(batch, correct_threshold)
-    layout = key_layout(batch, classes)
-    cg = classes.class_group.numpy()
-    h = entropy.float().contiguous().numpy()
-    contrast = classes.contrast.numpy()
-    busy = np.concatenate([contrast, contrast])[cg]
-    wrong = ~classes.correct.numpy()
+    # What split_classes, key_layout and outcome_rewards compute, in numpy (per rollout and per
+    # class group: a numpy call costs a microsecond, a torch one several).
+    g = batch.num_groups
     offsets = batch.offsets.numpy()
-    start = layout.start.numpy()
-    total, squares, edges, negative = kernels.gtpo_position_sums(
-        h, offsets, start, busy, wrong, layout.num_keys
-    )
-    factor, status = kernels.gtpo_factor(total, edges, layout.first_wrong, alpha2)
+    lengths = np.diff(offsets)
+    rewards = batch.rewards.numpy().astype(np.float64)
+    correct = rewards > correct_threshold
+    wrong = ~correct
+    cg = batch.group_index.numpy() + g * wrong
+    per_class = np.bincount(cg, minlength=2 * g)
+    contrast = (per_class[:g] > 0) & (per_class[g:] > 0)
+    busy = np.concatenate([contrast, contrast])[cg]
+    longest = np.zeros(2 * g, np.int64)
+    np.maximum.at(longest, cg, lengths)
+    num_keys = int(longest.sum())
+    if num_keys >= 2**31:
+        raise ValueError(f"{num_keys} (class, group, position) keys do not fit int32")
+    start = (np.cumsum(longest) - longest)[cg]
+    first_wrong = int(longest[:g].sum())
+
+    h = entropy.float().contiguous().numpy()
+    total, squares, alive, factor = kernels.scratch_tables(num_keys, 4)
+    negative = kernels.gtpo_position_sums(h, offsets, start, busy, wrong, total, squares, alive)
+    status = kernels.gtpo_factor(total, alive, first_wrong, alpha2, factor)
     if status:  # an entropy of 0 where the keyed path's shares decide
         return None
-    y2 = kernels.class_square_sums(factor, squares, layout.longest.numpy())
-    b = outcome_rewards(batch, classes, alpha1)
-    norm = normalise(batch, classes, torch.from_numpy(y2), b, alpha2, epsilon)
-    if bool(norm.wide.any()):
+    y2 = kernels.class_square_sums(factor, squares, longest)
+    b = np.where(correct, alpha1 * rewards, -alpha1)
+    tokens = lengths.astype(np.float64)
+    with np.errstate(all="ignore"):  # (classes left out may hold inf or nan: unused)
+        scale, shift, wide = _class_statistics(
+            np, tokens, (lengths > 0) * 1.0, cg, contrast, y2, b, alpha2, epsilon, None
+        )
+    if wide.any():
         return None
-    scale = norm.scale.numpy().astype(np.float32)[cg]
-    shift = norm.shift.numpy().astype(np.float32)
     out = np.empty(batch.num_tokens, dtype=np.float32)
-    sums = kernels.gtpo_write(h, offsets, start, busy, wrong, negative, factor, scale, shift, out)
-    scalars = torch.from_numpy(sums) / batch.lengths.double().clamp(min=1.0)
-    return TokenShaping(torch.from_numpy(out), scalars, None)
+    sums = kernels.gtpo_write(
+        h,
+        offsets,
+        start,
+        busy,
+        wrong,
+        negative,
+        factor,
+        scale.astype(np.float32)[cg],
+        shift.astype(np.float32),
+        out,
+    )
+    scalars = sums / np.maximum(tokens, 1.0)
+    return TokenShaping(torch.from_numpy(out), torch.from_numpy(scalars), None)
 
 
 def _gtpo(

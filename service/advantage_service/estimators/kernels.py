@@ -19,6 +19,7 @@ does instead of raising (a check per element).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -123,17 +124,19 @@ def gtpo_position_sums(
     start: np.ndarray,
     busy: np.ndarray,
     wrong: np.ndarray,
-    num_keys: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
-    """GTPO's per-key sums over the rollouts marked ``busy``, in batch order: S of v (H for a
-    correct rollout, 1/H for a wrong one) and Q of v^2, float32 (K,) each; the rollouts'
-    starts (+1) and ends (-1) per key, int32 (K + 1,), whose running sum is d_t (or h_t); and
+    total: np.ndarray,
+    squares: np.ndarray,
+    alive: np.ndarray,
+) -> bool:
+    """GTPO's per-key sums over the rollouts marked ``busy``, in batch order, into float32 (K,)
+    tables (zeroed here): ``total`` S of v (H for a correct rollout, 1/H for a wrong one),
+    ``squares`` Q of v^2 and ``alive`` the rollouts that reach the key (d_t or h_t). Returns
     whether an entropy below 0 was read (taken as 0: a trainer's rounding; where none is, -0.0
     stays -0.0 as in torch, whose clamp runs only then). Rollout i's token t has key start_i +
     t."""
-    total = np.zeros(num_keys, np.float32)
-    squares = np.zeros(num_keys, np.float32)
-    edges = np.zeros(num_keys + 1, np.int32)
+    total[:] = 0.0
+    squares[:] = 0.0
+    alive[:] = 0.0
     one = np.float32(1.0)
     zero = np.float32(0.0)
     negative = False
@@ -146,8 +149,7 @@ def gtpo_position_sums(
         h = entropy[o : o + n]
         ts = total[s : s + n]
         qs = squares[s : s + n]
-        edges[s] += 1
-        edges[s + n] -= 1
+        d = alive[s : s + n]
         low = False
         if wrong[i]:
             for t in range(n):
@@ -156,6 +158,7 @@ def gtpo_position_sums(
                 v = one / (zero if x < zero else x)
                 ts[t] += v
                 qs[t] += v * v
+                d[t] += one
         else:
             for t in range(n):
                 x = h[t]
@@ -163,34 +166,52 @@ def gtpo_position_sums(
                 v = zero if x < zero else x
                 ts[t] += v
                 qs[t] += v * v
+                d[t] += one
         negative |= low
-    return total, squares, edges, negative
+    return negative
 
 
 @_compiled
 def gtpo_factor(
-    total: np.ndarray, edges: np.ndarray, first_wrong: int, alpha2: float
-) -> tuple[np.ndarray, int]:
-    """F_k = +-alpha2 d_k / S_k (O- negative; d_k the running sum of ``edges``), float32 (K,),
-    as ``key_factor``'s float32 operations; and 1 where an O+ key that a rollout reaches has
-    S = 0 (every entropy there 0), 2 where an O- key has S infinite (an entropy of 0), 0 if
-    neither (those are the keyed path's). Keys no rollout reaches get 0."""
+    total: np.ndarray, alive: np.ndarray, first_wrong: int, alpha2: float, factor: np.ndarray
+) -> int:
+    """Into ``factor`` (K,), F_k = +-alpha2 d_k / S_k (O- negative) in float32, as
+    ``key_factor``'s float32 operations (keys no rollout reaches get 0). Returns 1 where an O+
+    key that a rollout reaches has S = 0 (every entropy there 0), 2 where an O- key has S
+    infinite (an entropy of 0), 0 if neither (those are the keyed path's to compute)."""
+    zero = np.float32(0.0)
+    # (each loop from 0 over slices: see the module's notes)
+    plus_total, minus_total = total[:first_wrong], total[first_wrong:]
+    plus_alive, minus_alive = alive[:first_wrong], alive[first_wrong:]
+    plus_factor, minus_factor = factor[:first_wrong], factor[first_wrong:]
+    flat = False
+    for k in range(plus_total.shape[0]):
+        flat |= (plus_alive[k] > zero) & ~(plus_total[k] > zero)
+    if flat:
+        return 1
+    certain = False
+    inf = np.float32(np.inf)  # (a float64 inf would widen every comparison)
+    for k in range(minus_total.shape[0]):
+        certain |= (minus_alive[k] > zero) & ~(np.abs(minus_total[k]) < inf)
+    if certain:
+        return 2
     k2 = np.float32(alpha2)
-    factor = np.zeros(total.shape[0], np.float32)
-    alive = 0
-    for k in range(first_wrong):
-        alive += edges[k]
-        if alive > 0:
-            if not total[k] > 0:
-                return factor, 1
-            factor[k] = np.float32(alive) * k2 / total[k]
-    for k in range(first_wrong, total.shape[0]):
-        alive += edges[k]
-        if alive > 0:
-            if not np.isfinite(total[k]):
-                return factor, 2
-            factor[k] = -(np.float32(alive) * k2 / total[k])
-    return factor, 0
+    for k in range(plus_total.shape[0]):
+        f = plus_alive[k] * k2 / plus_total[k]
+        plus_factor[k] = f if plus_alive[k] > zero else zero
+    for k in range(minus_total.shape[0]):
+        f = -(minus_alive[k] * k2 / minus_total[k])
+        minus_factor[k] = f if minus_alive[k] > zero else zero
+    return 0
+
+
+@_reassociating
+def _square_sum(factor: np.ndarray, squares: np.ndarray) -> float:
+    total = 0.0
+    for k in range(factor.shape[0]):
+        f = np.float64(factor[k])
+        total += f * f * np.float64(squares[k])
+    return total
 
 
 @_compiled
@@ -200,22 +221,8 @@ def class_square_sums(factor: np.ndarray, squares: np.ndarray, longest: np.ndarr
     out = np.zeros(longest.shape[0], np.float64)
     k = 0
     for c in range(longest.shape[0]):
-        a0 = a1 = a2 = a3 = 0.0
         end = k + longest[c]
-        f = factor[k:end]
-        q = squares[k:end]
-        n = end - k
-        j = 0
-        while j + 4 <= n:
-            a0 += np.float64(f[j]) * np.float64(f[j]) * np.float64(q[j])
-            a1 += np.float64(f[j + 1]) * np.float64(f[j + 1]) * np.float64(q[j + 1])
-            a2 += np.float64(f[j + 2]) * np.float64(f[j + 2]) * np.float64(q[j + 2])
-            a3 += np.float64(f[j + 3]) * np.float64(f[j + 3]) * np.float64(q[j + 3])
-            j += 4
-        while j < n:
-            a0 += np.float64(f[j]) * np.float64(f[j]) * np.float64(q[j])
-            j += 1
-        out[c] = (a0 + a1) + (a2 + a3)
+        out[c] = _square_sum(factor[k:end], squares[k:end])
         k = end
     return out
 
@@ -275,6 +282,27 @@ def gtpo_write(
     return sums
 
 
+# Tables of up to this many float32 entries are kept between calls, per thread (a worker thread
+# computes one batch at a time): a fresh table's pages are faulted in on first write, which on
+# the CPU costs as much as the loop that fills it.
+SCRATCH_LIMIT = 1 << 22
+_scratch = threading.local()
+
+
+def scratch_tables(n: int, count: int) -> list[np.ndarray]:
+    """``count`` float32 (n,) tables for one computation on this thread: reused between calls
+    (not zeroed: the loops that take them say what they write), fresh past
+    :data:`SCRATCH_LIMIT`. Valid until this thread's next call; never returned to a caller."""
+    if n > SCRATCH_LIMIT:
+        return [np.empty(n, np.float32) for _ in range(count)]
+    held = getattr(_scratch, "tables", None)
+    if held is None or held.shape[0] < count or held.shape[1] < n:
+        size = max(n, 0 if held is None else held.shape[1])
+        held = np.empty((max(count, 0 if held is None else held.shape[0]), size), np.float32)
+        _scratch.tables = held
+    return [held[i, :n] for i in range(count)]
+
+
 def compile_all() -> None:
     """Compile (or load from the cache) every loop, on tiny inputs: the first request that
     needs one should not wait for the compiler."""
@@ -287,8 +315,9 @@ def compile_all() -> None:
     amplify(np.zeros(2, np.float32), f32, 0.5)
     start = np.array([0, 0], np.int64)
     ones = np.ones(2, np.float32)
-    total, squares, edges, _ = gtpo_position_sums(ones, offsets, start, flags, flags, 1)
-    factor, _ = gtpo_factor(total, edges, 1, 0.1)
+    total, squares, alive, factor = scratch_tables(1, 4)
+    gtpo_position_sums(ones, offsets, start, flags, flags, total, squares, alive)
+    gtpo_factor(total, alive, 1, 0.1, factor)
     class_square_sums(factor, squares, np.array([1, 0], np.int64))
     out = np.zeros(2, np.float32)
     gtpo_write(ones, offsets, start, flags, flags, False, factor, ones, ones, out)
