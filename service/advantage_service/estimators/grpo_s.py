@@ -37,7 +37,6 @@ from typing import Any, NamedTuple
 import torch
 
 from ..batch import RolloutBatch
-from . import kernels
 from .baselines import divide_by_spread, group_mean_std
 from .gtpo import PARAMS, Classes, clamp_entropy, outcome_rewards, split_classes
 from .registry import OutcomeOutput, register_outcome
@@ -49,6 +48,8 @@ def entropy_sums(batch: RolloutBatch, entropy: torch.Tensor) -> torch.Tensor:
     minimum cost about ten times as much); elsewhere torch's."""
     if entropy.device.type != "cpu" or batch.num_tokens == 0:
         return batch.rollout_sums(clamp_entropy(entropy))
+    from . import kernels  # (numba is imported when a compiled loop first runs)
+
     h = entropy.float().contiguous().numpy()
     return torch.from_numpy(kernels.segment_sums_nonnegative(h, batch.offsets.numpy()))
 

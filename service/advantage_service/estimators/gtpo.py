@@ -71,7 +71,6 @@ import numpy as np
 import torch
 
 from ..batch import RolloutBatch
-from . import kernels
 from .registry import OutcomeOutput, Param, register_outcome
 
 PARAMS = (
@@ -169,6 +168,8 @@ class KeyLayout(NamedTuple):
         """Per class group, sum_k F_k^2 Q_k over its keys in float64: float64 (2G,) (on the CPU
         the compiled loop's order, which the fast path shares)."""
         if factor.device.type == "cpu":
+            from . import kernels  # (numba is imported when a compiled loop first runs)
+
             return torch.from_numpy(
                 kernels.class_square_sums(
                     factor.contiguous().numpy(), squares.contiguous().numpy(), self.longest.numpy()
@@ -476,6 +477,8 @@ def _scalars(batch: RolloutBatch, advantage: torch.Tensor) -> torch.Tensor:
     lengths = batch.lengths.double().clamp(min=1.0)
     if advantage.device.type != "cpu":
         return batch.rollout_sums(advantage) / lengths
+    from . import kernels  # (numba is imported when a compiled loop first runs)
+
     offsets = batch.offsets.numpy()
     return torch.from_numpy(kernels.segment_sums(advantage.contiguous().numpy(), offsets)) / lengths
 
@@ -499,6 +502,8 @@ def _gtpo_compiled(
     the per-position tables S and Q (and counts the rollouts reaching each position), the
     other writes A = F scale v + shift and takes each rollout's sum while its slice is in
     cache. A group without contrast takes no part in the sums and gets 0."""
+    from . import kernels  # (numba is imported when a compiled loop first runs)
+
     # What split_classes, key_layout and outcome_rewards compute, in numpy (per rollout and per
     # class group: a numpy call costs a microsecond, a torch one several).
     g = batch.num_groups

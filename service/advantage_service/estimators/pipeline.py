@@ -16,7 +16,6 @@ import torch
 
 from ..batch import RolloutBatch
 from ..errors import RequestError
-from . import kernels
 from .registry import OUTCOMES, TERMS, OutcomeOutput, TermContext, TermOutput
 from .spec import EstimatorSpec, resolve_estimator
 
@@ -210,6 +209,8 @@ def _broadcast_amplified(
     if clip is not None:
         a = _clip(a, clip)
     assert fused.amplification is not None
+    from . import kernels  # (numba is imported when a compiled loop first runs)
+
     out = torch.empty(batch.num_tokens, dtype=torch.float32)
     kernels.broadcast_amplified(
         a.contiguous().numpy(),
@@ -312,6 +313,8 @@ def compute_batch(
             advantages.add_(added)
         elif advantages.device.type == "cpu":
             # One pass in place (torch: a fresh |A| and an addcmul_ reading three arrays).
+            from . import kernels  # (numba is imported when a compiled loop first runs)
+
             advantages = advantages.contiguous()
             kernels.amplify(
                 advantages.numpy(),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +28,7 @@ import torch
 from ..batch import RolloutBatch
 from ..config import Settings
 from ..errors import LimitExceeded, RequestError, deadline_exceeded
-from ..estimators import TERMS, AdvantageResult, TermContext, kernels, resolve_device
+from ..estimators import TERMS, AdvantageResult, TermContext, resolve_device
 from ..estimators.pipeline import check_inputs, derivable_inputs, derive_inputs
 from ..estimators.state import WriteOptions
 from ..observability.metrics import TOKEN_SAMPLE, Metrics
@@ -57,6 +58,15 @@ WRITES_BEHIND = (
     "the statistics writes of earlier requests are behind: no computation starts until they "
     "catch up (ADV_STATS_MAX_BACKLOG)"
 )
+
+
+def _compile_loops() -> None:
+    """Compile (or load from the cache) the CPU loops, logging how long it took."""
+    start = time.perf_counter()
+    from ..estimators import kernels
+
+    kernels.compile_all()
+    log.info("CPU loops compiled in %.1f s", time.perf_counter() - start)
 
 
 @dataclass
@@ -170,7 +180,11 @@ class Engine:
             }
         )
         compute_request(req, self.device)
-        kernels.compile_all()
+        # The CPU loops some methods use (estimators/kernels.py) are compiled, or loaded from
+        # numba's disk cache, beside serving rather than before it: 1-4 s that a service whose
+        # clients never ask for those methods should not wait for; a request that needs one
+        # meanwhile waits for that loop alone.
+        threading.Thread(target=_compile_loops, name="compile-cpu-loops", daemon=True).start()
         self.warm = True
 
     def close(self) -> None:
