@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -180,11 +179,10 @@ class Engine:
             }
         )
         compute_request(req, self.device)
-        # The CPU loops some methods use (estimators/kernels.py) are compiled, or loaded from
-        # numba's disk cache, beside serving rather than before it: 1-4 s that a service whose
-        # clients never ask for those methods should not wait for; a request that needs one
-        # meanwhile waits for that loop alone.
-        threading.Thread(target=_compile_loops, name="compile-cpu-loops", daemon=True).start()
+        # The CPU loops some methods use (estimators/kernels.py): compiled, or loaded from
+        # numba's disk cache (0.5 s), before the service is ready, so that neither the first
+        # request that needs one nor the process's memory changes after it reports ready.
+        _compile_loops()
         self.warm = True
 
     def close(self) -> None:
