@@ -7,9 +7,10 @@ cache. Each loop here does, in float32 and in the same order, what the torch cod
 the estimator's module does (the same bits: tests compare them), so that a request's answer
 does not depend on which path computed it. CUDA tensors never come here.
 
-Compiled on first use (about a second each) and cached on disk where a writable location exists
-(``NUMBA_CACHE_DIR``, else next to this file); the engine's warm-up compiles them before the
-service reports ready (:func:`compile_all`).
+Imported (with numba) only where a loop first runs; compiled on first use (about 4 s for all
+of them) and cached on disk where a writable location exists (``NUMBA_CACHE_DIR``, else next to
+this file: 0.5 s to load them all); the engine's warm-up compiles them before the service
+reports ready (:func:`compile_all`).
 
 Notes for the loops: each one takes slices of its arrays per rollout and indexes them from 0
 (an index that numba cannot prove non-negative costs a wrap-around check per access and
