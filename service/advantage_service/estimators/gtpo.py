@@ -296,20 +296,16 @@ def normalise(
     Every array here has a value per rollout or per class group: on the CPU numpy's (a call
     costs a microsecond; torch's several), elsewhere torch's."""
     if b.device.type == "cpu":
-        lengths = batch.lengths.numpy()
-        with np.errstate(all="ignore"):  # (classes left out may hold inf or nan: unused)
-            scale, shift, wide = _class_statistics(
-                np,
-                lengths.astype(np.float64),
-                (lengths > 0).astype(np.float64),
-                classes.class_group.numpy(),
-                classes.contrast.numpy(),
-                y2.numpy(),
-                b.numpy(),
-                alpha2,
-                epsilon,
-                None if rollout_y is None else rollout_y.numpy(),
-            )
+        scale, shift, wide = _class_statistics_numpy(
+            batch.lengths.numpy(),
+            classes.class_group.numpy(),
+            classes.contrast.numpy(),
+            y2.numpy(),
+            b.numpy(),
+            alpha2,
+            epsilon,
+            None if rollout_y is None else rollout_y.numpy(),
+        )
         return Normalisation(
             torch.from_numpy(scale), torch.from_numpy(shift), torch.from_numpy(wide)
         )
@@ -327,6 +323,32 @@ def normalise(
             rollout_y,
         )
     )
+
+
+def _class_statistics_numpy(
+    lengths: np.ndarray,
+    cg: np.ndarray,
+    group_contrast: np.ndarray,
+    y2: np.ndarray,
+    b: np.ndarray,
+    alpha2: float,
+    epsilon: float,
+    rollout_y: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_class_statistics` in numpy from the rollouts' lengths (T_i, int (B,))."""
+    with np.errstate(all="ignore"):  # (classes left out may hold inf or nan: unused)
+        return _class_statistics(
+            np,
+            lengths.astype(np.float64),
+            (lengths > 0).astype(np.float64),
+            cg,
+            group_contrast,
+            y2,
+            b,
+            alpha2,
+            epsilon,
+            rollout_y,
+        )
 
 
 class _TorchOps:
@@ -532,11 +554,9 @@ def _gtpo_compiled(
         return None
     y2 = kernels.class_square_sums(factor, squares, longest)
     b = np.where(correct, alpha1 * rewards, -alpha1)
-    tokens = lengths.astype(np.float64)
-    with np.errstate(all="ignore"):  # (classes left out may hold inf or nan: unused)
-        scale, shift, wide = _class_statistics(
-            np, tokens, (lengths > 0) * 1.0, cg, contrast, y2, b, alpha2, epsilon, None
-        )
+    scale, shift, wide = _class_statistics_numpy(
+        lengths, cg, contrast, y2, b, alpha2, epsilon, None
+    )
     if wide.any():
         return None
     out = np.empty(batch.num_tokens, dtype=np.float32)
@@ -552,7 +572,7 @@ def _gtpo_compiled(
         shift.astype(np.float32),
         out,
     )
-    scalars = sums / np.maximum(tokens, 1.0)
+    scalars = sums / np.maximum(lengths.astype(np.float64), 1.0)
     return TokenShaping(torch.from_numpy(out), torch.from_numpy(scalars), None)
 
 
