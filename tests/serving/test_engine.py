@@ -381,3 +381,95 @@ def test_the_servers_ignore_token_ids_apply_to_requests_that_give_none() -> None
     own_scores = own.result.diagnostics["ktae_score"].tolist()
     assert own_scores[0] != 0.0 and own_scores[2] == 0.0  # the request's own list instead
     engine.close()
+
+
+def test_an_answer_is_encoded_before_later_requests_are_decoded() -> None:
+    """One codec thread, busy decoding request B while request A computes, with C's body
+    waiting: when A is computed its answer is encoded before C is decoded (A's statistics are
+    accepted and its client waits; C has not started)."""
+    ran: list[str] = []
+    computing, compute_release, decode_release = (threading.Event() for _ in range(3))
+
+    def held_compute(*args: Any, **kwargs: Any) -> Any:
+        if not computing.is_set():  # (A's computation only)
+            computing.set()
+            assert compute_release.wait(30)
+        return compute_request(*args, **kwargs)
+
+    engine = Engine(
+        Settings(device="cpu", max_inflight=1), Metrics(process=False), compute=held_compute
+    )
+
+    def decoder(name: str, hold: threading.Event | None = None) -> Any:
+        def decode() -> Any:
+            if hold is not None:
+                assert hold.wait(30)
+            ran.append(f"decode {name}")
+            return parse_request(make_request(seed=len(name)))
+
+        return decode
+
+    def encoder(name: str) -> Any:
+        def encode(req: Any, result: Any, summary: dict[str, Any]) -> None:
+            ran.append(f"encode {name}")
+
+        return encode
+
+    async def scenario() -> None:
+        async def send(name: str, hold: threading.Event | None = None) -> Any:
+            return await engine.compute(decoder(name, hold), "t", encode=encoder(name))
+
+        a = asyncio.create_task(send("A"))
+        while not computing.is_set():
+            await asyncio.sleep(0.005)
+        b = asyncio.create_task(send("B", decode_release))
+        c = asyncio.create_task(send("C"))
+        while engine._codecs.pending < 1:  # C's decoding waits behind B's
+            await asyncio.sleep(0.005)
+        compute_release.set()  # A computes; its encoding waits behind B's decoding too
+        while engine._codecs.pending < 2:
+            await asyncio.sleep(0.005)
+        decode_release.set()
+        await asyncio.gather(a, b, c)
+
+    asyncio.run(scenario())
+    assert ran == ["decode A", "decode B", "encode A", "decode C", "encode B", "encode C"]
+    engine.close()
+
+
+def test_past_the_refusal_point_a_request_not_yet_decoded_is_refused_without_decoding() -> None:
+    """A shutdown deadline near (the scheduler refuses every request that would wait): a
+    request whose body waits for a codec thread is answered 503 with a retry hint, its body
+    never parsed (it could not be answered in time); the one being decoded is computed."""
+    engine = engine_with(max_inflight=1)
+    hold, holding = threading.Event(), threading.Event()
+    decoded: list[str] = []
+
+    def decoder(name: str) -> Any:
+        def decode() -> Any:
+            if name == "A":
+                holding.set()
+                assert hold.wait(30)
+            decoded.append(name)
+            return parse_request(make_request())
+
+        return decode
+
+    async def scenario() -> list[Any]:
+        a = asyncio.create_task(engine.compute(decoder("A"), "t"))
+        while not holding.is_set():
+            await asyncio.sleep(0.005)
+        b = asyncio.create_task(engine.compute(decoder("B"), "t"))
+        while engine._codecs.pending < 1:
+            await asyncio.sleep(0.005)
+        engine.scheduler.refuse_waiting("the service is shutting down")
+        hold.set()
+        return await asyncio.gather(a, b, return_exceptions=True)
+
+    a, b = asyncio.run(scenario())
+    assert decoded == ["A"]
+    assert a.summary["rollouts"] == 12
+    assert isinstance(b, Overloaded) and b.status == 503, b
+    assert "shutting down" in str(b) and b.retry_after_seconds >= 1
+    assert engine.inflight == 0
+    engine.close()

@@ -5,7 +5,8 @@ and metrics. No wire types here: a transport hands in a decoded request (or a fu
 decodes one) and, optionally, a function that encodes the answer.
 
 Threads: decoding and encoding run on a pool of ``ADV_MAX_INFLIGHT`` codec threads, so a queued
-request's body is parsed while others compute; computations run on ``ADV_MAX_INFLIGHT`` compute
+request's body is parsed while others compute (an answer's encoding before any waiting decoding:
+``codec_pool``); computations run on ``ADV_MAX_INFLIGHT`` compute
 workers, fed by the scheduler; statistics writes on one worker of their own, after the answer
 (coalesced in rounds; while they are behind, the scheduler starts no computation).
 """
@@ -38,6 +39,7 @@ from ..wire.request import ComputeRequest, parse_request, with_server_defaults
 from . import assembly, merging
 from .accounting import UNKNOWN_ESTIMATOR, Call
 from .auth import Authenticator, Principal
+from .codec_pool import FINISH, START, CodecPool
 from .compute import check_finite, compute_request, summarize
 from .scheduler import Computation, Scheduler, Ticket
 from .stats_writer import StatsWriter
@@ -110,9 +112,7 @@ class Engine:
         self._workers = ThreadPoolExecutor(
             max_workers=settings.max_inflight, thread_name_prefix="advantage-compute"
         )
-        self._codecs = ThreadPoolExecutor(
-            max_workers=settings.max_inflight, thread_name_prefix="advantage-codec"
-        )
+        self._codecs = CodecPool(settings.max_inflight, "advantage-codec")
         self.scheduler = Scheduler(
             workers=settings.max_inflight,
             executor=self._workers,
@@ -346,7 +346,7 @@ class Engine:
                 req = (
                     request
                     if isinstance(request, ComputeRequest)
-                    else await self._on_codec(ticket, request)
+                    else await self._decode(ticket, request)
                 )
                 req = with_server_defaults(req, self.settings.ignore_token_ids)
                 call.request, call.estimator = req, req.estimator.label
@@ -354,7 +354,7 @@ class Engine:
                     principal.authorize(req.namespace)
                 self.check_limits(req)
                 if self.token_text is not None and derivable_inputs(req.batch, req.estimator):
-                    req = await self._on_codec(ticket, self._derive_inputs, req)
+                    req = await self._on_codec(ticket, START, self._derive_inputs, req)
                 # Request errors before the queue: a merged computation never fails for one.
                 check_inputs(req.batch, req.estimator, req.returns)
                 session = StateSession(self.store, req, self.device, self.write_options)
@@ -381,7 +381,7 @@ class Engine:
                 encoded = (
                     None
                     if encode is None
-                    else await self._on_codec(ticket, encode, req, done.result, summary)
+                    else await self._on_codec(ticket, FINISH, encode, req, done.result, summary)
                 )
         except TimeoutError:
             if not deadline.expired():
@@ -396,11 +396,29 @@ class Engine:
         batch = derive_inputs(req.batch, req.estimator, self.token_text.vocabulary())
         return replace(req, batch=batch)
 
-    async def _on_codec(self, ticket: Ticket, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` on a codec thread; the request's place stays taken until it ends."""
-        future = asyncio.get_running_loop().run_in_executor(self._codecs, fn, *args)
+    async def _on_codec(
+        self, ticket: Ticket, priority: int, fn: Callable[..., Any], *args: Any
+    ) -> Any:
+        """``fn(*args)`` on a codec thread (``FINISH`` work before ``START`` work); the
+        request's place stays taken until it ends."""
+        future = asyncio.wrap_future(self._codecs.submit(priority, fn, *args))
         ticket.keep(future)
         return await asyncio.shield(future)
+
+    async def _decode(self, ticket: Ticket, decode: Decoder) -> ComputeRequest:
+        """The request ``decode`` reads, on a codec thread; a 503 (retry elsewhere) without
+        decoding it when, by the time a thread is free, the scheduler refuses every request
+        that would wait (a shutdown deadline is near: it could not be answered in time)."""
+        req = await self._on_codec(ticket, START, self._unless_refusing, decode)
+        if req is None:
+            why = self.scheduler.refusing
+            assert why is not None  # (it is never unset)
+            raise self.scheduler.overloaded(why)
+        return req
+
+    def _unless_refusing(self, decode: Decoder) -> ComputeRequest | None:
+        # (On the codec thread: reads one attribute the event loop sets.)
+        return None if self.scheduler.refusing is not None else decode()
 
     # ---- on the compute workers ---------------------------------------------------------------
 

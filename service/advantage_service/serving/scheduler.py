@@ -289,6 +289,11 @@ class Scheduler:
             self._drop(job)
             raise
 
+    @property
+    def refusing(self) -> str | None:
+        """Why every request that would wait is refused (:meth:`refuse_waiting`), or None."""
+        return self._refusing
+
     def refuse_waiting(self, why: str) -> int:
         """Answer every request still waiting with :class:`Overloaded`, and from now on every
         request that would have to wait (a draining replica whose shutdown deadline is near:
