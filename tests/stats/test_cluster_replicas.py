@@ -143,7 +143,21 @@ def test_replicas_behind_haproxy_lose_and_double_count_nothing_while_one_restart
         # drained one's included, and no retry counted twice.
         ids = {a.request_id for a in answers}
         assert len(ids) == len(answers)
-        poll(lambda: counted(url) == REQUEST_ROLLOUTS * len(ids), 60, "every request counted")
+        want = REQUEST_ROLLOUTS * len(ids)
+        last: list[int] = []
+
+        def all_counted() -> bool:
+            last[:] = [counted(url)]
+            return last[0] == want
+
+        try:
+            poll(all_counted, 60, "every request counted")
+        except AssertionError:
+            unrecorded = sum(a.recorded is not True for a in answers)
+            raise AssertionError(
+                f"{last[0]} rollouts counted, {want} expected ({len(ids)} requests, "
+                f"{unrecorded} of them answered recorded: false); logs in {tmp_path}"
+            ) from None
         time.sleep(1)
         assert counted(url) == REQUEST_ROLLOUTS * len(ids)
         # History written through any replica is read through each.

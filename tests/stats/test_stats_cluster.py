@@ -510,3 +510,47 @@ async def test_the_store_follows_a_slot_moved_to_another_master(tmp_path: Path) 
     finally:
         await store.close()
         cluster.stop()
+
+
+async def test_a_read_past_its_timeout_leaves_no_reply_behind_for_the_next_call(
+    redis_cluster: LocalCluster,
+) -> None:
+    """Every master paused past the read timeout: a read fails (statistics None, history
+    unavailable), and the connections it used carry none of the late replies into the next
+    calls: once the masters answer again, reads return what was written and a write counts (a
+    connection reused with unread replies hands each call an earlier call's answers)."""
+    store = RedisStatsStore(redis_cluster.url, socket_timeout=0.2)
+    prompts = [f"p{i}" for i in range(16)]
+
+    def pause() -> float:
+        for port in redis_cluster.masters():
+            with redis_cluster.client(port) as client:
+                client.execute_command("CLIENT", "PAUSE", 1000, "ALL")
+        return time.monotonic()
+
+    async def answers_again(paused: float) -> None:
+        await asyncio.sleep(max(0.0, paused + 1.2 - time.monotonic()))
+        for _ in range(3):  # (each read takes the pooled connections in turn)
+            await asyncio.sleep(0.6)  # (the store's backoff after the failed read)
+            assert await history(store, prompts) == stored
+            assert_token_stats_are_the_sum(await statistics(store), [first.tokens])
+
+    try:
+        assert await store.ping()
+        first = await writes_of(store, body(61, prompts, request_id="before"))
+        assert await write(store, [first]) == [COUNTED]
+        stored = await history(store, prompts)
+        assert all(r is not None for r in stored)
+        paused = pause()
+        assert await store.token_stats(NS, "occurrences", EVERYTHING) is None
+        assert time.monotonic() - paused < 1.0, "the read outlived the pause: no test"
+        await answers_again(paused)
+        paused = pause()
+        assert await store.read_records(NS, [(SPACE, p) for p in prompts]) is None
+        assert time.monotonic() - paused < 1.0, "the read outlived the pause: no test"
+        await answers_again(paused)
+        second = await writes_of(store, body(62, prompts, request_id="after"))
+        assert await write(store, [second]) == [COUNTED]
+        assert_token_stats_are_the_sum(await statistics(store), [first.tokens, second.tokens])
+    finally:
+        await store.close()

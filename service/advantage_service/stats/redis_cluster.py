@@ -382,8 +382,9 @@ class ClusterLayout:
         self, node: ClusterNode, commands: Commands, timeout: float | None
     ) -> list[Any]:
         """``commands`` to ``node`` in one write, their replies (error replies in place): one
-        round trip. A broken pooled connection is retried once at once on a fresh one (safe:
-        reads, and the idempotent parts of writes)."""
+        round trip, all its replies within ``timeout`` (else TimeoutError; None: each within
+        the client's socket timeout). A broken pooled connection is retried once at once on a
+        fresh one (safe: reads, and the idempotent parts of writes)."""
         chunks = [chunk for cmd in commands for chunk in cmd]
         for attempt in range(2):
             conn = node.acquire_connection()
@@ -391,11 +392,15 @@ class ClusterLayout:
                 self.store.count_round_trip()
                 await conn.send_packed_command(chunks, check_health=False)
                 replies: list[Any] = []
-                for _ in commands:
-                    try:
-                        replies.append(await conn.read_response(timeout=timeout))
-                    except ResponseError as exc:
-                        replies.append(exc)
+                # Not read_response(timeout=...): past that timeout it returns None and leaves
+                # the late reply on the connection, which the next call would read as its own.
+                # A timeout here cancels the read, and the connection is closed below.
+                async with asyncio.timeout(timeout):
+                    for _ in commands:
+                        try:
+                            replies.append(await conn.read_response())
+                        except ResponseError as exc:
+                            replies.append(exc)
                 return replies
             except RedisConnectionError:
                 await conn.disconnect()
