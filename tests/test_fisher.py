@@ -28,13 +28,35 @@ def all_tables() -> np.ndarray:
     )
 
 
+def canonical_tables(tables: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct tables up to the 2x2 table's symmetries (swapping its rows, its columns,
+    transposing it: Fisher's two-sided p is the same for all eight), as cells [[a, b], [c, d]],
+    and for each of ``tables`` (rows n1, n2, a, b) the index of its canonical one."""
+    n1, n2, a, b = tables.T
+    cells = np.stack([a, b, n1 - a, n2 - b])  # [[a, b], [c, d]]
+    orders = [(0, 1, 2, 3), (1, 0, 3, 2), (2, 3, 0, 1), (3, 2, 1, 0),
+              (0, 2, 1, 3), (2, 0, 3, 1), (1, 3, 0, 2), (3, 1, 2, 0)]  # fmt: skip
+    base = MAX_MARGIN + 1
+    powers = base ** np.arange(3, -1, -1)  # (a table's cells as the digits of one number)
+    codes = np.stack([powers @ cells[list(order)] for order in orders]).min(axis=0)
+    unique, index = np.unique(codes, return_inverse=True)
+    return unique[:, None] // powers % base, index
+
+
 @pytest.mark.slow
 def test_fisher_matches_scipy_on_every_table_with_margins_up_to_24(all_tables):
     t = torch.from_numpy(all_tables)
     fast = fisher_two_sided(t[:, 0], t[:, 1], t[:, 2], t[:, 3]).numpy()
-    expected = np.array(
-        [fisher_exact([[a, b], [n1 - a, n2 - b]])[1] for n1, n2, a, b in all_tables]
-    )
+    # scipy once per table up to its symmetries (5.5x fewer calls, of ~0.7 ms each) ...
+    canonical, index = canonical_tables(all_tables)
+    assert len(canonical) < len(all_tables) / 5
+    expected = np.array([fisher_exact([[a, b], [c, d]])[1] for a, b, c, d in canonical])[index]
+    # ... which give scipy's p of the table itself (checked on a sample of them).
+    rng = np.random.default_rng(0)
+    for n1, n2, a, b in all_tables[rng.choice(len(all_tables), 300, replace=False)]:
+        want = fisher_exact([[a, b], [n1 - a, n2 - b]])[1]
+        p = expected[np.flatnonzero((all_tables == (n1, n2, a, b)).all(axis=1))[0]]
+        assert p == pytest.approx(want, rel=1e-12, abs=1e-15), (n1, n2, a, b)
     worst = int(np.argmax(np.abs(fast - expected)))
     np.testing.assert_allclose(
         fast,
