@@ -29,7 +29,7 @@ from advantage_service.serving.term_state import PendingWrites, StateSession, fo
 from advantage_service.stats import RedisStatsStore, StatsUpdate
 from advantage_service.stats.base import COUNTED, DUPLICATE, LOST, RecordKey, RequestWrite
 from advantage_service.stats.blobs import TokenStatsUpdate, merge_token_stats
-from advantage_service.stats.redis_cluster import ClusterLayout
+from advantage_service.stats.redis_cluster import ClusterLayout, Part, _script_reply
 from advantage_service.transports.arrow import RESPONSE_METADATA, encode_response
 from advantage_service.transports.grpc_codec import encode_compute_response
 from advantage_service.wire.request import parse_request
@@ -554,3 +554,17 @@ async def test_a_read_past_its_timeout_leaves_no_reply_behind_for_the_next_call(
         assert_token_stats_are_the_sum(await statistics(store), [first.tokens, second.tokens])
     finally:
         await store.close()
+
+
+def test_a_reply_the_commit_script_does_not_give_fails_its_part() -> None:
+    """Only the commit script's own replies count a part written or counted before: another
+    command's reply in its place (a list of records, a status) fails the part (its requests
+    counted lost, visibly), never counts them."""
+
+    def reply(last: Any) -> Any:
+        return _script_reply(Part(0, [], result=[b"OK", last]))
+
+    assert reply([1, 3, 0]) == [1, 3, 0]
+    assert reply([0, 0, 0, 2]) == [0, 0, 0, 2]
+    for other in ([b"record", b"record"], [1, 0], b"OK", None, 7, [1, b"x", 0]):
+        assert reply(other) is None, other

@@ -752,12 +752,16 @@ def _failed_part(part: Part) -> bool:
 
 
 def _script_reply(part: Part) -> list[Any] | None:
-    """The reply of a part's commit script; None when the part failed."""
+    """The reply of a part's commit script; None when the part failed, or when the reply is
+    not one the script gives (at least three integers: a reply that was another command's would
+    otherwise count a request as written, or as counted before, that was not)."""
     result = part.result
     if not isinstance(result, list) or not result:
         return None
     reply = result[-1]
-    if isinstance(reply, BaseException) or not isinstance(reply, list):
+    if not isinstance(reply, list) or len(reply) < 3:
+        return None
+    if not all(isinstance(x, int) for x in reply):
         return None
     return reply
 
