@@ -4,9 +4,12 @@ for every preset (token-level ones through the patched ``compute_advantage``).""
 
 from __future__ import annotations
 
+import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -14,6 +17,7 @@ from advantage_client import AdvantageError
 from advantage_client.integrations import verl as adv_verl
 from oracle import PRESETS
 from padded_batches import ATOL, RTOL, PaddedCase, padded_case
+from process_support import poll
 
 pytest.importorskip("verl.trainer.ppo.ray_trainer")
 from verl import DataProto
@@ -122,6 +126,53 @@ def test_over_the_service(service: Any, transport: str) -> None:
     got = advantages(data_proto(case), "adv_ktae")
     np.testing.assert_allclose(got.numpy(), case.advantages, rtol=RTOL, atol=ATOL)
     assert service.requests(transport=transport) == before + 1
+
+
+class CutFirstAnswer(httpx.HTTPTransport):
+    """Real HTTP to the service; the first answer, once the service has sent it whole, is
+    dropped as a connection cut before the client read it (the client retries the call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cut = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = super().handle_request(request)
+        if request.method == "POST" and not self.cut:
+            response.read()
+            response.close()
+            self.cut += 1
+            raise httpx.RemoteProtocolError("server disconnected without sending a response")
+        return response
+
+
+@pytest.mark.integration
+def test_a_call_retried_after_its_answer_was_cut_is_counted_once(service: Any) -> None:
+    """Each call of a registered estimator carries its own request id, the same on its
+    retries: a call the service answered and counted, whose answer the trainer never got, is
+    counted once when the client sends it again; the next call counts again."""
+    namespace = f"verl-retry-{uuid.uuid4().hex[:8]}"
+    made = adv_verl.register("http", service.url, presets=["ktae"], namespace=namespace)
+    client = made["adv_ktae"].compute_padded.__self__
+    cutting = CutFirstAnswer()
+    client.http = httpx.Client(base_url=service.url, timeout=60.0, transport=cutting)
+    case = padded_case(48, "ktae", layout="right", empty_prob=0)
+    before = service.requests(transport="http")
+
+    def counted() -> int:
+        stats = service.http.get("/v1/stats/tokens", params={"namespace": namespace}).json()
+        return int(stats["rollouts_counted"])
+
+    got = advantages(data_proto(case), "adv_ktae")
+    np.testing.assert_allclose(got.numpy(), case.advantages, rtol=RTOL, atol=ATOL)
+    assert cutting.cut == 1
+    assert service.requests(transport="http") == before + 2  # answered twice ...
+    poll(lambda: counted() > 0, 30, "the statistics written")
+    time.sleep(0.5)
+    rollouts = len(case.rewards)
+    assert counted() == rollouts  # ... counted once
+    advantages(data_proto(case), "adv_ktae")  # the next step's call: a call of its own
+    poll(lambda: counted() == 2 * rollouts, 30, "the second call counted")
 
 
 # ---- verl's settings, per-token rewards, failing early, restarts, packaging ---------------------

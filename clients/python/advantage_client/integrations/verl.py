@@ -51,9 +51,11 @@ import contextvars
 import hashlib
 import importlib
 import inspect
+import itertools
 import json
 import logging
 import os
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 from typing import Any
@@ -223,6 +225,11 @@ class VerlEstimator:
                 f"verl's ({sorted(LOCAL_FALLBACK)}, no terms, no clip); {self.full} is not one: "
                 "register it without fallback"
             )
+        # Each call's request id (this process's random prefix, the estimator, a count): a call
+        # the client retries after its connection was cut, once the service had counted it, is
+        # not counted again.
+        self._request_prefix = uuid.uuid4().hex
+        self._calls = itertools.count()
         self.__name__ = f"compute_{name}_advantage"
         self.__doc__ = f"advantage-service estimator {given!r} as verl estimator {name!r}."
 
@@ -351,6 +358,7 @@ class VerlEstimator:
                 teacher_logprobs=teachers if "teacher_logprobs" in self.reads else None,
                 ignore_token_ids=self.ignore_token_ids,
                 namespace=self.namespace,
+                request_id=f"verl:{self._request_prefix}:{self.name}:{next(self._calls)}",
                 prompt_keys=prompt_keys if self.history else None,
                 **per_token,
             )
