@@ -5,10 +5,10 @@ and metrics. No wire types here: a transport hands in a decoded request (or a fu
 decodes one) and, optionally, a function that encodes the answer.
 
 Threads: decoding and encoding run on a pool of ``ADV_MAX_INFLIGHT`` codec threads, so a queued
-request's body is parsed while others compute (an answer's encoding before any waiting decoding:
-``codec_pool``); computations run on ``ADV_MAX_INFLIGHT`` compute
-workers, fed by the scheduler; statistics writes on one worker of their own, after the answer
-(coalesced in rounds; while they are behind, the scheduler starts no computation).
+request's body is parsed while others compute (an answer's encoding before any waiting
+decoding: ``codec_pool``); computations run on ``ADV_MAX_INFLIGHT`` compute workers, fed by the
+scheduler; statistics writes on one worker of their own, after the answer (coalesced in rounds;
+while they are behind, the scheduler starts no computation).
 """
 
 from __future__ import annotations

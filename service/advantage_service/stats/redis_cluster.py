@@ -759,11 +759,9 @@ def _script_reply(part: Part) -> list[Any] | None:
     if not isinstance(result, list) or not result:
         return None
     reply = result[-1]
-    if not isinstance(reply, list) or len(reply) < 3:
-        return None
-    if not all(isinstance(x, int) for x in reply):
-        return None
-    return reply
+    if isinstance(reply, list) and len(reply) >= 3 and all(isinstance(x, int) for x in reply):
+        return reply
+    return None
 
 
 def _part_ids(pending: _Pending, requests: Sequence[RequestWrite]) -> list[str]:
