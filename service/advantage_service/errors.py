@@ -35,10 +35,35 @@ _REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 8
 _REPR.maxlevel = 3
 
 
+def is_text(value: str) -> bool:
+    """Whether ``value`` is valid Unicode text, i.e. encodes as UTF-8: no lone surrogate (a
+    Python str can hold one, from JSON's ``"\\ud800"`` or bytes decoded with
+    ``surrogateescape``; UTF-8 cannot). O(1) for ASCII, which CPython flags."""
+    if value.isascii():
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def escaped(value: str) -> str:
+    """``value`` with each lone surrogate written as its escape (``\\ud800``): text every
+    encoder, log and answer takes, and that still shows what was sent."""
+    if is_text(value):
+        return value
+    return value.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _bounded(text: str | None, limit: int) -> str | None:
-    if text is None or len(text) <= limit:
-        return text
-    return f"{text[:limit]}... ({len(text)} characters)"
+    # (escaped: an error repeats names and ids a client sent, and its answer must be writable)
+    if text is None:
+        return None
+    shown_text = escaped(text[:limit])  # (cut before escaping: no work in proportion to junk)
+    if len(text) <= limit and len(shown_text) <= limit:
+        return shown_text
+    return f"{shown_text[:limit]}... ({len(text)} characters)"
 
 
 class RequestError(ValueError):

@@ -91,6 +91,13 @@ OPTIONS = st.one_of(
     st.sampled_from(sorted(presets())).map(lambda p: json.dumps({"estimator": p}).encode()),
     st.just(b'{"groups": []}'),
     st.just(b'{"return": ["scalar", "ktae_score"], "estimator": "ktae", "vocab_size": 100}'),
+    # Text that is not text: lone surrogates escaped, bytes that are not UTF-8 (422, never 5xx).
+    st.tuples(
+        st.sampled_from(
+            [b'{"request_id": "%s"}', b'{"namespace": "%s"}', b'{"estimator": "%s"}', b'{"%s": 1}']
+        ),
+        st.sampled_from([b"\\ud800", b"x\\udfff", b"\\ud83d\\ud83d", b"\xff", b"\xed\xa0\x80"]),
+    ).map(lambda pair: pair[0] % pair[1]),
 )
 
 
@@ -237,4 +244,95 @@ def test_corrupted_arrow_streams_never_answer_5xx_and_are_never_computed(server:
 
     run()
     assert 422 in answered
+    assert server.client.get("/healthz").status_code == 200
+
+
+# ---- JSON bodies whose strings are not text --------------------------------------------------
+
+# A JSON request, every string of it a place: the hole is where bad text goes.
+HOLE = "HOLE-5a7c"
+TEXT_PLACES: dict[str, dict[str, Any]] = {
+    "request_id": {"request_id": HOLE},
+    "namespace": {"namespace": HOLE},
+    "preset": {"estimator": HOLE},
+    "outcome name": {"estimator": {"outcome": {"name": HOLE}}},
+    "estimator key": {"estimator": {"outcome": "grpo", HOLE: {}}},
+    "return name": {"return": ["scalar", HOLE]},
+    "unknown key": {HOLE: 1},
+    "group id": {"group": {"id": HOLE}},
+    "prompt key": {"group": {"prompt_key": HOLE}},
+    "group key": {"group": {HOLE: 1}},
+    "rollout key": {"rollout": {HOLE: 1}},
+    "teacher condition": {"rollout": {"teacher_logprobs": {HOLE: [-0.5, -0.5]}}},
+}
+# Bad text as a client may send it: escapes json accepts, and raw bytes.
+BAD_TEXT = st.sampled_from(
+    [
+        b"\\ud800",
+        b"\\udc00",
+        b"\\ud83dx",
+        b"\\udfff\\ud800",
+        b"\xff",
+        b"\xed\xa0\x80",
+        b"\xc0\x80",
+        b"\xf4\x90\x80\x80",
+        b"\xe2\x82",
+    ]
+)
+# Text around it, as JSON writes it (escaped or not): the place stays a string of the request.
+AROUND = st.text(
+    st.characters(blacklist_categories=["Cs", "Cc"], blacklist_characters='"\\'), max_size=6
+).map(lambda t: t.encode())
+
+
+def text_body(place: str) -> bytes:
+    change = TEXT_PLACES[place]
+    rollouts = [{"tokens": [1, 2], "reward": 1.0}, {"tokens": [3, 4], "reward": 0.0}]
+    group: dict[str, Any] = {"id": "g", "rollouts": rollouts}
+    request: dict[str, Any] = {"groups": [group]}
+    for key, value in change.items():
+        if key == "group":
+            group.update(value)
+        elif key == "rollout":
+            for rollout in rollouts:
+                rollout.update(value)
+        else:
+            request[key] = value
+    body = json.dumps(request, ensure_ascii=False).encode()
+    assert body.count(HOLE.encode()) in (1, 2)
+    return body
+
+
+def test_json_strings_that_are_not_text_are_invalid_text_never_5xx(server: Server) -> None:
+    """Any string of a JSON body (ids, names, keys, values) holding a lone surrogate or bytes
+    that are not UTF-8, with any text around it: 422 ``invalid_text`` naming a field, never a
+    5xx, and the server keeps answering."""
+    fields: set[str] = set()
+
+    @settings(
+        max_examples=150,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(
+        place=st.sampled_from(sorted(TEXT_PLACES)),
+        bad=BAD_TEXT,
+        before=AROUND,
+        after=AROUND,
+    )
+    def run(place: str, bad: bytes, before: bytes, after: bytes) -> None:
+        body = text_body(place).replace(HOLE.encode(), before + bad + after)
+        response = server.client.post(
+            "/v1/advantages", content=body, headers={"content-type": "application/json"}
+        )
+        assert response.status_code == 422, response.text
+        error = response.json()["error"]
+        assert error["code"] == "invalid_text", error
+        assert error["field"], error
+        fields.add(error["field"].split(".")[0].split("[")[0])
+
+    run()
+    assert {"request_id", "namespace", "estimator", "return", "groups"} <= fields, fields
     assert server.client.get("/healthz").status_code == 200

@@ -238,7 +238,68 @@ def corrupted(draw: st.DrawFn, valid: bytes = VALID) -> bytes:
     return bytes(data)
 
 
-PAYLOADS = st.one_of(st.binary(max_size=256), wire_fields(), compute_messages(), corrupted())
+def field_bytes(number: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field."""
+    return varint(number << 3 | 2) + varint(len(payload)) + payload
+
+
+# Strings that are not text: bytes that are not UTF-8 (an encoded surrogate among them) where
+# protobuf holds a string, and, in the JSON of estimator_json, lone surrogate escapes.
+NOT_UTF8 = st.sampled_from(
+    [b"\xed\xa0\x80", b"\xed\xbf\xbf", b"\xff", b"\xc0\x80", b"\xf4\x90\x80\x80", b"\xe2\x82"]
+)
+SURROGATE_ESCAPES = st.sampled_from([b"\\ud800", b"\\udfff", b"\\ud83dx"])
+# (printable ASCII around it, quotes and backslashes aside: the JSON string stays one)
+AROUND = st.text(
+    st.characters(min_codepoint=0x20, max_codepoint=0x7E, blacklist_characters='"\\'),
+    max_size=4,
+).map(str.encode)
+# Where a ComputeRequest holds a string: wire bytes that set it (appended to a message, they
+# replace a singular field's value, merge into options, add an element or a map entry).
+UNARY_TEXT = {
+    "request_id": lambda t: field_bytes(1, t),
+    "namespace": lambda t: field_bytes(2, field_bytes(1, t)),
+    "preset": lambda t: field_bytes(2, field_bytes(2, t)),
+    "returns": lambda t: field_bytes(2, field_bytes(6, t)),
+    "group_ids": lambda t: field_bytes(3, t),
+    "teacher condition": lambda t: field_bytes(9, field_bytes(1, t) + field_bytes(2, b"")),
+    "prompt_keys": lambda t: field_bytes(13, t),
+}
+# And a stream message: its options, or its rollout.
+STREAM_TEXT = {
+    "namespace": lambda t: field_bytes(1, field_bytes(1, t)),
+    "preset": lambda t: field_bytes(1, field_bytes(2, t)),
+    "group_id": lambda t: field_bytes(2, field_bytes(1, t)),
+    "rollout_id": lambda t: field_bytes(2, field_bytes(3, t)),
+    "teacher condition": lambda t: field_bytes(2, field_bytes(7, field_bytes(1, t))),
+    "prompt_key": lambda t: field_bytes(2, field_bytes(11, t)),
+}
+
+
+@st.composite
+def text_of(draw: st.DrawFn) -> bytes:
+    return draw(AROUND) + draw(NOT_UTF8) + draw(AROUND)
+
+
+@st.composite
+def estimator_json_with_surrogates(draw: st.DrawFn) -> bytes:
+    """options.estimator_json whose JSON holds a lone surrogate escape, as a value or a key."""
+    bad = draw(AROUND) + draw(SURROGATE_ESCAPES) + draw(AROUND)
+    template = draw(st.sampled_from([b'"%s"', b'{"outcome": "%s"}', b'{"%s": 1}']))
+    return field_bytes(2, field_bytes(3, template % bad))
+
+
+@st.composite
+def bad_text_messages(draw: st.DrawFn) -> bytes:
+    """A valid ComputeRequest with one of its strings not text."""
+    if draw(st.booleans()):
+        return VALID + draw(estimator_json_with_surrogates())
+    return VALID + UNARY_TEXT[draw(st.sampled_from(sorted(UNARY_TEXT)))](draw(text_of()))
+
+
+PAYLOADS = st.one_of(
+    st.binary(max_size=256), wire_fields(), compute_messages(), corrupted(), bad_text_messages()
+)
 METADATA = (("authorization", f"Bearer {TOKEN}"),)
 
 
@@ -287,6 +348,7 @@ def stream_items(draw: st.DrawFn) -> bytes:
             reward=draw(st.floats(width=32)),
         )
     )
+    bad_text = STREAM_TEXT[draw(st.sampled_from(sorted(STREAM_TEXT)))](draw(text_of()))
     return draw(
         st.one_of(
             st.just(options.SerializeToString()),
@@ -294,6 +356,7 @@ def stream_items(draw: st.DrawFn) -> bytes:
             corrupted(rollout.SerializeToString()),
             wire_fields(),
             st.binary(max_size=64),
+            st.just(rollout.SerializeToString() + bad_text),
         )
     )
 
@@ -319,6 +382,54 @@ def test_grpc_streams_answer_malformed_protobuf_without_internal_errors(
         run()
     assert sum(codes.values()) >= 120
     assert {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT} <= set(codes), codes
+    assert_healthy(service)
+
+
+def test_grpc_strings_that_are_not_text_are_invalid_text_never_internal(service: Service) -> None:
+    """Bytes that are not UTF-8 in any string field of a Compute or stream message (any text
+    around them), or lone surrogate escapes in estimator_json: INVALID_ARGUMENT
+    ``invalid_text`` naming a field, never INTERNAL, UNKNOWN or a hang."""
+    with grpc.insecure_channel(service.target) as channel:
+        compute = channel.unary_unary(
+            SERVICE + "Compute", request_serializer=None, response_deserializer=None
+        )
+        stream = channel.stream_stream(
+            SERVICE + "StreamCompute", request_serializer=None, response_deserializer=None
+        )
+        options = pb.StreamRequest(options=options_message(estimator="grpo", namespace="team-a"))
+        rollout = pb.StreamRequest(rollout=pb.Rollout(group_id="g", group_size=2))
+        fields: Counter[str] = Counter()
+
+        @bounded(150)
+        @given(
+            unary=bad_text_messages(),
+            place=st.sampled_from(sorted(STREAM_TEXT)),
+            text=text_of(),
+            use_stream=st.booleans(),
+        )
+        def run(unary: bytes, place: str, text: bytes, use_stream: bool) -> None:
+            def call() -> Any:
+                if not use_stream:
+                    return compute(unary, metadata=METADATA, timeout=CALL_TIMEOUT)
+                bad = STREAM_TEXT[place](text)
+                first = options.SerializeToString()
+                if place in ("namespace", "preset"):
+                    first += bad  # (merged into the options)
+                    items = [first, rollout.SerializeToString()]
+                else:
+                    items = [first, rollout.SerializeToString() + bad]
+                return list(stream(iter(items), metadata=METADATA, timeout=CALL_TIMEOUT))
+
+            with pytest.raises(grpc.RpcError) as caught:
+                call()
+            error: Any = caught.value
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (error.code(), error.details())
+            metadata = dict(error.trailing_metadata() or ())
+            assert metadata.get("advantage-error-code") == "invalid_text", error.details()
+            fields[metadata["advantage-field-bin"].decode().split(".")[0].split("[")[0]] += 1
+
+        run()
+    assert {"request_id", "namespace", "estimator", "group_ids", "group_id"} <= set(fields), fields
     assert_healthy(service)
 
 

@@ -3,6 +3,11 @@
 Every request answered by the service writes one line on the logger ``advantage_service.access``
 (:func:`access`), with the fields of :data:`ACCESS_FIELDS`. Nothing here ever sees a token or
 an ``Authorization`` value: the callers pass named fields only.
+
+A line is never lost to what it holds: a string that is not text (a lone surrogate, which no
+UTF-8 writer takes: the request decoders refuse such strings, but a log line may repeat what a
+client sent before that) is written with it escaped (``\\ud800``), and a value JSON cannot
+hold as is, as its ``str``.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import time
 from typing import Any
 
 import orjson
+
+from ..errors import escaped
 
 ACCESS_LOGGER = "advantage_service.access"
 access_log = logging.getLogger(ACCESS_LOGGER)
@@ -51,7 +58,26 @@ class JsonFormatter(logging.Formatter):
             out.update(fields)
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
-        return orjson.dumps(out, default=str).decode()
+        try:
+            return orjson.dumps(out, default=str).decode()
+        except orjson.JSONEncodeError:  # (rare: the walk is paid only then)
+            return orjson.dumps(loggable(out)).decode()
+
+
+def loggable(value: Any, depth: int = 0) -> Any:
+    """``value`` as JSON takes it whatever it holds: strings (keys included) with lone
+    surrogates escaped, integers beyond 64 bits and other objects as their (escaped) ``str``."""
+    if value is None or isinstance(value, bool | float):
+        return value
+    if isinstance(value, int):
+        return value if -(2**63) <= value < 2**64 else str(value)
+    if isinstance(value, str):
+        return escaped(value)
+    if depth < 8 and isinstance(value, dict):
+        return {escaped(str(k)): loggable(v, depth + 1) for k, v in value.items()}
+    if depth < 8 and isinstance(value, list | tuple):
+        return [loggable(v, depth + 1) for v in value]
+    return escaped(str(value))
 
 
 class TextFormatter(logging.Formatter):
@@ -65,7 +91,7 @@ class TextFormatter(logging.Formatter):
         fields = getattr(record, "fields", None)
         if isinstance(fields, dict):
             line += " " + " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
-        return line
+        return escaped(line)  # (a stream that encodes strictly would drop the line otherwise)
 
 
 def configure(level: str, fmt: str) -> None:
@@ -89,5 +115,11 @@ def configure(level: str, fmt: str) -> None:
 def access(**fields: Any) -> None:
     """One access line: ``fields`` are those of :data:`ACCESS_FIELDS` (missing ones: None)."""
     if access_log.isEnabledFor(logging.INFO):
-        record = {name: fields.get(name) for name in ACCESS_FIELDS}
+        # (strings escaped here too, for whatever handler a deployment adds: an O(1) ASCII
+        # check per field on the usual line)
+        record = {
+            name: escaped(value) if isinstance(value, str) else value
+            for name in ACCESS_FIELDS
+            for value in (fields.get(name),)
+        }
         access_log.info("request", extra={"fields": record})

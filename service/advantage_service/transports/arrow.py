@@ -39,6 +39,7 @@ from ..errors import LimitExceeded, RequestError
 from ..estimators import AdvantageResult
 from ..wire import jsonio
 from ..wire.request import ComputeRequest, parse_options
+from ..wire.text import check_utf8
 from . import arrow_ipc
 
 MEDIA_TYPE = "application/vnd.apache.arrow.stream"
@@ -281,10 +282,7 @@ def read_table(body: bytes | bytearray | memoryview, limits: ArrowLimits | None 
     except (pa.ArrowException, OSError, ValueError, TypeError, IndexError) as exc:
         raise _invalid(f"the body is not an Arrow IPC stream: {_short(exc)}") from exc
     with reader:
-        try:  # names are bytes in the stream (pyarrow decodes them when asked)
-            reader.schema.names  # noqa: B018
-        except UnicodeDecodeError as exc:
-            raise _invalid("a column name of the schema is not UTF-8") from exc
+        _check_schema_text(reader.schema)
         plan = _plan(reader.schema)
         _check_layout(layout, plan, limits)
         batches: list[pa.RecordBatch] = []
@@ -298,6 +296,22 @@ def read_table(body: bytes | bytearray | memoryview, limits: ArrowLimits | None 
             _validate(batch, len(batches))
             batches.append(batch)
         return pa.Table.from_batches(batches, reader.schema)
+
+
+def _check_schema_text(schema: pa.Schema) -> None:
+    """Column names, and the schema metadata's keys and values, UTF-8 (the format's strings;
+    pyarrow hands over whatever bytes the stream holds), each refused naming where it is.
+    ``advantage.request`` is the request's JSON: its strings are the request's, checked and
+    named by their JSON path when it is parsed (wire/text.py)."""
+    for i in range(len(schema)):
+        try:  # names are bytes in the stream (pyarrow decodes them when asked)
+            schema.field(i).name  # noqa: B018
+        except UnicodeDecodeError as exc:
+            check_utf8(exc.object, f"columns[{i}]", f"the name of column {i} of the schema")
+    for i, (key, value) in enumerate((schema.metadata or {}).items()):
+        name = check_utf8(key, "metadata", f"key {i} of the schema metadata")
+        if key != REQUEST_METADATA:
+            check_utf8(value, f"metadata.{name}", f"the schema metadata value of {name!r}")
 
 
 def _short(exc: BaseException) -> str:

@@ -67,12 +67,12 @@ def add_servicer(servicer: AdvantageServicer, server: grpc.aio.Server) -> None:
         ),
         "StreamCompute": grpc.stream_stream_rpc_method_handler(
             servicer.StreamCompute,
-            request_deserializer=lenient(pb.StreamRequest.FromString),
+            request_deserializer=lenient(pb.StreamRequest),
             response_serializer=pb.StreamResponse.SerializeToString,
         ),
         "ListEstimators": grpc.unary_unary_rpc_method_handler(
             servicer.ListEstimators,
-            request_deserializer=lenient(pb.ListEstimatorsRequest.FromString),
+            request_deserializer=lenient(pb.ListEstimatorsRequest),
             response_serializer=pb.ListEstimatorsResponse.SerializeToString,
         ),
     }

@@ -27,7 +27,7 @@ from ..wire.request import (
     ComputeRequest,
     parse_options,
 )
-from .grpc_wire import MessageLimits, check_compute_request, malformed
+from .grpc_wire import MessageLimits, check_compute_request, invalid_text_field, malformed
 from .openapi import EstimatorListing
 
 TRANSPORT = "grpc"
@@ -170,8 +170,15 @@ def decode_compute_message(data: bytes, limits: MessageLimits) -> ComputeRequest
     try:
         request = pb.ComputeRequest.FromString(data)
     except DecodeError as exc:
-        raise malformed(str(exc)) from exc
+        raise parse_error(pb.ComputeRequest, data, exc) from exc
     return decode_compute_request(request)
+
+
+def parse_error(message: Any, data: bytes, exc: DecodeError) -> RequestError:
+    """Why ``data`` does not parse as ``message`` (a message class): a string field that is
+    not UTF-8, named (422 ``invalid_text``, as the same string is over HTTP), else
+    ``invalid_protobuf``."""
+    return invalid_text_field(message.DESCRIPTOR, data) or malformed(str(exc))
 
 
 def decode_compute_request(request: pb.ComputeRequest) -> ComputeRequest:
@@ -303,6 +310,7 @@ def estimators_message() -> pb.ListEstimatorsResponse:
 STATUS_CODES = {
     401: grpc.StatusCode.UNAUTHENTICATED,
     403: grpc.StatusCode.PERMISSION_DENIED,
+    409: grpc.StatusCode.ALREADY_EXISTS,  # a request id counted before for another request
     413: grpc.StatusCode.RESOURCE_EXHAUSTED,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     503: grpc.StatusCode.UNAVAILABLE,  # overloaded (or shutting down): retry, elsewhere or later
@@ -365,8 +373,12 @@ class Malformed:
     instead of raising: gRPC would answer UNKNOWN, or INTERNAL inside a stream)."""
 
     message: str
+    # Set when a string field is not UTF-8: the refusal naming it (invalid_text_field).
+    refusal: RequestError | None = None
 
     def error(self) -> RequestError:
+        if self.refusal is not None:
+            return self.refusal
         return RequestError(
             "invalid_protobuf",
             f"the request message does not parse: {self.message}",
@@ -374,13 +386,14 @@ class Malformed:
         )
 
 
-def lenient(parse: Any) -> Any:
-    """``parse`` (a message's FromString) that returns :class:`Malformed` on corrupt bytes."""
+def lenient(message: Any) -> Any:
+    """``message``'s FromString (a message class) returning :class:`Malformed` on corrupt
+    bytes."""
 
     def deserialize(data: bytes) -> Any:
         try:
-            return parse(data)
+            return message.FromString(data)
         except DecodeError as exc:
-            return Malformed(str(exc))
+            return Malformed(str(exc), invalid_text_field(message.DESCRIPTOR, data))
 
     return deserialize

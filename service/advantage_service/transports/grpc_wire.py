@@ -29,6 +29,7 @@ from advantage_client.flat import (
     MAX_GROUP_ID_LENGTH,
     MAX_TEACHER_CONDITIONS,
 )
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from ..errors import LimitExceeded, RequestError
 from ..wire.request import (
@@ -39,6 +40,7 @@ from ..wire.request import (
     MAX_REQUEST_ID_LENGTH,
     MAX_RETURN_NAMES,
 )
+from ..wire.text import invalid_utf8
 
 # Field numbers of advantage.v1 (proto/advantage/v1/advantage.proto).
 REQUEST_ID, OPTIONS, GROUP_IDS, TEACHER_LOGPROBS = 1, 2, 3, 9
@@ -191,6 +193,70 @@ class _Request:
     tensors: dict[str, _Tensor] = field(default_factory=dict)
     teachers: dict[bytes, _Tensor] = field(default_factory=dict)
     group_ids: array[int] = field(default_factory=lambda: array("q"))  # start, stop, ...
+
+
+# ---- text ---------------------------------------------------------------------------------------
+
+# A string field's path in a message -> the name errors of that field give (the JSON
+# contract's, as parse_options and the stream's checks name them).
+TEXT_FIELDS = {
+    "options.namespace": "namespace",
+    "options.preset": "estimator",
+    "options.estimator_json": "estimator_json",
+    "options.returns": "return",
+    "rollout.group_id": "group_id",
+    "rollout.rollout_id": "rollout_id",
+    "rollout.prompt_key": "prompt_key",
+    "rollout.teacher_logprobs": "teacher_logprobs",
+}
+
+
+def invalid_text_field(descriptor: Descriptor, data: bytes) -> RequestError | None:
+    """The refusal of the first string field of a message (of type ``descriptor``, from its
+    wire bytes) that is not UTF-8, naming it (``request_id``, ``group_ids[3]``,
+    ``teacher_logprobs``, ``namespace``...); None when every string is (or the bytes are not
+    the message: its parse error says so).
+
+    protobuf refuses such a message whole ("String field had bad UTF-8"), without saying which
+    field: this walk, run only after that refusal, finds it."""
+    try:
+        found = _bad_string(descriptor, data, 0, len(data), "")
+    except _Truncated:
+        return None
+    if found is None:
+        return None
+    path, index, is_key, exc = found
+    name = TEXT_FIELDS.get(path, path)
+    field = name if index is None else f"{name}[{index}]"
+    return invalid_utf8(exc, field, f"a key of {field}" if is_key else None)
+
+
+def _bad_string(
+    descriptor: Descriptor, data: bytes, start: int, stop: int, prefix: str
+) -> tuple[str, int | None, bool, UnicodeDecodeError] | None:
+    """(path, index of a repeated field's element, whether it is a map's key, the decoding
+    error) of the first string field in data[start:stop] that is not UTF-8."""
+    seen: dict[int, int] = {}
+    for number, kind, _value, a, b in fields(data, start, stop):
+        field = descriptor.fields_by_number.get(number)
+        if field is None or kind != LEN:
+            continue  # (unknown fields are kept as bytes: never text)
+        index = seen.get(number, 0)
+        seen[number] = index + 1
+        path = prefix + field.name
+        if field.type == FieldDescriptor.TYPE_STRING:
+            try:
+                data[a:b].decode("utf-8")
+            except UnicodeDecodeError as exc:
+                return path, index if field.is_repeated else None, False, exc
+        elif field.message_type is not None:
+            found = _bad_string(field.message_type, data, a, b, path + ".")
+            if found is not None and field.message_type.GetOptions().map_entry:
+                # (a map's entry: its key is the text; the map is named, not the entry)
+                return path, None, found[0].endswith(".key"), found[3]
+            if found is not None:
+                return found
+    return None
 
 
 # ---- the check ---------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from ..wire import jsonio
 from ..wire.listing import estimator_listing
 from ..wire.request import ComputeRequest, parse_request
 from ..wire.response import build_response
+from ..wire.text import check_query
 from . import arrow
 from .openapi import (
     ADVANTAGE_RESPONSES,
@@ -526,3 +527,5 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     listing = estimator_listing()
     document_request_body(app)
     return app
+            # (raw bytes: the framework reads bytes that are not UTF-8 as U+FFFD, another name)
+            check_query(request.scope.get("query_string", b""))

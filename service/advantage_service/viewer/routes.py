@@ -45,6 +45,7 @@ from ..serving.scheduler import Ticket
 from ..serving.token_text import TokenText
 from ..wire import jsonio
 from ..wire.response import build_response
+from ..wire.text import check_path_segment, check_query
 from .keep import (
     KeepStore,
     KeepUnavailable,
@@ -156,6 +157,10 @@ def mount_viewer(
         """The API's authentication, the same call (every Authorization header: more than one
         is a 401), then the namespace's authorisation (403)."""
         with engine.call(VIEWER_TRANSPORT, count=False) as call:
+            # (raw bytes: the framework reads bytes that are not UTF-8 as U+FFFD, another name)
+            check_query(request.scope.get("query_string", b""))
+            if "request_id" in request.path_params:
+                check_path_segment(request.scope.get("raw_path") or b"", "request_id")
             call.principal = principal = engine.auth.authenticate(
                 request.headers.getlist("authorization")
             )

@@ -25,7 +25,7 @@ from advantage_client.flat import (
     TOP_LEVEL_FIELDS,
 )
 
-from ..errors import LimitExceeded, RequestError, shown
+from ..errors import LimitExceeded, RequestError, is_text, shown
 from .request import (
     MAX_ESTIMATOR_JSON_BYTES,
     MAX_IGNORE_TOKEN_IDS,
@@ -55,8 +55,18 @@ def dumps(obj: Any) -> str:
 
 
 def loads(text: str | bytes | bytearray) -> Any:
-    """Parse request JSON; malformed text raises RequestError (code ``invalid_json``)."""
+    """Parse request JSON; malformed text raises RequestError (code ``invalid_json``).
+
+    Bytes that are not UTF-8 inside a string do not make the JSON malformed here: they
+    are decoded with ``surrogateescape`` (each such byte a lone surrogate, as ``json`` makes
+    of a ``"\\ud800"`` escape), so that the request's text check (wire/text.py) refuses the
+    string naming its field."""
     try:
+        if isinstance(text, bytes | bytearray):
+            encoding = json.detect_encoding(text)
+            # (json itself decodes with surrogatepass: an encoded surrogate would pass)
+            errors = "surrogateescape" if encoding.startswith("utf-8") else "surrogatepass"
+            text = text.decode(encoding, errors)
         return json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise RequestError("invalid_json", f"request body is not valid JSON: {exc}") from exc
@@ -664,17 +674,18 @@ def _string_end(body: bytes, start: int) -> int:
 
 
 def _decode_key(raw: bytes) -> str | None:
-    """A short JSON string's value (None when it is not valid JSON: json says so later)."""
+    """A short JSON string's value (None when it is not valid JSON, or not text: json says so
+    later, or the request's text check names it; a scan's error never repeats it)."""
     if b"\\" not in raw:
         try:
-            return raw[1:-1].decode()
+            return raw[1:-1].decode()  # (strict: bytes that are not UTF-8 are None)
         except UnicodeDecodeError:
             return None
     try:
         value = json.loads(raw)
     except ValueError:
         return None
-    return value if isinstance(value, str) else None
+    return value if isinstance(value, str) and is_text(value) else None
 
 
 def _string_length(raw: bytes) -> int | None:

@@ -20,6 +20,7 @@ from ..batch import RolloutBatch
 from ..errors import LimitExceeded, RequestError, shown
 from ..estimators import EstimatorSpec, resolve_estimator
 from ..estimators.pipeline import all_diagnostics
+from .text import all_text, check_tree, invalid_text
 
 DEFAULT_NAMESPACE = "default"
 
@@ -104,6 +105,11 @@ def parse_options(obj: Any) -> RequestOptions:
     caller: :func:`batch_from_groups`, or a transport that carries the rollouts elsewhere)."""
     if not isinstance(obj, Mapping):
         raise RequestError("invalid_type", "the request must be a JSON object")
+    # Every key and string value first (the few of the top level: ids, names, the estimator),
+    # so that no check after this, nor its error, meets a string that is not text.
+    # (ignore_token_ids is integers or refused without being repeated; groups are checked by
+    # batch_from_groups or the transport that carries the rollouts.)
+    check_tree(obj, skip=("groups", "ignore_token_ids"))
     for key in obj:
         if key not in TOP_LEVEL_FIELDS:
             raise RequestError(
@@ -224,6 +230,9 @@ def batch_from_groups(groups: Any, vocab_size: int | None) -> RolloutBatch:
     try:
         flat = flatten_groups(groups)
     except AdvantageError as exc:
+        # The builder's errors repeat the group id and an unknown field's name: a string that
+        # is not text is what is named, first (a walk of the groups, on this error path only).
+        check_tree(groups, "groups")
         raise RequestError(
             exc.code,
             exc.message,
@@ -232,6 +241,14 @@ def batch_from_groups(groups: Any, vocab_size: int | None) -> RolloutBatch:
             field=exc.field,
             status=413 if exc.code == "limit_exceeded" else 422,
         ) from exc
+    # The strings the batch keeps (ids, prompt keys, teacher condition names: echoed in the
+    # answer, logged, kept as keys): one join where they are all text; the walk that names
+    # the culprit only where one is not. (Every other string of the groups is one the builder
+    # refuses, above.)
+    kept = [*flat.group_ids, *flat.teacher_logprobs, *(k for k in flat.prompt_keys or () if k)]
+    if not all_text(kept):
+        check_tree(groups, "groups")
+        raise invalid_text("groups")
     return RolloutBatch.from_flat(
         tokens=flat.tokens,
         offsets=flat.offsets,
