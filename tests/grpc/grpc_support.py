@@ -6,6 +6,8 @@ The process is ``advantage-service serve``, which runs both transports on one en
 
 from __future__ import annotations
 
+import hashlib
+import json
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -121,9 +123,16 @@ def random_groups(
     return out
 
 
+def content_key(*parts: Any) -> str:
+    """A short key of what makes two requests of one seed differ (their estimator, size)."""
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
+
+
 def random_request(seed: int, estimator: str | dict[str, Any] = "grpo") -> dict[str, Any]:
     return {
-        "request_id": f"req-{seed}",
+        # (One id per content: an id sent again with another body is a 409 conflict.)
+        "request_id": f"req-{seed}-{content_key(estimator)}",
         "estimator": estimator,
         "ignore_token_ids": [0],
         "return": diagnostics_for(estimator),

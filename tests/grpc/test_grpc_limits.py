@@ -12,6 +12,7 @@ unknown protobuf fields are ignored and never echoed.
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any
 
 import grpc
@@ -35,9 +36,10 @@ def tensor(values: Any, dtype: int) -> pb.Tensor:
 
 
 def small_message(**options: Any) -> pb.ComputeRequest:
-    """Two groups of two rollouts (rewards 1, 0), three tokens each, with logprobs."""
+    """Two groups of two rollouts (rewards 1, 0), three tokens each, with logprobs (an id of
+    its own each: one id sent again with other options would be a 409 conflict)."""
     return pb.ComputeRequest(
-        request_id="limits",
+        request_id=f"limits-{uuid.uuid4().hex}",
         options=pb.ComputeOptions(**options),
         group_ids=["a", "b"],
         group_index=tensor([0, 0, 1, 1], pb.DTYPE_INT32),

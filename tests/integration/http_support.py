@@ -7,6 +7,7 @@ service's own encoders, so a symmetric codec bug cannot hide.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 from pathlib import Path
@@ -69,6 +70,12 @@ def token_inputs(rng: np.random.Generator, logprobs: np.ndarray) -> dict[str, li
     }
 
 
+def content_key(*parts: Any) -> str:
+    """A short key of what makes two requests of one seed differ (their estimator, size)."""
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
+
+
 def random_request(
     seed: int, estimator: str | dict[str, Any] = "grpo", groups: int = 4
 ) -> dict[str, Any]:
@@ -103,7 +110,8 @@ def random_request(
             rollouts.append(rollout)
         out.append({"id": f"prompt-{seed}-{g}", "rollouts": rollouts})
     return {
-        "request_id": f"req-{seed}",
+        # (One id per content: an id sent again with another body is a 409 conflict.)
+        "request_id": f"req-{seed}-{content_key(estimator, groups)}",
         "estimator": estimator,
         "ignore_token_ids": [0],
         "return": diagnostics_for(estimator),

@@ -17,11 +17,12 @@ from typing import Any
 import numpy as np
 import pytest
 from advantage_service.config import Settings
-from advantage_service.errors import Overloaded
+from advantage_service.errors import Overloaded, RequestError
 from advantage_service.observability.metrics import Metrics
 from advantage_service.serving.compute import compute_request
 from advantage_service.serving.engine import Computed, Engine
 from advantage_service.stats import MemoryStatsStore, RedisStatsStore, StatsStore, StatsUpdate
+from advantage_service.stats.base import Claims, RequestWrite
 from advantage_service.wire.request import parse_request
 from process_support import free_port
 from prometheus_client.parser import text_string_to_metric_families
@@ -38,20 +39,20 @@ class HeldStore(MemoryStatsStore):
         self.release = asyncio.Event()
         self.writes: list[list[str]] = []  # the request ids of each write, in order
 
-    async def record_many(
-        self, namespace: str, request_ids: Sequence[str], update: StatsUpdate
-    ) -> list[str] | None:
-        self.writes.append(list(request_ids))
+    async def commit(
+        self, namespace: str, requests: Sequence[RequestWrite], update: StatsUpdate
+    ) -> Claims | None:
+        self.writes.append([r.request_id for r in requests if r.request_id is not None])
         await self.release.wait()
-        return await super().record_many(namespace, request_ids, update)
+        return await super().commit(namespace, requests, update)
 
 
 class VanishingStore(MemoryStatsStore):
     """Writable when asked, unreachable when written to (the store failed after the answer)."""
 
-    async def record_many(
-        self, namespace: str, request_ids: Sequence[str], update: StatsUpdate
-    ) -> list[str] | None:
+    async def commit(
+        self, namespace: str, requests: Sequence[RequestWrite], update: StatsUpdate
+    ) -> Claims | None:
         return None
 
 
@@ -200,8 +201,9 @@ def test_a_request_id_is_counted_once_inside_a_coalesced_round_and_across_rounds
         engine, _ = engine_with(store, stats_max_backlog=64)
         try:
             await compute(engine, 0, request_id="early")  # its write is held: round one
-            # Round two: "early" again (counted in round one), "twice" twice, "once".
-            for seed, rid in [(1, "twice"), (2, "early"), (3, "twice"), (4, "once")]:
+            # Round two: "early" resent (counted in round one), "twice" twice, "once" (a
+            # resend is the same request again: the same body).
+            for seed, rid in [(1, "twice"), (0, "early"), (1, "twice"), (4, "once")]:
                 assert (await compute(engine, seed, request_id=rid)).summary["recorded"]
             # And one without an id: no idempotency asked for, always counted.
             await compute(engine, 5)
@@ -213,6 +215,45 @@ def test_a_request_id_is_counted_once_inside_a_coalesced_round_and_across_rounds
             # Round two was written once more without "early", which the store refused.
             assert store.writes[1] == ["twice", "early", "once"]
             assert store.writes[2] == ["twice", "once"]
+        finally:
+            engine.close()
+
+    asyncio.run(scenario())
+
+
+def test_two_bodies_under_one_request_id_at_once_count_one_and_flag_the_other() -> None:
+    """The race the check before the answer cannot see: a second body under an id whose first
+    body is not written yet is answered, then found at the write (the store's claim keeps the
+    first body's digest, or both are in one round) and counted ``conflict``, not counted; once
+    the first is written, another body under its id is refused (409)."""
+
+    async def scenario() -> None:
+        store = HeldStore()
+        engine, _ = engine_with(store, stats_max_backlog=64)
+        try:
+            await compute(engine, 0, request_id="raced")  # its write is held: round one
+            # Round two: another body under "raced" (claimed in round one, not yet written),
+            # and two bodies under "pair", neither written before.
+            for seed, rid in [(1, "raced"), (2, "pair"), (3, "pair")]:
+                assert (await compute(engine, seed, request_id=rid)).summary["recorded"]
+            store.release.set()
+            assert await engine.settle_writes(10) == 0
+            assert outcomes(engine) == {"counted": 2.0, "conflict": 2.0}
+            assert await rollouts_counted(store) == 2 * ROLLOUTS
+            # Written now: another body under either id is refused before it is answered.
+            for seed, rid in [(4, "raced"), (5, "pair")]:
+                with pytest.raises(RequestError) as info:
+                    await compute(engine, seed, request_id=rid)
+                assert (info.value.status, info.value.code, info.value.field) == (
+                    409,
+                    "conflict",
+                    "request_id",
+                )
+            # The same bodies again are retries: answered, not counted again.
+            assert (await compute(engine, 0, request_id="raced")).summary["recorded"]
+            assert (await compute(engine, 2, request_id="pair")).summary["recorded"]
+            assert await engine.settle_writes(10) == 0
+            assert outcomes(engine) == {"counted": 2.0, "conflict": 2.0, "duplicate": 2.0}
         finally:
             engine.close()
 

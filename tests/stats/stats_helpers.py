@@ -57,8 +57,12 @@ class _Unreachable:
     async def read_records(self, namespace: str, keys: Any) -> None:
         return None
 
-    async def read_partly(self, namespace: str, keys: Any) -> None:
+    async def read_partly(self, namespace: str, keys: Any, request_id: Any = None) -> None:
         return None
+
+    @property
+    def writable(self) -> bool:
+        return False
 
 
 async def update_of(store: StatsStore, body: dict[str, Any], *, read: bool = True) -> StatsUpdate:

@@ -9,7 +9,7 @@ import asyncio
 import itertools
 import json
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,9 +74,8 @@ async def write(store: RedisStatsStore, writes: list[PendingWrites]) -> list[str
     """``writes`` in one round, handed over as the service's writer does: the outcomes."""
     requests = [RequestWrite(w.request_id, tuple(w.records), w.tokens) for w in writes]
 
-    async def refold(keys: Collection[RecordKey], without: Collection[str]) -> Any:
-        rest = [w for w in writes if w.request_id is None or w.request_id not in without]
-        return fold_records(rest, WriteOptions(), set(keys))
+    async def refold(keys: Collection[RecordKey], keep: Sequence[int]) -> Any:
+        return fold_records([writes[i] for i in keep], WriteOptions(), set(keys))
 
     records = fold_records(writes, WriteOptions())
     update = StatsUpdate(records, merge_token_stats([w.tokens for w in writes]))
@@ -141,7 +140,7 @@ async def test_one_namespace_spreads_over_every_master(redis_cluster: LocalClust
     their mean), and the statistics buckets are spread over the masters too."""
     store = RedisStatsStore(redis_cluster.url, buckets=16)
 
-    async def nothing(keys: Collection[RecordKey], without: Collection[str]) -> Any:
+    async def nothing(keys: Collection[RecordKey], keep: Sequence[int]) -> Any:
         return {}
 
     try:

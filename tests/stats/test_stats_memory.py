@@ -1,11 +1,14 @@
-"""What only the in-memory store needs checked: its entries expire as Redis keys do."""
+"""What only the in-memory store needs checked: its entries expire as Redis keys do, and its
+bounds (records' bytes, request ids) are shared fairly between namespaces."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from advantage_service.estimators.ktae_history import prompt_ids
-from advantage_service.stats import MemoryStatsStore
+from advantage_service.estimators.ktae_history import SPACE, prompt_ids
+from advantage_service.stats import MemoryStatsStore, StatsUpdate
+from advantage_service.stats.blobs import empty_token_stats as empty
+from advantage_service.stats.memory import RECORD_OVERHEAD
 from advantage_service.wire.request import parse_request
 from stats_helpers import random_groups, read_history, serve
 
@@ -59,3 +62,67 @@ async def test_memory_store_stays_bounded_and_forgets_the_oldest_prompts_first()
     oldest = prompt_ids(parse_request({**body, "groups": random_groups(rng, ["p-0"])}).batch)
     prior = await read_history(store, "ns-0", oldest)
     assert prior is not None and float(prior.n_c[0] + prior.n_w[0]) == 0.0, "oldest evicted"
+
+
+# ---- fair eviction between namespaces ------------------------------------------------------
+
+RECORD = 2_000  # bytes of each record below (the store adds RECORD_OVERHEAD to each)
+
+
+async def write_records(store: MemoryStatsStore, namespace: str, names: list[str]) -> None:
+    for name in names:
+        update = StatsUpdate({(SPACE, name): name.encode().ljust(RECORD, b".")}, empty())
+        assert await store.record_many(namespace, [], update) == []
+
+
+async def kept(store: MemoryStatsStore, namespace: str, names: list[str]) -> list[str]:
+    records = await store.read_records(namespace, [(SPACE, n) for n in names])
+    assert records is not None
+    return [n for n, r in zip(names, records, strict=True) if r is not None]
+
+
+async def test_a_tenant_flooding_the_store_evicts_its_own_history_not_another_tenants() -> None:
+    """Tenant B writes a few prompts first (the oldest records of the store); tenant A then
+    writes 200 prompts, seven times what the store holds. A gives up its own oldest prompts;
+    B, holding far less than A, keeps every one. (Before, the store evicted the oldest records
+    whoever held them: B's history went first.)"""
+    bound = 30 * (RECORD + RECORD_OVERHEAD)
+    store = MemoryStatsStore(max_record_bytes=bound)
+    tenant_b = [f"b{i}" for i in range(3)]
+    await write_records(store, "tenant-b", tenant_b)
+    flood = [f"a{i}" for i in range(200)]
+    await write_records(store, "tenant-a", flood)
+    assert store.record_bytes <= bound
+    assert await kept(store, "tenant-b", tenant_b) == tenant_b
+    assert store.namespace_record_bytes("tenant-b") == 3 * (RECORD + RECORD_OVERHEAD)
+    # A keeps its newest prompts, as many as fit beside B's.
+    assert await kept(store, "tenant-a", flood) == flood[-27:]
+
+
+async def test_two_tenants_flooding_the_store_keep_equal_shares() -> None:
+    """A writes three times as often as C; once the store is full, each keeps half of it
+    (before: A three quarters, C a quarter)."""
+    bound = 40 * (RECORD + RECORD_OVERHEAD)
+    store = MemoryStatsStore(max_record_bytes=bound)
+    for i in range(150):
+        await write_records(store, "tenant-a", [f"a{i}"])
+        if i % 3 == 0:
+            await write_records(store, "tenant-c", [f"c{i}"])
+    a = await kept(store, "tenant-a", [f"a{i}" for i in range(150)])
+    c = await kept(store, "tenant-c", [f"c{i}" for i in range(0, 150, 3)])
+    assert store.record_bytes <= bound
+    assert (len(a), len(c)) == (20, 20)
+
+
+async def test_a_tenant_flooding_request_ids_evicts_its_own_claims_not_another_tenants() -> None:
+    """The same for the request ids kept for idempotency (``max_request_ids``): B's claim
+    survives A's flood, so B's resend is still refused as a duplicate."""
+    store = MemoryStatsStore(max_request_ids=100)
+    update = StatsUpdate({}, empty())
+    assert await store.record_many("tenant-b", ["b-1"], update) == []
+    for i in range(500):
+        assert await store.record_many("tenant-a", [f"a-{i}"], update) == []
+    assert store.request_ids_kept <= 100
+    assert await store.record_many("tenant-b", ["b-1"], update) == ["b-1"], "B counted twice"
+    assert await store.record_many("tenant-a", ["a-499"], update) == ["a-499"]
+    assert await store.record_many("tenant-a", ["a-0"], update) == [], "A's oldest evicted"

@@ -236,15 +236,25 @@ class Metrics:
             "advantage_stats_requests_total",
             "Answered requests by what became of their statistics: counted (written); "
             "duplicate (their request id was counted before); lost (accepted, answered "
-            "recorded=true, then the store failed or the service stopped before the write); "
-            "refused (answered recorded=false: the store unreachable, or shutting down)",
+            "recorded=true, then the store failed, refused their write on its own (see "
+            "advantage_stats_poisoned_total) or the service stopped before the write); "
+            "refused (answered recorded=false: the store unreachable, or shutting down); "
+            "conflict (their request id was counted before for a different request)",
             ["outcome"],
             registry=r,
         )
         # Every outcome exported from the start (at 0), so that a rate over "lost|refused" is
         # 0 on a healthy service rather than no data, and an alert or panel reads a value.
-        for outcome in ("counted", "duplicate", "lost", "refused"):
+        for outcome in ("counted", "duplicate", "lost", "refused", "conflict"):
             self.stats_requests_total.labels(outcome)
+        self.stats_poisoned_total = Counter(
+            "advantage_stats_poisoned_total",
+            "Answered requests whose statistics the store could not take on their own (a key or "
+            "request id that is not valid text, a record refused, writes that could not be "
+            "built): not written, the other requests of their write round written without "
+            'them; also counted in advantage_stats_requests_total{outcome="lost"}',
+            registry=r,
+        )
         self.stats_write_backlog = Gauge(
             "advantage_stats_write_backlog",
             "Requests whose statistics were accepted and are not yet written; at "

@@ -162,6 +162,7 @@ class Engine:
         terms: dict[str, dict[str, Any]] = {
             name: {}
             for name, term in TERMS.items()
+        self.writer.on_poisoned = self.metrics.stats_poisoned_total.inc
             if not term.requires({p.name: p.default for p in term.params})
         }
         req = parse_request(
@@ -400,6 +401,8 @@ class Engine:
         self, ticket: Ticket, priority: int, fn: Callable[..., Any], *args: Any
     ) -> Any:
         """``fn(*args)`` on a codec thread (``FINISH`` work before ``START`` work); the
+                    # (409 for a request id counted before for another body: not accepted)
+                    session.check_request_id()
         request's place stays taken until it ends."""
         future = asyncio.wrap_future(self._codecs.submit(priority, fn, *args))
         ticket.keep(future)

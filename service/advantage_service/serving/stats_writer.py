@@ -20,6 +20,20 @@ statistics summed) and hands each namespace's update to the store in one call
 request id is counted once: the store folds again, without the requests counted before, what
 they would have changed (the whole update on one Redis, the parts they touch on a cluster).
 The busier the service, the more requests a round holds and the less each one costs.
+
+One bad request never costs the others of its round their statistics. Each request's writes are
+built and checked on their own before they are folded (a key or request id that is not valid
+Unicode text, which no store can take; writes that cannot be built); a fold that fails is
+redone without the requests whose records do not fold alone; and a write the store refuses as a
+whole, applying nothing of it (``stats.base.Refused``: a record it cannot take), is split by
+the store until the requests it refuses are alone. Such a request is *poisoned*: counted
+``lost`` (it was answered ``recorded: true``) and in ``advantage_stats_poisoned_total``, and
+logged with its request id (escaped: the log line cannot fail on what the id holds); every
+other request of the round is counted once.
+
+A request whose id was counted before for another body (its digest differs: the service checks
+before answering, so this is the race of two bodies sent at once under one id, or a claim made
+by another replica since) is not counted: ``conflict``, logged with its id.
 """
 
 from __future__ import annotations
@@ -29,13 +43,22 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from ..estimators import AdvantageResult
 from ..estimators.state import WriteOptions
 from ..stats import StatsStore, StatsUpdate
-from ..stats.base import COUNTED, DUPLICATE, LOST, RecordKey, RequestWrite
+from ..stats.base import (
+    CONFLICT,
+    COUNTED,
+    DUPLICATE,
+    LOST,
+    POISONED,
+    RecordKey,
+    RequestWrite,
+    unstorable,
+)
 from .term_state import PendingWrites, StateSession, fold_records, fold_writes
 
 log = logging.getLogger("advantage_service.stats_writer")
@@ -47,7 +70,20 @@ STATS_NICENESS = 10
 # COUNTED, DUPLICATE and LOST (accepted, answered recorded: true, then the store or a part of
 # it failed, or the service stopped first), and
 REFUSED = "refused"  # not accepted (recorded: false): the store is unreachable, or shutting down
+# (POISONED requests are counted LOST there, and in on_poisoned; CONFLICT is an outcome too.)
 Records = dict[RecordKey, bytes]
+# How much of a request id a log line repeats.
+LOGGED_ID_CHARS = 64
+
+
+def logged_id(request_id: str | None) -> str:
+    """A request id for a log line: ASCII (``ascii``: a lone surrogate or any other character
+    is escaped, so the line can always be written), at most LOGGED_ID_CHARS characters."""
+    if request_id is None:
+        return "(none)"
+    if len(request_id) > LOGGED_ID_CHARS:
+        return f"{request_id[:LOGGED_ID_CHARS]!a}... ({len(request_id)} characters)"
+    return ascii(request_id)
 
 
 def _lower_priority() -> None:
@@ -64,7 +100,9 @@ class StatsWriter:
     ``on_outcome(outcome, requests)``: requests whose statistics ended so; ``on_error(op)``: a
     failed write (``record``); ``on_backlog(requests)``: the backlog changed; ``on_round
     (requests)``: a round started with that many requests; ``on_room()``: the backlog fell
-    below ``max_backlog`` (the scheduler may start computations again).
+    below ``max_backlog`` (the scheduler may start computations again); ``on_poisoned
+    (requests)``: requests whose writes the store could not take on their own (also counted
+    ``lost`` by ``on_outcome``).
     """
 
     def __init__(
@@ -77,8 +115,10 @@ class StatsWriter:
         on_backlog: Callable[[int], None] | None = None,
         on_round: Callable[[int], None] | None = None,
         on_room: Callable[[], None] | None = None,
+        on_poisoned: Callable[[int], None] | None = None,
     ) -> None:
         self.options = options
+        self.on_poisoned = on_poisoned
         self.max_backlog = max(1, max_backlog)
         self._on_outcome = on_outcome
         self._on_error = on_error
@@ -135,6 +175,15 @@ class StatsWriter:
         if self._on_error is not None:
             self._on_error(op)
 
+    def _poisoned(self, request_id: str | None, why: str, *, logged: bool = True) -> None:
+        """A request of the round being written whose writes could not be taken on their own:
+        lost, counted and logged; the round goes on without it."""
+        if logged:
+            log.warning("statistics of request %s not written: %s", logged_id(request_id), why)
+        self._outcome(LOST, 1)
+        if self.on_poisoned is not None:
+            self.on_poisoned(1)
+
     async def _run(self) -> None:
         """Write rounds while requests wait."""
         while self._waiting:
@@ -168,15 +217,23 @@ class StatsWriter:
     def _build(
         self, entries: list[Entry]
     ) -> list[tuple[StatsStore, list[PendingWrites], StatsUpdate]]:
-        """Each request's writes, folded per namespace (on the worker thread)."""
+        """Each request's writes, checked on their own, then folded per namespace (on the
+        worker thread)."""
         by_namespace: dict[tuple[StatsStore, str], list[PendingWrites]] = {}
         for session, result in entries:
             try:
                 write = session.writes(result)
             except Exception:  # statistics must never take the service down
-                log.exception("statistics of request %s failed", session.req.request_id)
+                log.exception(
+                    "statistics of request %s not written: its writes could not be built",
+                    logged_id(session.req.request_id),
+                )
                 self._error("record")
-                self._outcome(LOST, 1)
+                self._poisoned(None, "", logged=False)
+                continue
+            why = unstorable(write.namespace, write.request_id, write.records)
+            if why is not None:
+                self._poisoned(write.request_id, why)
                 continue
             key = (session.store, write.namespace)
             by_namespace.setdefault(key, []).append(write)
@@ -184,39 +241,75 @@ class StatsWriter:
         for (store, _), writes in by_namespace.items():
             unique = self._unique(writes)
             try:
-                out.append((store, unique, fold_writes(unique, self.options)))
+                update = fold_writes(unique, self.options)
             except Exception:
-                log.exception("folding the statistics of %d requests failed", len(unique))
+                log.warning("folding the statistics of %d requests failed", len(unique))
+                unique = self._foldable(unique)
+                try:
+                    update = fold_writes(unique, self.options)
+                except Exception:
+                    log.exception("folding the statistics of %d requests failed", len(unique))
+                    self._error("record")
+                    self._outcome(LOST, len(unique))
+                    continue
+            if unique:
+                out.append((store, unique, update))
+        return out
+
+    def _foldable(self, writes: list[PendingWrites]) -> list[PendingWrites]:
+        """``writes`` without those whose records do not fold alone (poisoned)."""
+        out = []
+        for write in writes:
+            try:
+                fold_writes([write], self.options)
+            except Exception as exc:
                 self._error("record")
-                self._outcome(LOST, len(unique))
+                self._poisoned(write.request_id, f"its records could not be encoded: {exc!r}")
+                continue
+            out.append(write)
         return out
 
     def _unique(self, writes: list[PendingWrites]) -> list[PendingWrites]:
-        """``writes`` without the repeats of a request id within the round (counted once)."""
-        seen: set[str] = set()
+        """``writes`` without the repeats of a request id within the round (counted once; a
+        repeat with another digest is a conflict)."""
+        seen: dict[str, str | None] = {}
         out = []
         for write in writes:
             if write.request_id is not None:
                 if write.request_id in seen:
-                    self._outcome(DUPLICATE, 1)
+                    first = seen[write.request_id]
+                    if first and write.digest and first != write.digest:
+                        self._conflict(write.request_id)
+                    else:
+                        self._outcome(DUPLICATE, 1)
                     continue
-                seen.add(write.request_id)
+                seen[write.request_id] = write.digest
             out.append(write)
         return out
+
+    def _conflict(self, request_id: str | None) -> None:
+        log.warning(
+            "statistics of request %s not counted: its request id was counted for another "
+            "request (a different body under the same request_id)",
+            logged_id(request_id),
+        )
+        self._outcome(CONFLICT, 1)
 
     async def _commit(
         self, store: StatsStore, writes: list[PendingWrites], update: StatsUpdate
     ) -> None:
         """Hand one namespace's folded ``update`` to the store, with each request's share of it
-        and the means to fold it again without the requests whose ids were counted before."""
+        and the means to fold it again for some of the requests."""
         loop = asyncio.get_running_loop()
         namespace = writes[0].namespace
-        requests = [RequestWrite(w.request_id, tuple(w.records), w.tokens) for w in writes]
+        requests = [
+            RequestWrite(w.request_id, tuple(w.records), w.tokens, w.digest) for w in writes
+        ]
 
-        async def refold(keys: Collection[RecordKey], without: Collection[str]) -> Records:
-            rest = [w for w in writes if w.request_id is None or w.request_id not in without]
+        async def refold(keys: Collection[RecordKey], keep: Sequence[int]) -> Records:
+            chosen = [writes[i] for i in keep]
             return await loop.run_in_executor(
-                self._executor, fold_records, rest, self.options, set(keys)
+                self._executor, fold_records, chosen, self.options, set(keys)
             )
 
         try:
@@ -225,6 +318,11 @@ class StatsWriter:
             log.exception("statistics write of %d requests failed", len(writes))
             self._error("record")
             outcomes = [LOST] * len(writes)
+        for write, outcome in zip(writes, outcomes, strict=True):
+            if outcome == POISONED:
+                self._poisoned(write.request_id, "the store refused its write")
+            elif outcome == CONFLICT:
+                self._conflict(write.request_id)
         for outcome in (COUNTED, DUPLICATE, LOST):
             self._outcome(outcome, sum(1 for o in outcomes if o == outcome))
 
@@ -257,4 +355,4 @@ class StatsWriter:
         self._executor.shutdown(wait=True)
 
 
-__all__ = ["COUNTED", "DUPLICATE", "LOST", "REFUSED", "StatsWriter"]
+__all__ = ["CONFLICT", "COUNTED", "DUPLICATE", "LOST", "REFUSED", "StatsWriter", "logged_id"]

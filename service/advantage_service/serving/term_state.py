@@ -20,11 +20,23 @@ Per request, a :class:`StateSession`:
    (:func:`fold_writes`: one record per key, the statistics summed) and hands them to the store
    in one call per namespace. :meth:`~StateSession.update` and :meth:`~StateSession.record` are
    the same for one request alone.
+
+A request whose client sent ``request_id`` also has a digest (:func:`request_digest`: what it
+contributes), computed on a worker thread while it computes, and the session reads the digest
+its id's claim keeps in the same store call as the records (one more ``GET`` in the read's
+pipeline; a request that reads no records makes that call alone, also while it computes).
+:meth:`~StateSession.check_request_id` then refuses (409 ``conflict``) a request whose id was
+counted before for another body. The check never fails a request on its own: a store that
+cannot be read, or a claim without a digest (an earlier release's), is no conflict. A request
+without ``request_id`` costs nothing of this.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
+import json
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,10 +45,11 @@ import numpy as np
 import torch
 
 from ..batch import RolloutBatch
+from ..errors import RequestError, shown
 from ..estimators import TERMS, AdvantageResult, TermContext
 from ..estimators.state import PendingRead, TermState, TokenCounts, WriteOptions
 from ..stats import StatsStore, StatsUpdate, TokenStatsUpdate
-from ..stats.base import RecordKey
+from ..stats.base import RecordKey, digests_differ
 from ..stats.blobs import COUNT_COLUMNS, INT32_MAX, TOKEN_COLUMNS, merge_token_stats
 from ..wire.request import ComputeRequest
 
@@ -75,12 +88,86 @@ class PendingWrites:
 
     ``request_id``: the client's id (None when the client sent none: no idempotency);
     ``records``: (key space, key) -> what the term wrote for this visit (its visit value when
-    it folds, else the bytes); ``tokens``: the request's vocabulary statistics."""
+    it folds, else the bytes); ``tokens``: the request's vocabulary statistics; ``digest``:
+    :func:`request_digest` (None without a request id)."""
 
     namespace: str
     request_id: str | None
     records: dict[RecordKey, Any]
     tokens: TokenStatsUpdate
+    digest: str | None = None
+
+
+# The batch's tensors a request's statistics and records are computed from, besides the
+# teacher conditions (hashed by name).
+_DIGESTED = (
+    "tokens",
+    "offsets",
+    "group_index",
+    "rewards",
+    "logprobs",
+    "entropy",
+    "sum_pi_squared",
+    "is_weights",
+    "returns",
+    "planning_mask",
+)
+
+
+def request_digest(req: ComputeRequest) -> str:
+    """What a request contributes, as 32 hex characters (BLAKE2b, 16 bytes): the same for a
+    retry of the same request over any transport, different for another request under its id.
+
+    Over everything of the decoded request its writes are computed from: the namespace, the
+    resolved estimator and its parameters, ``ignore_token_ids``, ``vocab_size``, every tensor of
+    the batch (tokens, offsets, group index, rewards, token inputs, teacher log-probs by
+    condition), the group ids and prompt ids; not ``return`` (what is answered, not what is
+    counted) nor the request id. Each field goes in with its name, dtype and shape, so no two
+    different requests share their bytes. A tensor's bytes are hashed where they lie (CPU
+    tensors, no copy); BLAKE2b releases the GIL over them, so run it on a worker thread."""
+    h = hashlib.blake2b(digest_size=16)
+
+    def put(name: str, data: bytes | memoryview) -> None:
+        size = data.nbytes if isinstance(data, memoryview) else len(data)
+        h.update(b"%s %d\n" % (name.encode(), size))
+        h.update(data)
+
+    def text(values: Sequence[str]) -> bytes:
+        # (lengths, then the text: unambiguous whatever the ids hold; surrogatepass: a digest
+        # never fails, whatever text the request carries)
+        joined = "".join(values).encode("utf-8", "surrogatepass")
+        return np.asarray([len(v) for v in values], np.int64).tobytes() + joined
+
+    estimator = json.dumps(req.estimator.to_dict(), sort_keys=True, default=repr)
+    put("namespace", req.namespace.encode("utf-8", "surrogatepass"))
+    put("estimator", estimator.encode("utf-8", "surrogatepass"))
+    put("ignore_token_ids", np.asarray(sorted(set(req.ignore_token_ids)), np.int64).tobytes())
+    put("vocab_size", b"%d" % (-1 if req.vocab_size is None else req.vocab_size))
+    batch = req.batch
+    tensors: list[tuple[str, torch.Tensor | None]] = [
+        (name, getattr(batch, name)) for name in _DIGESTED
+    ]
+    tensors += [(f"teacher:{n}", batch.teacher_logprobs[n]) for n in sorted(batch.teacher_logprobs)]
+    for name, tensor in tensors:
+        if tensor is None:
+            continue
+        array = np.ascontiguousarray(tensor.detach().cpu().numpy())
+        put(f"{name} {array.dtype.str} {array.shape}", array.reshape(-1).view(np.uint8).data)
+    put("group_ids", text(batch.group_ids))
+    put("prompt_ids", text(batch.prompt_ids if batch.prompt_ids is not None else []))
+    return h.hexdigest()
+
+
+def conflict_error(req: ComputeRequest) -> RequestError:
+    """The 409 for a request whose ``request_id`` was counted before for another body."""
+    return RequestError(
+        "conflict",
+        f"request_id {shown(req.request_id)} was already counted in namespace "
+        f"{shown(req.namespace)} for a different request: a retry must resend the same request, "
+        "and a new request needs a new request_id",
+        field="request_id",
+        status=409,
+    )
 
 
 def _spaces() -> dict[str, TermState[Any]]:
@@ -140,10 +227,19 @@ class StateSession:
         # could not be read.
         self._found: dict[str, list[bool]] = {}
         self._unread: set[RecordKey] = set()
+        # The client's request id (None: no idempotency, nothing to check), the request's
+        # digest, and the digest its id's claim keeps in the store.
+        self._request_id = req.request_id if req.client_request_id else None
+        self.digest: str | None = None
+        self._claimed: str | None = None
         self._task: asyncio.Task[bool] | None = None
+        self._check: asyncio.Task[None] | None = None
+        loop = asyncio.get_running_loop()
         if self._keys:
-            self._task = asyncio.get_running_loop().create_task(self._read())
+            self._task = loop.create_task(self._read())
             self._task.add_done_callback(self._abandoned)
+        if self._request_id is not None:
+            self._check = loop.create_task(self._claim())
         self.context = TermContext(reads=dict(self._reads))
 
     async def _read(self) -> bool:
@@ -156,11 +252,12 @@ class StateSession:
             if state is not None and state.space is not None
             for key in self._keys[name]
         ]
-        read = await self.store.read_partly(self.req.namespace, keys)
+        read = await self.store.read_partly(self.req.namespace, keys, self._claim_to_read())
         if read is None:
             for pending in self._reads.values():
                 pending.resolve(None)
             return False
+        self._claimed = read.claimed_digest
         records = read.records
         # Keys on a part of the store that did not answer: computed as a first visit, never
         # written (the record is still there, unread).
@@ -180,6 +277,20 @@ class StateSession:
             self._reads[name].resolve(prior)
         return True
 
+    def _claim_to_read(self) -> str | None:
+        """The request id whose claim to read: none while the store is known to be unreachable
+        (no check then, and no error counted for it)."""
+        return self._request_id if self.store.writable else None
+
+    async def _claim(self) -> None:
+        """The request's digest (on a worker thread), and, for a request that reads no records,
+        the digest its id's claim keeps (a read of its own, while the request computes)."""
+        self.digest = await asyncio.to_thread(request_digest, self.req)
+        request_id = self._claim_to_read()
+        if not self._keys and request_id is not None:
+            read = await self.store.read_partly(self.req.namespace, [], request_id)
+            self._claimed = None if read is None else read.claimed_digest
+
     def _abandoned(self, task: asyncio.Task[bool]) -> None:
         # A cancelled or failed read resolves every prior to None: no computation waits forever.
         if task.cancelled() or task.exception() is not None:
@@ -188,8 +299,9 @@ class StateSession:
 
     def cancel(self) -> None:
         """Abandon a read still in flight (the request ended without it)."""
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
+        for task in (self._task, self._check):
+            if task is not None and not task.done():
+                task.cancel()
 
     async def settle(self) -> str:
         """Wait for the read: the summary's ``history``. ``none``: nothing to read;
@@ -197,7 +309,12 @@ class StateSession:
         not be read (part of a Redis Cluster did not answer) and the others' were;
         ``applied``: earlier requests contributed to at least one group; ``empty``: the read
         succeeded and no group had anything stored (a prompt's first visit, or after its
-        history expired)."""
+        history expired). Also waits for the check of the request id (see
+        :meth:`check_request_id`)."""
+        if self._check is not None:
+            # (a check that failed is no check: it never fails a request)
+            with contextlib.suppress(Exception):
+                await self._check
         if self._task is None:
             return "none"
         try:
@@ -213,6 +330,14 @@ class StateSession:
             if state is None or state.contributed is None or state.contributed(prior):
                 return "applied"
         return "empty"
+
+    def check_request_id(self) -> None:
+        """Raise the 409 ``conflict`` when the request's id was counted before, in its
+        namespace, for another request (call after :meth:`settle`). No conflict when the store
+        could not be read or the claim keeps no digest (an earlier release's): the write then
+        tells a retry from a conflict (``advantage_stats_requests_total{outcome="conflict"}``)."""
+        if digests_differ(self._claimed, self.digest):
+            raise conflict_error(self.req)
 
     def group_history(self, history: str) -> list[str] | None:
         """Per group, what its history read gave (call after :meth:`settle`, which answered
@@ -271,11 +396,16 @@ class StateSession:
                     raise ValueError(f"term {name!r} wrote an undeclared column {column!r}")
                 columns.setdefault(column, []).append(values)
         req = self.req
+        request_id = self._request_id
+        digest = self.digest
+        if request_id is not None and digest is None:  # (the check did not finish)
+            digest = request_digest(req)
         return PendingWrites(
             namespace=req.namespace,
-            request_id=req.request_id if req.client_request_id else None,
+            request_id=request_id,
             records=records,
             tokens=token_statistics(batch, columns, counts),
+            digest=digest,
         )
 
     async def record(self, update: StatsUpdate) -> bool:

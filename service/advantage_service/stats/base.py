@@ -29,6 +29,14 @@ A request whose client sent ``request_id`` is counted at most once per namespace
 the store's first write claims the id, and writes of a request that did not claim it are skipped
 (records and statistics unchanged). The request itself is still computed and answered.
 
+A claim keeps the *digest* of the request that made it (:attr:`RequestWrite.digest`: a hash of
+what the request contributes, ``advantage_service.term_state.request_digest``). A later write of
+the same id with the same digest is a retry (``duplicate``); with another digest it is another
+request under a reused id (``conflict``): not counted either, but told apart. A claim without a
+digest (written by an earlier release, or a write that gave none) matches any digest: it is
+taken for a retry. :meth:`StatsStore.read_partly` reads a request id's claim along with the
+records, so that the service can refuse a conflicting request before it answers.
+
 The service's writer coalesces the writes of many requests into one update per namespace
 (:meth:`StatsStore.record_requests`), so each request is still counted exactly once:
 
@@ -43,13 +51,25 @@ The service's writer coalesces the writes of many requests into one update per n
   none. A request's statistics are written only once every part of its records is, and it is
   ``counted`` by the write whose statistics part claimed it.
 
+Poisoned writes
+---------------
+A request whose write the store cannot take (a key or request id that is not valid Unicode text,
+a record larger than the store holds, a staged record the Redis commit script finds missing)
+must cost no other request its statistics. Such a write is refused whole, with nothing applied
+(:class:`Refused`; the Redis scripts check everything that can fail before their first write),
+and the store writes the requests again in halves, each half folded again on top of what was
+written before it, until the requests it refuses are alone: those are ``poisoned`` (not
+counted), every other one is counted once. A failure that may have applied part of a write
+(Redis unreachable mid-write) is never split: its requests are ``lost``, as before.
+
 The order of calls per request (read, compute, answer, then write) has one owner:
 ``advantage_service.term_state.StateSession``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Collection, Sequence
+import itertools
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal, Protocol
 
@@ -68,7 +88,15 @@ RecordKey = tuple[str, str]
 COUNTED: Final = "counted"  # written, and its statistics counted by this write
 DUPLICATE: Final = "duplicate"  # its request id's statistics were counted before: not again
 LOST: Final = "lost"  # not (completely) written: the store, or a part of it, was unreachable
-Outcome = Literal["counted", "duplicate", "lost"]
+POISONED: Final = "poisoned"  # refused by the store on its own (see "Poisoned writes"): not counted
+CONFLICT: Final = "conflict"  # its request id was counted before for another body: not counted
+Outcome = Literal["counted", "duplicate", "lost", "poisoned", "conflict"]
+
+
+class Refused(Exception):
+    """The store refused a write as a whole and applied nothing of it: a key or request id it
+    cannot encode, or a record it cannot take. The same requests written in smaller groups may
+    go through (see "Poisoned writes")."""
 
 
 @dataclass
@@ -83,27 +111,67 @@ class StatsUpdate:
 @dataclass(frozen=True)
 class Read:
     """What a read of records gave: ``records`` in the order of the keys (None for a key
-    without one, or not read), and the positions of the keys that could not be read (a part of
-    a Redis Cluster that did not answer)."""
+    without one, or not read), the positions of the keys that could not be read (a part of
+    a Redis Cluster that did not answer), and what the claim of a request id holds."""
 
     records: list[bytes | None]
     unread: frozenset[int] = frozenset()
+    # The digest kept with the claim of the request id the read was asked about; None when it
+    # was not claimed, its claim has no digest (an earlier release's), or it was not read.
+    claimed_digest: str | None = None
 
 
 @dataclass(frozen=True)
 class RequestWrite:
     """One request's share of a coalesced write: the client's ``request_id`` (None: no
     idempotency), the record ``keys`` it writes (its visits are folded into the update's
-    records) and its vocabulary statistics ``tokens``."""
+    records), its vocabulary statistics ``tokens`` and the ``digest`` its claim keeps (None:
+    none; a claim without one matches any)."""
 
     request_id: str | None
     keys: tuple[RecordKey, ...]
     tokens: TokenStatsUpdate
+    digest: str | None = None
 
 
-# refold(keys, without): the records of ``keys`` folded again from the visits of every request
-# of the write except those whose id is in ``without`` (a key only they wrote is left out).
-Refold = Callable[[Collection[RecordKey], Collection[str]], Awaitable[dict[RecordKey, bytes]]]
+@dataclass(frozen=True)
+class Claims:
+    """What a whole write found claimed before, as positions among its requests: ids counted
+    before for the same body (``duplicates``) or for another one (``conflicts``). Nothing was
+    applied or claimed when it found any (it is then true)."""
+
+    duplicates: tuple[int, ...] = ()
+    conflicts: tuple[int, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.duplicates or self.conflicts)
+
+
+# refold(keys, keep): the records of ``keys`` folded again from the visits of the requests of
+# the write at positions ``keep`` (ascending: the order they were answered in); a key none of
+# them wrote is left out.
+Refold = Callable[[Collection[RecordKey], Sequence[int]], Awaitable[dict[RecordKey, bytes]]]
+
+
+def digests_differ(stored: str | None, digest: str | None) -> bool:
+    """True when a claim's ``stored`` digest proves that a request of ``digest`` is another
+    request under the same id (a claim or a request without a digest proves nothing)."""
+    return bool(stored) and bool(digest) and stored != digest
+
+
+def unstorable(namespace: str, request_id: str | None, keys: Iterable[RecordKey]) -> str | None:
+    """Why no store can take a request's write, checked on its own before it is folded with
+    others: the first of its namespace, request id and record keys that is not valid Unicode
+    text (a lone surrogate, which no store key can encode); None when every one is."""
+    named: list[tuple[str, str | None]] = [("namespace", namespace), ("request_id", request_id)]
+    for what, text in itertools.chain(named, (("record key", f"{s}:{k}") for s, k in keys)):
+        if text is None:
+            continue
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return f"its {what} is not valid Unicode text (a lone surrogate)"
+    return None
 
 
 # ---- reading the statistics back ------------------------------------------------------------
@@ -182,9 +250,13 @@ class StatsStore(Protocol):
         unreachable."""
         ...
 
-    async def read_partly(self, namespace: str, keys: Sequence[RecordKey]) -> Read | None:
+    async def read_partly(
+        self, namespace: str, keys: Sequence[RecordKey], request_id: str | None = None
+    ) -> Read | None:
         """:meth:`read_records`, answering what could be read when only part of the store
-        answers (a Redis Cluster with a master down); None when nothing could be read."""
+        answers (a Redis Cluster with a master down); None when nothing could be read. With
+        ``request_id``, the digest its claim keeps is read in the same round trip
+        (:attr:`Read.claimed_digest`)."""
         ...
 
     async def record(self, namespace: str, request_id: str | None, update: StatsUpdate) -> bool:
@@ -203,9 +275,10 @@ class StatsStore(Protocol):
 
         ``[]``: applied and claimed. When some of ``request_ids`` were already claimed in
         ``namespace``, nothing is applied or claimed and the answer lists those ids (the caller
-        writes again without their requests). None when the store is unreachable. (A store
-        that writes in parts, a Redis Cluster, takes at most one request id here: several
-        requests go through :meth:`record_requests`.)
+        writes again without their requests). None when the store is unreachable. Raises
+        :class:`Refused` (nothing applied) for a write the store cannot take. (A store that
+        writes in parts, a Redis Cluster, takes at most one request id here: several requests
+        go through :meth:`record_requests`.)
         """
         ...
 
@@ -218,7 +291,9 @@ class StatsStore(Protocol):
     ) -> list[Outcome]:
         """Write ``update``, the folded writes of ``requests`` (in that order), each request
         counted once under its id: what became of each request (see the module's docstring).
-        ``refold`` folds the records again without requests counted before."""
+        ``refold`` folds the records again for some of the requests (without those counted
+        before, or those a refused write is split into). Requests the store cannot take are
+        ``poisoned`` alone; no exception for them."""
         ...
 
     @property
@@ -239,9 +314,14 @@ class StatsStore(Protocol):
 
 
 class WholeWrites(Protocol):
-    async def record_many(
-        self, namespace: str, request_ids: Sequence[str], update: StatsUpdate
-    ) -> list[str] | None: ...
+    async def commit(
+        self, namespace: str, requests: Sequence[RequestWrite], update: StatsUpdate
+    ) -> Claims | None:
+        """Apply ``update`` (the folded writes of ``requests``) and claim every request id,
+        atomically: empty :class:`Claims` when applied; the requests found claimed before
+        (nothing applied); None when the store is unreachable. Raises :class:`Refused`
+        (nothing applied) for a write it cannot take."""
+        ...
 
 
 async def record_whole(
@@ -251,48 +331,68 @@ async def record_whole(
     update: StatsUpdate,
     refold: Refold,
 ) -> list[Outcome]:
-    """:meth:`StatsStore.record_requests` for a store that applies a write whole: the update
-    with every request id, again without the requests whose ids were counted before (folded
-    again), until it is written (each try leaves one out at least)."""
+    """:meth:`StatsStore.record_requests` for a store that applies a write whole.
+
+    The update with every request id; again without the requests whose ids were counted before
+    (folded again), until it is written (each try leaves one out at least). A write the store
+    refuses (:class:`Refused`: nothing applied) is written again in two halves, the first
+    before the second, each folded again on top of the requests written before it (so that a
+    prompt visited in both halves ends with every visit, in order); a request refused alone is
+    ``poisoned``. k refused requests among n cost about 2 k log2(n) more writes."""
     outcomes: list[Outcome] = [LOST] * len(requests)
-    left = list(range(len(requests)))
-    while True:
-        ids = [rid for i in left if (rid := requests[i].request_id) is not None]
-        claimed = await store.record_many(namespace, ids, update)
-        if claimed is None:
-            return outcomes
-        if not claimed:
-            for i in left:
-                outcomes[i] = COUNTED
-            return outcomes
-        before = set(claimed)
-        rest = [i for i in left if requests[i].request_id not in before]
-        if not rest or len(rest) == len(left):
-            # (nothing left to write, or a store that answers ids it was not given)
-            for i in left:
-                if requests[i].request_id in before:
-                    outcomes[i] = DUPLICATE
-            return outcomes
-        for i in left:
-            if requests[i].request_id in before:
+    written: list[int] = []  # positions applied so far, in the order they were written
+
+    async def folded(part: list[int]) -> StatsUpdate:
+        keys = {key for i in part for key in requests[i].keys}
+        records = await refold(keys, sorted({*written, *part}))
+        return StatsUpdate(records, merge_token_stats([requests[i].tokens for i in part]))
+
+    async def write(left: list[int], update: StatsUpdate) -> bool:
+        """Write the requests at ``left``; False when the store turned out unreachable."""
+        while True:
+            try:
+                claims = await store.commit(namespace, [requests[i] for i in left], update)
+            except Refused:
+                if len(left) == 1:
+                    outcomes[left[0]] = POISONED
+                    return True
+                half = len(left) // 2
+                for part in (left[:half], left[half:]):
+                    if not await write(part, await folded(part)):
+                        return False
+                return True
+            if claims is None:
+                return False
+            if not claims:
+                for i in left:
+                    outcomes[i] = COUNTED
+                written.extend(left)
+                return True
+            before = {left[p] for p in claims.duplicates if 0 <= p < len(left)}
+            other = {left[p] for p in claims.conflicts if 0 <= p < len(left)}
+            for i in before:
                 outcomes[i] = DUPLICATE
-        left = rest
-        kept = set(rest)
-        without = {
-            r.request_id
-            for i, r in enumerate(requests)
-            if i not in kept and r.request_id is not None
-        }
-        keys = {key for i in rest for key in requests[i].keys}
-        records = await refold(keys, without)
-        update = StatsUpdate(records, merge_token_stats([requests[i].tokens for i in rest]))
+            for i in other:
+                outcomes[i] = CONFLICT
+            rest = [i for i in left if i not in before and i not in other]
+            if not rest or len(rest) == len(left):
+                # (nothing left to write, or a store that answers positions it was not given)
+                return True
+            left = rest
+            update = await folded(left)
+
+    await write(list(range(len(requests))), update)
+    return outcomes
 
 
 __all__ = [
+    "CONFLICT",
     "COUNTED",
     "DUPLICATE",
     "LOST",
     "ORDERS",
+    "POISONED",
+    "Claims",
     "OnDuration",
     "OnError",
     "OnUp",
@@ -300,12 +400,15 @@ __all__ = [
     "Read",
     "RecordKey",
     "Refold",
+    "Refused",
     "RequestWrite",
     "StatsStore",
     "StatsUpdate",
     "StoreStatus",
     "WholeWrites",
     "check_order",
+    "digests_differ",
     "record_whole",
     "token_stats_response",
+    "unstorable",
 ]

@@ -6,10 +6,21 @@ vocabulary statistics are merged into one table per namespace at every write (th
 replicas to append concurrently). Every entry expires ``ttl_seconds`` after its last write, as
 Redis keys do.
 
-Memory is bounded whatever the traffic: records by their total bytes (``max_record_bytes``),
-remembered request ids and namespaces by count. Past a bound the entry
-written longest ago is evicted first (as Redis with ``maxmemory-policy volatile-lru`` would),
-so a long run forgets its oldest prompts instead of growing.
+Memory is bounded whatever the traffic: records by their total bytes (``max_record_bytes``,
+512 MiB), remembered request ids by count (``max_request_ids``, 1 M), namespaces' statistics
+tables by count (``max_namespaces``, 1024). The bounds are shared by every namespace, and
+eviction is fair between them: past the records' bound, the namespace holding the most record
+bytes gives up its oldest record (the one written longest ago) first, until it no longer holds
+the most; past the ids' bound, the namespace holding the most ids gives up its oldest. So one
+tenant flooding the store with prompts evicts its own history, and a namespace holding no more
+than another never loses a record while the other holds more: every namespace keeps at least
+its fair share (the bound over the namespaces writing). Within a namespace a long run forgets
+its oldest prompts instead of growing. Past the namespaces' bound the table written longest ago
+goes.
+
+What this store refuses, as Redis would (:class:`~.base.Refused`, nothing applied): a key or
+request id that is not valid Unicode text, and a record larger than ``max_record_bytes`` (it
+could only be kept by evicting everything else).
 """
 
 from __future__ import annotations
@@ -19,16 +30,20 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .base import (
+    Claims,
     Outcome,
     Read,
     RecordKey,
     Refold,
+    Refused,
     RequestWrite,
     StatsUpdate,
     StoreStatus,
     check_order,
+    digests_differ,
     record_whole,
     token_stats_response,
+    unstorable,
 )
 from .blobs import TokenStatsUpdate, empty_token_stats, merge_token_stats, token_columns
 
@@ -38,6 +53,12 @@ DEFAULT_MAX_REQUEST_IDS = 1_000_000
 DEFAULT_MAX_NAMESPACES = 1024
 # What a record costs besides its bytes (keys, dictionary entry), roughly.
 RECORD_OVERHEAD = 200
+
+# namespace -> its entries, insertion-ordered: re-inserting on every write keeps the oldest
+# write first.
+Records = dict[str, dict[RecordKey, tuple[float, bytes]]]
+# namespace -> request id -> (expiry, digest of the request that claimed it, or None)
+Requests = dict[str, dict[str, tuple[float, str | None]]]
 
 
 class MemoryStatsStore:
@@ -57,11 +78,12 @@ class MemoryStatsStore:
         self.max_record_bytes = max_record_bytes
         self.max_request_ids = max_request_ids
         self.max_namespaces = max_namespaces
-        # Insertion-ordered: re-inserting on every write keeps the oldest write first.
-        self._records: dict[tuple[str, RecordKey], tuple[float, bytes]] = {}
+        self._records: Records = {}
+        self._namespace_bytes: dict[str, int] = {}
         self._record_bytes = 0
         self._tokens: dict[str, tuple[float, TokenStatsUpdate]] = {}
-        self._requests: dict[tuple[str, str], float] = {}
+        self._requests: Requests = {}
+        self._request_count = 0
         self._next_sweep = 0.0
 
     @property
@@ -69,10 +91,14 @@ class MemoryStatsStore:
         """Bytes held by records (bounded by ``max_record_bytes``)."""
         return self._record_bytes
 
+    def namespace_record_bytes(self, namespace: str) -> int:
+        """Bytes held by the records of ``namespace``."""
+        return self._namespace_bytes.get(namespace, 0)
+
     @property
     def request_ids_kept(self) -> int:
         """Request ids remembered for idempotency (at most ``max_request_ids``)."""
-        return len(self._requests)
+        return self._request_count
 
     @property
     def namespaces_kept(self) -> int:
@@ -88,20 +114,32 @@ class MemoryStatsStore:
 
     async def close(self) -> None:
         self._records.clear()
+        self._namespace_bytes.clear()
         self._record_bytes = 0
         self._tokens.clear()
         self._requests.clear()
+        self._request_count = 0
 
     async def read_records(
         self, namespace: str, keys: Sequence[RecordKey]
     ) -> list[bytes | None] | None:
         now = self._now()
-        entries = [self._records.get((namespace, key)) for key in keys]
+        mine = self._records.get(namespace, {})
+        entries = [mine.get(key) for key in keys]
         return [e[1] if e is not None and e[0] > now else None for e in entries]
 
-    async def read_partly(self, namespace: str, keys: Sequence[RecordKey]) -> Read | None:
+    async def read_partly(
+        self, namespace: str, keys: Sequence[RecordKey], request_id: str | None = None
+    ) -> Read | None:
         records = await self.read_records(namespace, keys)
-        return None if records is None else Read(records)
+        if records is None:
+            return None
+        digest = None
+        if request_id is not None:
+            entry = self._requests.get(namespace, {}).get(request_id)
+            if entry is not None and entry[0] > self._now():
+                digest = entry[1]
+        return Read(records, claimed_digest=digest)
 
     @property
     def writable(self) -> bool:
@@ -109,36 +147,69 @@ class MemoryStatsStore:
 
     async def record(self, namespace: str, request_id: str | None, update: StatsUpdate) -> bool:
         ids = [] if request_id is None else [request_id]
-        return await self.record_many(namespace, ids, update) == []
+        try:
+            return await self.record_many(namespace, ids, update) == []
+        except Refused:
+            return False
 
     async def record_many(
         self, namespace: str, request_ids: Sequence[str], update: StatsUpdate
     ) -> list[str] | None:
+        ids = list(dict.fromkeys(request_ids))
+        requests = [RequestWrite(rid, (), empty_token_stats()) for rid in ids]
+        claims = await self.commit(namespace, requests, update)
+        if claims is None:
+            return None
+        return [ids[p] for p in sorted({*claims.duplicates, *claims.conflicts})]
+
+    async def commit(
+        self, namespace: str, requests: Sequence[RequestWrite], update: StatsUpdate
+    ) -> Claims | None:
         now = self._now()
         self._sweep(now)
-        ids = list(dict.fromkeys(request_ids))
-        claimed = [rid for rid in ids if self._requests.get((namespace, rid), 0.0) > now]
-        if claimed:
-            return claimed
-        for rid in ids:
-            key = (namespace, rid)
-            self._requests.pop(key, None)
-            self._requests[key] = now + self.ttl_seconds
-        while len(self._requests) > self.max_request_ids:
-            del self._requests[next(iter(self._requests))]
+        self._check(namespace, requests, update)
+        claimed = self._requests.get(namespace, {})
+        duplicates, conflicts = [], []
+        for p, request in enumerate(requests):
+            rid = request.request_id
+            entry = None if rid is None else claimed.get(rid)
+            if entry is not None and entry[0] > now:
+                if digests_differ(entry[1], request.digest):
+                    conflicts.append(p)
+                else:
+                    duplicates.append(p)
+        if duplicates or conflicts:
+            return Claims(tuple(duplicates), tuple(conflicts))
         expires = now + self.ttl_seconds
+        for request in requests:
+            if request.request_id is not None:
+                self._claim(namespace, request.request_id, (expires, request.digest))
+        self._evict_requests()
         for key, record in update.records.items():
-            self._drop_record((namespace, key))
-            self._records[(namespace, key)] = (expires, record)
-            self._record_bytes += len(record) + RECORD_OVERHEAD
-        while self._record_bytes > self.max_record_bytes and self._records:
-            self._drop_record(next(iter(self._records)))
-        entry = self._tokens.pop(namespace, None)
-        table = entry[1] if entry is not None and entry[0] > now else empty_token_stats()
+            self._put_record(namespace, key, (expires, record))
+        self._evict_records()
+        previous = self._tokens.pop(namespace, None)
+        table = previous[1] if previous is not None and previous[0] > now else empty_token_stats()
         self._tokens[namespace] = (expires, merge_token_stats([table, update.tokens]))
         while len(self._tokens) > self.max_namespaces:
             del self._tokens[next(iter(self._tokens))]
-        return []
+        return Claims()
+
+    def _check(self, namespace: str, requests: Sequence[RequestWrite], update: StatsUpdate) -> None:
+        """Raise :class:`Refused` for a write this store cannot take (before applying any)."""
+        for request in requests:
+            why = unstorable(namespace, request.request_id, ())
+            if why is not None:
+                raise Refused(why)
+        why = unstorable(namespace, None, update.records)
+        if why is not None:
+            raise Refused(why)
+        for (space, key), record in update.records.items():
+            if len(record) + RECORD_OVERHEAD > self.max_record_bytes:
+                raise Refused(
+                    f"the record {space}:{key[:64]!r} has {len(record)} bytes, more than the "
+                    f"store holds ({self.max_record_bytes} bytes)"
+                )
 
     async def record_requests(
         self,
@@ -149,10 +220,64 @@ class MemoryStatsStore:
     ) -> list[Outcome]:
         return await record_whole(self, namespace, requests, update, refold)
 
-    def _drop_record(self, key: tuple[str, RecordKey]) -> None:
-        entry = self._records.pop(key, None)
-        if entry is not None:
-            self._record_bytes -= len(entry[1]) + RECORD_OVERHEAD
+    # ---- entries and their fair eviction -----------------------------------------------------
+
+    def _put_record(self, namespace: str, key: RecordKey, entry: tuple[float, bytes]) -> None:
+        self._drop_record(namespace, key)
+        self._records.setdefault(namespace, {})[key] = entry
+        size = len(entry[1]) + RECORD_OVERHEAD
+        self._namespace_bytes[namespace] = self._namespace_bytes.get(namespace, 0) + size
+        self._record_bytes += size
+
+    def _drop_record(self, namespace: str, key: RecordKey) -> None:
+        mine = self._records.get(namespace)
+        entry = None if mine is None else mine.pop(key, None)
+        if entry is None:
+            return
+        size = len(entry[1]) + RECORD_OVERHEAD
+        self._record_bytes -= size
+        self._namespace_bytes[namespace] -= size
+        if not mine:
+            del self._records[namespace]
+            del self._namespace_bytes[namespace]
+
+    def _claim(self, namespace: str, request_id: str, entry: tuple[float, str | None]) -> None:
+        mine = self._requests.setdefault(namespace, {})
+        if mine.pop(request_id, None) is None:
+            self._request_count += 1
+        mine[request_id] = entry
+
+    def _drop_claim(self, namespace: str, request_id: str) -> None:
+        mine = self._requests.get(namespace)
+        if mine is not None and mine.pop(request_id, None) is not None:
+            self._request_count -= 1
+            if not mine:
+                del self._requests[namespace]
+
+    def _evict_records(self) -> None:
+        """Past ``max_record_bytes``: the namespace holding the most bytes gives up its oldest
+        records until it no longer holds the most (or the records fit)."""
+        while self._record_bytes > self.max_record_bytes and self._records:
+            largest = max(self._namespace_bytes, key=self._namespace_bytes.__getitem__)
+            runner_up = max(
+                (b for ns, b in self._namespace_bytes.items() if ns != largest), default=0
+            )
+            while (
+                self._record_bytes > self.max_record_bytes
+                and self._namespace_bytes.get(largest, 0) >= runner_up
+                and largest in self._records
+            ):
+                self._drop_record(largest, next(iter(self._records[largest])))
+
+    def _evict_requests(self) -> None:
+        """Past ``max_request_ids``: the same rule, by the number of ids each namespace holds."""
+        while self._request_count > self.max_request_ids and self._requests:
+            counts = {ns: len(ids) for ns, ids in self._requests.items()}
+            largest = max(counts, key=counts.__getitem__)
+            runner_up = max((c for ns, c in counts.items() if ns != largest), default=0)
+            mine = self._requests[largest]
+            while self._request_count > self.max_request_ids and mine and len(mine) >= runner_up:
+                self._drop_claim(largest, next(iter(mine)))
 
     async def token_stats(self, namespace: str, order: str, limit: int) -> dict[str, Any] | None:
         check_order(order)
@@ -165,10 +290,13 @@ class MemoryStatsStore:
         if now < self._next_sweep:
             return
         self._next_sweep = now + min(60.0, self.ttl_seconds / 4)
-        for key in [k for k, v in self._records.items() if v[0] <= now]:
-            self._drop_record(key)
+        for namespace, records in list(self._records.items()):
+            for key in [k for k, v in records.items() if v[0] <= now]:
+                self._drop_record(namespace, key)
         self._tokens = {k: v for k, v in self._tokens.items() if v[0] > now}
-        self._requests = {k: t for k, t in self._requests.items() if t > now}
+        for namespace, ids in list(self._requests.items()):
+            for rid in [r for r, v in ids.items() if v[0] <= now]:
+                self._drop_claim(namespace, rid)
 
 
 __all__ = ["DEFAULT_TTL_SECONDS", "MemoryStatsStore"]

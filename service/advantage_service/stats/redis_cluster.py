@@ -7,7 +7,8 @@ once). Keys (``P`` = prefix, ``N`` = the namespace percent-encoded):
 
 - ``P:{T(s)}:N:<space>:<key>``: a record, where ``s`` = ``CRC16("N:<space>:<key>") mod 16384``:
   one namespace's records spread over every slot, so over every master;
-- ``P:{T(s)}:N:claim:<request id>``: the request's part in slot ``s`` was counted;
+- ``P:{T(s)}:N:claim:<request id>``: the request's part in slot ``s`` was counted (its value as
+  on one Redis: the write's id, then ``|`` and the request's digest);
   ``P:{T(s)}:N:write:<write>``: the write's part in slot ``s`` was applied (five minutes: it
   makes a resent part apply nothing); ``P:{T(s)}:N:stage:<write>:<i>``: staged records;
 - ``P:{N:b<b>}:tokdelta``, ``:tokstats``, ``:toklock``, ``:claim:<request id>``,
@@ -28,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import itertools
 import time
 import zlib
 from collections.abc import Collection, Sequence
@@ -50,13 +52,16 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from .base import (
+    CONFLICT,
     COUNTED,
     DUPLICATE,
     LOST,
+    POISONED,
     Outcome,
     Read,
     RecordKey,
     Refold,
+    Refused,
     RequestWrite,
     StatsUpdate,
 )
@@ -66,7 +71,10 @@ from .redis_common import (
     Commands,
     DeltaKeys,
     PartlyUnavailable,
+    claim_digest,
     command,
+    is_refusal,
+    stored_digest,
 )
 
 if TYPE_CHECKING:
@@ -81,10 +89,14 @@ REDIRECTS = 2
 # One slot's part of a write. KEYS: 1 the write's own key in this slot, then ARGV[4] claims,
 # then pairs (staged record, record), then, when ARGV[6] is 1, the statistics bucket's tokdelta,
 # tokstats, toklock and staged delta. ARGV: 1 the write's id, 2 claim TTL, 3 TTL, 4 claims,
-# 5 TTL of the write's own key, 6 has a delta, 7 compact after, 8 lock value, 9 lock ms.
-# Answers {1, pending deltas, 1 when the caller now holds the compaction lock} when applied
-# (now, or before by the same write); {0, 0, 0, positions of the claims found} when one of the
-# part's request ids was counted in this slot before: nothing is claimed or applied then.
+# 5 TTL of the write's own key, 6 has a delta, 7 compact after, 8 lock value, 9 lock ms, then one
+# digest per claim ('' for none). Answers {1, pending deltas, 1 when the caller now holds the
+# compaction lock} when applied (now, or before by the same write); {0, 0, 0, positions of the
+# claims found} when one of the part's request ids was counted in this slot before (negative
+# where the claim keeps another digest: a conflict): nothing is claimed or applied then. As on
+# one Redis (redis_store.COMMIT_WRITE), everything that can fail is checked before the first
+# write: a staged record or delta missing answers the error ADVREFUSED, a deltas list of another
+# type WRONGTYPE, and nothing is applied.
 COMMIT_PART = b"""
 local n = tonumber(ARGV[4])
 local delta = ARGV[6] == '1'
@@ -94,25 +106,57 @@ local function discard()
   for i = n + 2, last, 2 do redis.call('DEL', KEYS[i]) end
   if delta then redis.call('DEL', KEYS[last + 4]) end
 end
+local function digest_of(value)
+  if type(value) == 'string' and #value > 33 and string.sub(value, -33, -33) == '|' then
+    return string.sub(value, -32)
+  end
+  return ''
+end
 if redis.call('EXISTS', KEYS[1]) == 1 then
   discard()
   return {1, 0, 0}
 end
 local claimed = {0, 0, 0}
 for i = 2, n + 1 do
-  if redis.call('EXISTS', KEYS[i]) == 1 then claimed[#claimed + 1] = i - 1 end
+  if redis.call('EXISTS', KEYS[i]) == 1 then
+    local stored = digest_of(redis.pcall('GET', KEYS[i]))
+    local digest = ARGV[8 + i]
+    if stored ~= '' and digest ~= '' and stored ~= digest then
+      claimed[#claimed + 1] = 1 - i
+    else
+      claimed[#claimed + 1] = i - 1
+    end
+  end
 end
 if #claimed > 3 then
   discard()
   return claimed
 end
-for i = 2, n + 1 do redis.call('SET', KEYS[i], ARGV[1], 'EX', ARGV[2]) end
+local missing = {}
+for i = n + 2, last, 2 do
+  if redis.call('EXISTS', KEYS[i]) == 0 then missing[#missing + 1] = (i - n - 2) / 2 + 1 end
+end
+if delta and redis.call('EXISTS', KEYS[last + 4]) == 0 then missing[#missing + 1] = 0 end
+if #missing > 0 then
+  discard()
+  return redis.error_reply('ADVREFUSED staged records missing: ' .. table.concat(missing, ' '))
+end
+if delta then
+  local kind = redis.call('TYPE', KEYS[last + 1])['ok']
+  if kind ~= 'list' and kind ~= 'none' then
+    discard()
+    return redis.error_reply('WRONGTYPE ' .. KEYS[last + 1] .. ' holds a ' .. kind)
+  end
+end
+for i = 2, n + 1 do
+  local value = ARGV[1]
+  if ARGV[8 + i] ~= '' then value = value .. '|' .. ARGV[8 + i] end
+  redis.call('SET', KEYS[i], value, 'EX', ARGV[2])
+end
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[5])
 for i = n + 2, last, 2 do
-  if redis.call('EXISTS', KEYS[i]) == 1 then
-    redis.call('RENAME', KEYS[i], KEYS[i + 1])
-    redis.call('EXPIRE', KEYS[i + 1], ARGV[3])
-  end
+  redis.call('RENAME', KEYS[i], KEYS[i + 1])
+  redis.call('EXPIRE', KEYS[i + 1], ARGV[3])
 end
 if not delta then return {1, 0, 0} end
 local d = last + 1
@@ -183,12 +227,23 @@ class _NodeState:
 
 @dataclass
 class _Pending:
-    """A part of a write still to be applied: its keys, their records, its request ids."""
+    """A part of a write still to be applied: its slot, its keys, the requests (positions)
+    that write them."""
 
     slot: int
     keys: list[RecordKey]
     requests: list[int]
-    excluded: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _Written:
+    """What became of the requests' records: positions whose part failed (a node did not
+    answer), that a part refused alone (poisoned), or whose id a part found claimed for
+    another body (conflicts)."""
+
+    failed: set[int] = field(default_factory=set)
+    poisoned: set[int] = field(default_factory=set)
+    conflicts: set[int] = field(default_factory=set)
 
 
 class ClusterLayout:
@@ -227,11 +282,16 @@ class ClusterLayout:
     # ---- keys --------------------------------------------------------------------------------
 
     def _ns(self, namespace: str) -> str:
+        # (UTF-8: a namespace that is not valid Unicode text raises UnicodeEncodeError, which a
+        # write answers as refused)
         return quote(namespace, safe="")
 
     def record_slot(self, namespace: str, key: RecordKey) -> int:
+        # (surrogatepass: the same bytes for valid text; a key that is not valid text still has
+        # a slot, so that its part, not the whole write, is refused when its key is encoded)
         space, name = key
-        return key_slot(f"{self._ns(namespace)}:{space}:{name}".encode())
+        ns = quote(namespace, safe="", errors="surrogatepass")
+        return key_slot(f"{ns}:{space}:{name}".encode("utf-8", "surrogatepass"))
 
     def _in_slot(self, slot: int, namespace: str) -> str:
         return f"{self.store.prefix}:{{{slot_tags()[slot]}}}:{self._ns(namespace)}"
@@ -242,7 +302,8 @@ class ClusterLayout:
         return f"{self._in_slot(slot, namespace)}:{space}:{name}".encode()
 
     def _bucket_of(self, name: str) -> int:
-        return zlib.crc32(name.encode()) % self.buckets
+        # (surrogatepass: see record_slot)
+        return zlib.crc32(name.encode("utf-8", "surrogatepass")) % self.buckets
 
     def _bucket(self, namespace: str, bucket: int) -> str:
         return f"{self.store.prefix}:{{{self._ns(namespace)}:b{bucket}}}"
@@ -437,15 +498,20 @@ class ClusterLayout:
             raise PartlyUnavailable(f"{len(read.unread)} of {len(keys)} records not read")
         return read.records
 
-    async def read_partly(self, namespace: str, keys: Sequence[RecordKey]) -> Read:
-        """The records of ``keys``, those on nodes that did not answer left unread."""
+    async def read_partly(
+        self, namespace: str, keys: Sequence[RecordKey], request_id: str | None = None
+    ) -> Read:
+        """The records of ``keys``, those on nodes that did not answer left unread; with
+        ``request_id``, the digest its statistics claim keeps (read in the same round trip to
+        its bucket's node; None when that node did not answer)."""
         parts = [
             Part(
                 self.record_slot(namespace, key), [command(b"GET", self.record_key(namespace, key))]
             )
             for key in keys
         ]
-        await self.run(parts, self.read_timeout)
+        claim = self._claim_part(namespace, request_id)
+        await self.run([*parts, *([claim] if claim is not None else [])], self.read_timeout)
         records: list[bytes | None] = []
         unread = set()
         for i, part in enumerate(parts):
@@ -455,7 +521,23 @@ class ClusterLayout:
             else:
                 assert isinstance(part.result, list)
                 records.append(part.result[0])
-        return Read(records, frozenset(unread))
+        digest = None
+        if claim is not None and not _failed_part(claim):
+            assert isinstance(claim.result, list)
+            digest = stored_digest(claim.result[0])
+        return Read(records, frozenset(unread), digest)
+
+    def _claim_part(self, namespace: str, request_id: str | None) -> Part | None:
+        """A GET of the statistics claim of ``request_id`` (the claim that counts it); None
+        without an id, or for one that is not valid Unicode text (no claim of it can exist)."""
+        if request_id is None:
+            return None
+        bucket = self._bucket_of(request_id)
+        try:
+            key = f"{self._bucket(namespace, bucket)}:claim:{request_id}".encode()
+        except UnicodeEncodeError:
+            return None
+        return Part(self.bucket_slot(namespace, bucket), [command(b"GET", key)])
 
     # ---- writes ------------------------------------------------------------------------------
 
@@ -472,12 +554,14 @@ class ClusterLayout:
         rid = request_ids[0] if request_ids else None
         request = RequestWrite(rid, tuple(update.records), update.tokens)
 
-        async def refold(keys: Collection[RecordKey], without: Collection[str]) -> Records:
-            return {} if rid in without else {k: update.records[k] for k in keys}
+        async def refold(keys: Collection[RecordKey], keep: Sequence[int]) -> Records:
+            return {k: update.records[k] for k in keys} if keep else {}
 
         (outcome,) = await self.record_requests(namespace, [request], update, refold)
         if outcome == COUNTED:
             return []
+        if outcome == POISONED:
+            raise Refused("the store refused the write")
         return None if outcome == LOST or rid is None else [rid]
 
     async def record_requests(
@@ -488,7 +572,10 @@ class ClusterLayout:
         refold: Refold,
     ) -> list[Outcome]:
         """Write the records part by part (one per slot), then the statistics of the requests
-        whose every part is written (one part per bucket): see :mod:`.redis_store`."""
+        whose every part is written (one part per bucket): see :mod:`.redis_store`. A part
+        refused as a whole (nothing applied) is written again in halves of its requests
+        (:func:`.base.record_whole`'s rule, within its slot): the requests refused alone are
+        ``poisoned``, their statistics not written."""
         store = self.store
         if store._skipping("record"):
             return [LOST] * len(requests)
@@ -497,8 +584,13 @@ class ClusterLayout:
         start = time.perf_counter()
         outcomes: list[Outcome] = [LOST] * len(requests)
         try:
-            failed = await self._write_records(namespace, requests, update, refold, write)
-            written = [i for i in range(len(requests)) if i not in failed]
+            done = await self._write_records(namespace, requests, update, refold, write)
+            for i in done.poisoned:
+                outcomes[i] = POISONED
+            for i in done.conflicts:
+                outcomes[i] = CONFLICT
+            left_out = done.failed | done.poisoned | done.conflicts
+            written = [i for i in range(len(requests)) if i not in left_out]
             compact = await self._write_statistics(
                 namespace, requests, written, write, lock, outcomes
             )
@@ -510,7 +602,7 @@ class ClusterLayout:
             if store._on_duration is not None:
                 store._on_duration("record", time.perf_counter() - start)
         store._mark(True)
-        if failed or LOST in outcomes:
+        if done.failed or LOST in outcomes or POISONED in outcomes:
             store.count_error("record")
         for bucket in compact:
             slot = self.bucket_slot(namespace, bucket)
@@ -526,8 +618,8 @@ class ClusterLayout:
         update: StatsUpdate,
         refold: Refold,
         write: str,
-    ) -> set[int]:
-        """Apply the records part by part; the requests with a part that failed."""
+    ) -> _Written:
+        """Apply the records part by part; what became of the requests' parts."""
         records = dict(update.records)
         writers: dict[RecordKey, list[int]] = {}
         for i, request in enumerate(requests):
@@ -540,36 +632,121 @@ class ClusterLayout:
             pending.keys.append(key)
         for pending in by_slot.values():
             pending.requests = sorted({i for key in pending.keys for i in writers.get(key, [])})
-        failed: set[int] = set()
+        done = _Written()
+        refused: list[_Pending] = []
         todo = list(by_slot.values())
         # Each round leaves out one request of a part at least: it ends.
         while todo:
-            parts = [self._record_part(namespace, p, requests, records, write) for p in todo]
+            sent, parts = [], []
+            for pending in todo:
+                try:
+                    parts.append(self._record_part(namespace, pending, requests, records, write))
+                except UnicodeEncodeError:  # (nothing sent)
+                    refused.append(pending)
+                    continue
+                sent.append(pending)
             await self._run_parts(parts)
             again = []
-            for pending, part in zip(todo, parts, strict=True):
+            for pending, part in zip(sent, parts, strict=True):
+                if _refused(part):
+                    refused.append(pending)
+                    continue
                 reply = _script_reply(part)
                 if reply is None:
-                    failed.update(pending.requests)
+                    done.failed.update(pending.requests)
                     continue
                 if reply[0]:
                     continue
-                ids = _part_ids(pending, requests)
-                claimed = {ids[int(i) - 1] for i in reply[3:]}
-                if not claimed:
-                    failed.update(pending.requests)
+                left = self._claimed(pending.requests, requests, reply, done)
+                if left is None:
+                    done.failed.update(pending.requests)
                     continue
-                pending.excluded |= claimed
-                pending.requests = [
-                    i for i in pending.requests if requests[i].request_id not in claimed
-                ]
-                folded = await refold(pending.keys, pending.excluded)
+                pending.requests = left
+                folded = await refold(pending.keys, pending.requests)
                 records.update(folded)
                 pending.keys = [key for key in pending.keys if key in folded]
                 if pending.keys:
                     again.append(pending)
             todo = again
-        return failed
+        for pending in refused:
+            await self._split_records(namespace, pending, requests, writers, refold, write, done)
+        return done
+
+    def _claimed(
+        self,
+        members: list[int],
+        requests: Sequence[RequestWrite],
+        reply: list[Any],
+        done: _Written,
+    ) -> list[int] | None:
+        """``members`` without the requests a part's reply found claimed (those claimed for
+        another body added to ``done.conflicts``); None for a reply that names none of them."""
+        ids = [rid for i in members if (rid := requests[i].request_id) is not None]
+        positions = [int(p) for p in reply[3:]]
+        claimed = {ids[p - 1] for p in positions if 0 < p <= len(ids)}
+        other = {ids[-p - 1] for p in positions if 0 < -p <= len(ids)}
+        if not claimed and not other:
+            return None
+        done.conflicts.update(i for i in members if requests[i].request_id in other)
+        return [i for i in members if requests[i].request_id not in claimed | other]
+
+    async def _split_records(
+        self,
+        namespace: str,
+        pending: _Pending,
+        requests: Sequence[RequestWrite],
+        writers: dict[RecordKey, list[int]],
+        refold: Refold,
+        write: str,
+        done: _Written,
+    ) -> None:
+        """A part refused as a whole (nothing of it applied): its requests written again in
+        halves, one after the other, each half's records folded again on top of the requests
+        of the part written before it; a request refused alone is poisoned."""
+        written: list[int] = []
+        tries = itertools.count(1)
+
+        async def attempt(members: list[int]) -> None:
+            while members:
+                chosen = set(members)
+                keys = [k for k in pending.keys if chosen.intersection(writers.get(k, ()))]
+                folded = await refold(keys, sorted({*written, *members}))
+                sub = _Pending(pending.slot, [k for k in keys if k in folded], members)
+                if not sub.keys:
+                    written.extend(members)
+                    return
+                # (a write id of its own: the part's id marks a part applied in this slot)
+                part: Part | None
+                try:
+                    part = self._record_part(
+                        namespace, sub, requests, folded, f"{write}.{next(tries)}"
+                    )
+                except UnicodeEncodeError:
+                    part = None
+                else:
+                    await self._run_parts([part])
+                if part is None or _refused(part):
+                    if len(members) == 1:
+                        done.poisoned.add(members[0])
+                        return
+                    half = len(members) // 2
+                    await attempt(members[:half])
+                    await attempt(members[half:])
+                    return
+                reply = _script_reply(part)
+                if reply is None:
+                    done.failed.update(members)
+                    return
+                if reply[0]:
+                    written.extend(members)
+                    return
+                left = self._claimed(members, requests, reply, done)
+                if left is None:
+                    done.failed.update(members)
+                    return
+                members = left
+
+        await attempt(list(pending.requests))
 
     def _record_part(
         self,
@@ -579,33 +756,39 @@ class ClusterLayout:
         records: dict[RecordKey, bytes],
         write: str,
     ) -> Part:
+        """The commands of a part of the records; raises UnicodeEncodeError for a key or
+        request id that is not valid Unicode text."""
         base = self._in_slot(pending.slot, namespace)
         commands: Commands = []
         pairs: list[bytes] = []
         stage_ms = self.store.stage_ms
+        staged_ok = self.store.staged
         for i, key in enumerate(pending.keys):
             staged = f"{base}:stage:{write}:{i}".encode()
-            commands.append(command(b"SET", staged, records[key], b"PX", stage_ms))
+            if staged_ok is None or staged_ok(namespace, key):
+                commands.append(command(b"SET", staged, records[key], b"PX", stage_ms))
             pairs += [staged, self.record_key(namespace, key)]
-        ids = _part_ids(pending, requests)
+        members = [requests[i] for i in pending.requests if requests[i].request_id is not None]
         keys = [
             f"{base}:write:{write}".encode(),
-            *(f"{base}:claim:{rid}".encode() for rid in ids),
+            *(f"{base}:claim:{r.request_id}".encode() for r in members),
             *pairs,
         ]
-        by_digest, by_text = self._commit(keys, write, len(ids), delta=False, lock="")
+        digests = [r.digest for r in members]
+        by_digest, by_text = self._commit(keys, write, digests, delta=False, lock="")
         return Part(pending.slot, [*commands, by_digest], fallback=by_text)
 
     def _commit(
-        self, keys: list[bytes], write: str, ids: int, *, delta: bool, lock: str
+        self, keys: list[bytes], write: str, digests: list[str | None], *, delta: bool, lock: str
     ) -> tuple[list[bytes], list[bytes]]:
         """The commit script's command by its digest (a write has a part per slot it touches,
         and the script's text would travel with each), and by its text (for a node that does
-        not know it yet: see :meth:`_run_parts`)."""
+        not know it yet: see :meth:`_run_parts`). ``digests``: those of the claims, in order."""
         store = self.store
         args = [write.encode(), b"%d" % store.ttl_seconds, b"%d" % store.ttl_seconds]
-        args += [b"%d" % ids, b"%d" % ANONYMOUS_CLAIM_TTL, b"1" if delta else b"0"]
+        args += [b"%d" % len(digests), b"%d" % ANONYMOUS_CLAIM_TTL, b"1" if delta else b"0"]
         args += [b"%d" % store.compact_after, lock.encode(), b"%d" % store.lock_ms]
+        args += [claim_digest(digest) for digest in digests]
         tail = [b"%d" % len(keys), *keys, *args]
         return command(b"EVALSHA", COMMIT_PART_SHA, *tail), command(b"EVAL", COMMIT_PART, *tail)
 
@@ -633,47 +816,108 @@ class ClusterLayout:
         outcomes: list[Outcome],
     ) -> list[int]:
         """Count the statistics of the ``written`` requests, one part per bucket (setting
-        their ``outcomes``); the buckets whose compaction lock this write now holds."""
+        their ``outcomes``); the buckets whose compaction lock this write now holds. A bucket's
+        part refused as a whole is written again in halves of its requests, as records are."""
         by_bucket: dict[int, list[int]] = {}
         for i in written:
             rid = requests[i].request_id
             bucket = self._bucket_of(rid if rid is not None else write)
             by_bucket.setdefault(bucket, []).append(i)
         compact: list[int] = []
+        refused: list[tuple[int, list[int]]] = []
         todo = dict(by_bucket)
         while todo:
             order = list(todo)
             groups = [[requests[i].tokens for i in todo[b]] for b in order]
             tables = await asyncio.to_thread(_merge_each, groups)
-            parts = [
-                self._statistics_part(
-                    namespace, b, table, [requests[i] for i in todo[b]], write, lock
-                )
-                for b, table in zip(order, tables, strict=True)
-            ]
-            await self._run_parts(parts)
+            parts: list[Part | None] = []
+            for b, table in zip(order, tables, strict=True):
+                try:
+                    parts.append(
+                        self._statistics_part(
+                            namespace, b, table, [requests[i] for i in todo[b]], write, lock
+                        )
+                    )
+                except UnicodeEncodeError:  # (nothing sent)
+                    parts.append(None)
+            await self._run_parts([p for p in parts if p is not None])
             again: dict[int, list[int]] = {}
             for bucket, part in zip(order, parts, strict=True):
                 members = todo[bucket]
-                reply = _script_reply(part)
-                if reply is None:
-                    continue  # (their outcome stays LOST)
-                if reply[0]:
-                    for i in members:
-                        outcomes[i] = COUNTED
-                    if reply[2]:
-                        compact.append(bucket)
+                if part is None or _refused(part):
+                    refused.append((bucket, members))
                     continue
-                ids = [rid for i in members if (rid := requests[i].request_id) is not None]
-                claimed = {ids[int(p) - 1] for p in reply[3:]}
-                rest = [i for i in members if requests[i].request_id not in claimed]
-                for i in members:
-                    if requests[i].request_id in claimed:
-                        outcomes[i] = DUPLICATE
-                if rest and len(rest) < len(members):
+                rest = self._counted(members, requests, part, outcomes, compact, bucket)
+                if rest:
                     again[bucket] = rest
             todo = again
+        tries = itertools.count(1)
+
+        async def attempt(bucket: int, members: list[int]) -> None:
+            while members:
+                table = await asyncio.to_thread(
+                    merge_token_stats, [requests[i].tokens for i in members]
+                )
+                part: Part | None
+                try:
+                    part = self._statistics_part(
+                        namespace,
+                        bucket,
+                        table,
+                        [requests[i] for i in members],
+                        f"{write}.s{next(tries)}",
+                        lock,
+                    )
+                except UnicodeEncodeError:
+                    part = None
+                else:
+                    await self._run_parts([part])
+                if part is None or _refused(part):
+                    if len(members) == 1:
+                        outcomes[members[0]] = POISONED
+                        return
+                    half = len(members) // 2
+                    await attempt(bucket, members[:half])
+                    await attempt(bucket, members[half:])
+                    return
+                members = self._counted(members, requests, part, outcomes, compact, bucket)
+
+        for bucket, members in refused:
+            await attempt(bucket, members)
         return compact
+
+    def _counted(
+        self,
+        members: list[int],
+        requests: Sequence[RequestWrite],
+        part: Part,
+        outcomes: list[Outcome],
+        compact: list[int],
+        bucket: int,
+    ) -> list[int]:
+        """Set the outcomes of a statistics part's ``members`` from its reply; those to write
+        again (the part applied nothing, some of its ids being claimed before)."""
+        reply = _script_reply(part)
+        if reply is None:
+            return []  # (their outcome stays LOST)
+        if reply[0]:
+            for i in members:
+                outcomes[i] = COUNTED
+            if reply[2] and bucket not in compact:
+                compact.append(bucket)
+            return []
+        ids = [rid for i in members if (rid := requests[i].request_id) is not None]
+        positions = [int(p) for p in reply[3:]]
+        claimed = {ids[p - 1] for p in positions if 0 < p <= len(ids)}
+        other = {ids[-p - 1] for p in positions if 0 < -p <= len(ids)}
+        for i in members:
+            rid = requests[i].request_id
+            if rid in claimed:
+                outcomes[i] = DUPLICATE
+            elif rid in other:
+                outcomes[i] = CONFLICT
+        rest = [i for i in members if requests[i].request_id not in claimed | other]
+        return rest if len(rest) < len(members) else []
 
     def _statistics_part(
         self,
@@ -687,20 +931,21 @@ class ClusterLayout:
         keys = self.delta_keys(namespace, bucket)
         base = self._bucket(namespace, bucket)
         staged = f"{base}:stage:{write}:d".encode()
-        ids = [r.request_id for r in members if r.request_id is not None]
+        claims = [r for r in members if r.request_id is not None]
         commands = [
             command(b"RPUSH", staged, encode_token_stats(table)),
             command(b"PEXPIRE", staged, self.store.stage_ms),
         ]
         script_keys = [
             f"{base}:write:{write}".encode(),
-            *(f"{base}:claim:{rid}".encode() for rid in ids),
+            *(f"{base}:claim:{r.request_id}".encode() for r in claims),
             keys.delta,
             keys.compacted,
             keys.lock,
             staged,
         ]
-        by_digest, by_text = self._commit(script_keys, write, len(ids), delta=True, lock=lock)
+        digests = [r.digest for r in claims]
+        by_digest, by_text = self._commit(script_keys, write, digests, delta=True, lock=lock)
         return Part(self.bucket_slot(namespace, bucket), [*commands, by_digest], fallback=by_text)
 
     # ---- reading the statistics -------------------------------------------------------------
@@ -749,6 +994,13 @@ def _merge_each(groups: list[list[TokenStatsUpdate]]) -> list[TokenStatsUpdate]:
 def _failed_part(part: Part) -> bool:
     result = part.result
     return not isinstance(result, list) or any(isinstance(r, BaseException) for r in result)
+
+
+def _refused(part: Part) -> bool:
+    """True when a part's commit script refused it as a whole (nothing applied): what it
+    staged was not all there."""
+    result = part.result
+    return isinstance(result, list) and bool(result) and is_refusal(result[-1])
 
 
 def _script_reply(part: Part) -> list[Any] | None:

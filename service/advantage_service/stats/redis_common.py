@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
-from .base import OnDuration, OnError, OnUp
+from .base import OnDuration, OnError, OnUp, RecordKey
 from .blobs import TokenStatsUpdate, decode_token_stats, encode_token_stats, merge_token_stats
 
 log = logging.getLogger("advantage_service.stats.redis_store")
@@ -35,6 +35,15 @@ INLINE_ARG_BYTES = 1 << 16
 T = TypeVar("T")
 Commands = list[list[bytes]]
 Execute = Callable[[Commands], Awaitable[list[Any]]]
+# staged(namespace, key): False leaves that record unstaged (a seam for tests, see RedisBase).
+Staged = Callable[[str, RecordKey], bool]
+
+# The error a commit script answers when what the write staged is not all there (nothing
+# applied: the caller writes the requests again in smaller groups).
+REFUSAL = "ADVREFUSED"
+# A claim's value: the claim of the write that made it, then "|" and the digest of its request
+# (DIGEST_CHARS hex characters) when the request has one; an earlier release's claims have none.
+DIGEST_CHARS = 32
 
 # KEYS: 1 toklock, 2 staged record, 3 tokstats, 4 tokdelta. ARGV: 1 lock value, 2 deltas
 # merged, 3 TTL, 4 compact after, 5 lock ms. Answers {committed, 1 when the caller keeps the
@@ -95,11 +104,15 @@ class RedisBase:
         on_round_trip: Callable[[], None] | None,
         merge: Callable[[list[bytes | None]], bytes] | None,
         new_id: Callable[[], str] | None,
+        staged: Staged | None = None,
     ) -> None:
         # merge and new_id are seams for the race tests: a compaction that merges slowly, a
-        # write pipeline resent with the same claim.
+        # write pipeline resent with the same claim. staged is one for the tests of a write the
+        # commit script refuses: a record it leaves unstaged is missing at the commit, as one
+        # whose SET Redis refused or evicted would be.
         self.merge = merge if merge is not None else merge_records
         self.new_id = new_id if new_id is not None else (lambda: uuid.uuid4().hex)
+        self.staged = staged
         self.prefix = prefix
         self.ttl_seconds = int(ttl_seconds)
         self.compact_after = max(1, int(compact_after))
@@ -231,6 +244,27 @@ def merge_records(records: list[bytes | None]) -> bytes:
     return encode_token_stats(merge_tables(records))
 
 
+def claim_digest(digest: str | None) -> bytes:
+    """A request's digest as a commit script's argument (empty: none, or not one of ours)."""
+    if digest is None or len(digest) != DIGEST_CHARS or not digest.isascii():
+        return b""
+    return digest.encode()
+
+
+def stored_digest(value: Any) -> str | None:
+    """The digest a claim's value keeps (None: no claim, or one without a digest)."""
+    if not isinstance(value, bytes) or len(value) <= DIGEST_CHARS + 1:
+        return None
+    if value[-DIGEST_CHARS - 1 : -DIGEST_CHARS] != b"|":
+        return None
+    return value[-DIGEST_CHARS:].decode("ascii", "replace")
+
+
+def is_refusal(reply: Any) -> bool:
+    """True for the error a commit script answers when what was staged is not all there."""
+    return isinstance(reply, ResponseError) and str(reply).startswith(REFUSAL)
+
+
 def command(*args: bytes) -> list[bytes]:
     """One RESP command as buffers for the socket; long arguments stay their own buffer."""
     out: list[bytes] = []
@@ -251,12 +285,18 @@ __all__ = [
     "COMPACT_ROUNDS",
     "DEFAULT_COMPACT_AFTER",
     "DEFAULT_LOCK_MS",
+    "DIGEST_CHARS",
+    "REFUSAL",
     "STAGE_MS",
     "DeltaKeys",
     "PartlyUnavailable",
     "RedisBase",
+    "Staged",
     "Unavailable",
+    "claim_digest",
     "command",
+    "is_refusal",
     "merge_records",
     "merge_tables",
+    "stored_digest",
 ]

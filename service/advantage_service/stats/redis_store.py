@@ -15,8 +15,10 @@ bytes.
   appended at the right, oldest at the left.
 - ``P:{N}:tokstats``: string, the ``ADVT`` record of every delta compacted so far.
 - ``P:{N}:toklock``: string, held (``SET NX PX``) by the one replica compacting.
-- ``P:{N}:claim:<request id>``: string, the claim of a counted request. ``P:{N}:write:<claim>``:
-  the same for a request without an id, kept five minutes (it only guards against resends).
+- ``P:{N}:claim:<request id>``: string, the claim of a counted request: the claim of the write
+  that counted it, then ``|`` and the request's digest (32 hex characters; claims of earlier
+  releases have none). ``P:{N}:write:<claim>``: the same for a request without an id, kept five
+  minutes (it only guards against resends).
 - ``P:{N}:stage:<claim>:<i>``: what a write pipeline or a compaction stages before its commit
   script moves it into place (O(1) ``RENAME``/``LMOVE``: megabytes never pass through Lua);
   expires after a minute if the commit never comes.
@@ -131,6 +133,7 @@ from redis.exceptions import ResponseError
 
 from .base import (
     LOST,
+    Claims,
     OnDuration,
     OnError,
     OnUp,
@@ -138,6 +141,7 @@ from .base import (
     Read,
     RecordKey,
     Refold,
+    Refused,
     RequestWrite,
     StatsUpdate,
     StoreStatus,
@@ -145,7 +149,7 @@ from .base import (
     record_whole,
     token_stats_response,
 )
-from .blobs import encode_token_stats, token_columns
+from .blobs import empty_token_stats, encode_token_stats, token_columns
 from .memory import DEFAULT_TTL_SECONDS
 from .redis_cluster import DEFAULT_BUCKETS, ClusterLayout
 from .redis_common import (
@@ -154,10 +158,14 @@ from .redis_common import (
     DEFAULT_LOCK_MS,
     DeltaKeys,
     RedisBase,
+    Staged,
     Unavailable,
+    claim_digest,
     command,
+    is_refusal,
     merge_records,
     merge_tables,
+    stored_digest,
 )
 
 log = logging.getLogger(__name__)
@@ -167,9 +175,14 @@ DEFAULT_PREFIX = "adv"
 # KEYS: 1 tokdelta, 2 tokstats, 3 toklock, 4 staged delta, 5 the write's own claim (used when it
 # claims no request id), then ARGV[7] request id claims, then pairs (staged record, record).
 # ARGV: 1 claim, 2 claim TTL, 3 TTL, 4 compact after, 5 lock value, 6 lock ms, 7 request ids,
-# 8 TTL of the write's own claim. Answers {counted, pending deltas, 1 when this caller now holds
-# the compaction lock}, then, when not counted, the (1-based) positions of the request ids
-# already claimed: nothing is claimed or applied then.
+# 8 TTL of the write's own claim, then one digest per request id ('' for none). Answers
+# {counted, pending deltas, 1 when this caller now holds the compaction lock}, then, when not
+# counted, the (1-based) positions of the request ids already claimed, negative where the claim
+# keeps another digest (a conflict): nothing is claimed or applied then. Everything that can
+# fail is checked before the first write, so that no error leaves half a write: a staged record
+# or delta missing (its SET refused, or evicted) answers the error ADVREFUSED (nothing applied:
+# the caller writes the requests again in smaller groups), a deltas list of another type
+# WRONGTYPE. A claim is the write's claim, then '|' and the request's digest when it has one.
 COMMIT_WRITE = b"""
 local ids = tonumber(ARGV[7])
 local first = 6 + ids
@@ -177,31 +190,62 @@ local function discard()
   for i = first, #KEYS, 2 do redis.call('DEL', KEYS[i]) end
   redis.call('DEL', KEYS[4])
 end
+local function digest_of(value)
+  if type(value) == 'string' and #value > 33 and string.sub(value, -33, -33) == '|' then
+    return string.sub(value, -32)
+  end
+  return ''
+end
 -- A resent pipeline that was applied already finds its own claim in place.
 local own = KEYS[5]
 if ids > 0 then own = KEYS[6] end
-if redis.call('GET', own) == ARGV[1] then
+local mine = redis.pcall('GET', own)
+if type(mine) == 'string'
+    and (mine == ARGV[1] or string.sub(mine, 1, #ARGV[1] + 1) == ARGV[1] .. '|') then
   discard()
   return {1, 0, 0}
 end
+local claimed = {0, 0, 0}
+for i = 6, first - 1 do
+  if redis.call('EXISTS', KEYS[i]) == 1 then
+    local stored = digest_of(redis.pcall('GET', KEYS[i]))
+    local digest = ARGV[3 + i]
+    if stored ~= '' and digest ~= '' and stored ~= digest then
+      claimed[#claimed + 1] = 5 - i
+    else
+      claimed[#claimed + 1] = i - 5
+    end
+  end
+end
+if #claimed > 3 then
+  discard()
+  return claimed
+end
+local missing = {}
+for i = first, #KEYS, 2 do
+  if redis.call('EXISTS', KEYS[i]) == 0 then missing[#missing + 1] = (i - first) / 2 + 1 end
+end
+if redis.call('EXISTS', KEYS[4]) == 0 then missing[#missing + 1] = 0 end
+if #missing > 0 then
+  discard()
+  return redis.error_reply('ADVREFUSED staged records missing: ' .. table.concat(missing, ' '))
+end
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind ~= 'list' and kind ~= 'none' then
+  discard()
+  return redis.error_reply('WRONGTYPE ' .. KEYS[1] .. ' holds a ' .. kind)
+end
 if ids == 0 then
   redis.call('SET', KEYS[5], ARGV[1], 'EX', ARGV[8])
-else
-  local claimed = {0, 0, 0}
-  for i = 6, first - 1 do
-    if redis.call('EXISTS', KEYS[i]) == 1 then claimed[#claimed + 1] = i - 5 end
-  end
-  if #claimed > 3 then
-    discard()
-    return claimed
-  end
-  for i = 6, first - 1 do redis.call('SET', KEYS[i], ARGV[1], 'EX', ARGV[2]) end
+end
+for i = 6, first - 1 do
+  local value = ARGV[1]
+  if ARGV[3 + i] ~= '' then value = value .. '|' .. ARGV[3 + i] end
+  redis.call('SET', KEYS[i], value, 'EX', ARGV[2])
 end
 for i = first, #KEYS, 2 do
-  if redis.call('EXISTS', KEYS[i]) == 1 then
-    redis.call('RENAME', KEYS[i], KEYS[i + 1])
-    redis.call('EXPIRE', KEYS[i + 1], ARGV[3])
-  end
+  redis.call('RENAME', KEYS[i], KEYS[i + 1])
+  redis.call('EXPIRE', KEYS[i + 1], ARGV[3])
 end
 redis.call('LMOVE', KEYS[4], KEYS[1], 'LEFT', 'RIGHT')
 redis.call('DEL', KEYS[4])
@@ -234,7 +278,8 @@ class RedisStatsStore(RedisBase):
     operation of reads and pings (a hung Redis costs a request at most that); ``write_timeout``
     those of writes and compactions, which run after the response and may carry megabytes.
     ``compact_after``: pending statistics deltas that trigger a compaction; ``lock_ms``: how
-    long a compactor may hold the lock. Extra keyword arguments go to
+    long a compactor may hold the lock. ``merge``, ``new_id`` and ``staged`` are seams for
+    tests (:class:`~.redis_common.RedisBase`). Extra keyword arguments go to
     ``redis.asyncio.Redis.from_url`` (and ``RedisCluster.from_url``).
     """
 
@@ -259,6 +304,7 @@ class RedisStatsStore(RedisBase):
         on_round_trip: Callable[[], None] | None = None,
         merge: Callable[[list[bytes | None]], bytes] | None = None,
         new_id: Callable[[], str] | None = None,
+        staged: Staged | None = None,
         **redis_kwargs: Any,
     ) -> None:
         super().__init__(
@@ -274,6 +320,7 @@ class RedisStatsStore(RedisBase):
             on_round_trip=on_round_trip,
             merge=merge,
             new_id=new_id,
+            staged=staged,
         )
         options = {
             "socket_connect_timeout": connect_timeout,
@@ -307,6 +354,8 @@ class RedisStatsStore(RedisBase):
     # ---- keys (one Redis) --------------------------------------------------------------------
 
     def _ns(self, namespace: str) -> str:
+        # (quote encodes as UTF-8: a namespace that is not valid Unicode text raises
+        # UnicodeEncodeError, which a write answers as Refused)
         return f"{self.prefix}:{{{quote(namespace, safe='')}}}"
 
     def record_key(self, namespace: str, key: RecordKey) -> str:
@@ -390,22 +439,39 @@ class RedisStatsStore(RedisBase):
     async def read_records(
         self, namespace: str, keys: Sequence[RecordKey]
     ) -> list[bytes | None] | None:
+        read = await self._read(namespace, keys, None)
+        return None if read is None else read.records
+
+    async def _read(
+        self, namespace: str, keys: Sequence[RecordKey], request_id: str | None
+    ) -> Read | None:
+        """One Redis: the records of ``keys`` and the digest of ``request_id``'s claim, in one
+        pipeline (a cluster found at the first contact: the records alone, all or none)."""
         if self._skipping("read_history"):
             return None
         commands = [command(b"GET", self.record_key(namespace, key).encode()) for key in keys]
+        claim = claim_key_bytes(self, namespace, request_id)
+        if claim is not None:
+            commands.append(command(b"GET", claim))
 
-        async def run() -> list[bytes | None]:
+        async def run() -> Read:
             layout = await self._layout()
             if layout is not None:
-                return await layout.read_records(namespace, keys)
-            return await self._execute(self._client, commands)
+                # (every record or none: a node that did not answer fails the read)
+                return Read(await layout.read_records(namespace, keys))
+            replies = await self._execute(self._client, commands)
+            if claim is None:
+                return Read(replies)
+            return Read(replies[:-1], claimed_digest=stored_digest(replies[-1]))
 
         try:
             return await self._call("read_history", run)
         except Unavailable:
             return None
 
-    async def read_partly(self, namespace: str, keys: Sequence[RecordKey]) -> Read | None:
+    async def read_partly(
+        self, namespace: str, keys: Sequence[RecordKey], request_id: str | None = None
+    ) -> Read | None:
         if self._skipping("read_history"):
             return None
         try:
@@ -413,10 +479,11 @@ class RedisStatsStore(RedisBase):
         except Unavailable:
             return None
         if layout is None:
-            records = await self.read_records(namespace, keys)
-            return None if records is None else Read(records)
+            return await self._read(namespace, keys, request_id)
         try:
-            read = await self._call("read_history", lambda: layout.read_partly(namespace, keys))
+            read = await self._call(
+                "read_history", lambda: layout.read_partly(namespace, keys, request_id)
+            )
         except Unavailable:
             return None
         if read.unread:
@@ -430,7 +497,10 @@ class RedisStatsStore(RedisBase):
 
     async def record(self, namespace: str, request_id: str | None, update: StatsUpdate) -> bool:
         ids = [] if request_id is None else [request_id]
-        return await self.record_many(namespace, ids, update) == []
+        try:
+            return await self.record_many(namespace, ids, update) == []
+        except Refused:
+            return False
 
     async def record_many(
         self, namespace: str, request_ids: Sequence[str], update: StatsUpdate
@@ -444,18 +514,56 @@ class RedisStatsStore(RedisBase):
             return None
         if layout is not None:
             return await layout.record_many(namespace, ids, update)
+        requests = [RequestWrite(rid, (), empty_token_stats()) for rid in ids]
+        claims = await self.commit(namespace, requests, update)
+        if claims is None:
+            return None
+        return [ids[p] for p in sorted({*claims.duplicates, *claims.conflicts})]
+
+    async def commit(
+        self, namespace: str, requests: Sequence[RequestWrite], update: StatsUpdate
+    ) -> Claims | None:
+        """One Redis: the write pipeline (one round trip) and its commit script."""
+        if self._skipping("record"):
+            return None
         lock = self.new_id()
-        commands = await asyncio.to_thread(self._writes, namespace, ids, update, lock)
         try:
-            replies = await self._call("record", lambda: self._execute(self._writer, commands))
+            commands = await asyncio.to_thread(self._writes, namespace, requests, update, lock)
+        except UnicodeEncodeError as exc:  # (nothing was sent)
+            self.count_error("record")
+            raise Refused(f"a key or request id is not valid Unicode text: {exc.reason}") from exc
+
+        async def run() -> list[Any]:
+            replies = await self._execute(self._writer, commands, errors=True)
+            for reply in replies[:-1]:
+                if isinstance(reply, ResponseError):
+                    # (a staging command refused, e.g. for memory: refused as a whole, as
+                    # before; the script, which checks what was staged, applied nothing)
+                    raise reply
+            if isinstance(replies[-1], ResponseError) and not is_refusal(replies[-1]):
+                raise replies[-1]
+            return replies
+
+        try:
+            replies = await self._call("record", run)
         except Unavailable:
             return None
-        counted, _pending, compact, *claimed = replies[-1]
+        reply = replies[-1]
+        if isinstance(reply, ResponseError):
+            log.warning(
+                "stats store: Redis refused a write of %d requests: %s", len(requests), reply
+            )
+            self.count_error("record")
+            raise Refused(str(reply))
+        counted, _pending, compact, *claimed = reply
         if compact:
             await self.compact_deltas(self._execute_writes, self.delta_keys(namespace), lock)
         if counted:
-            return []
-        return [ids[int(i) - 1] for i in claimed]
+            return Claims()
+        positions = [int(p) for p in claimed]
+        return Claims(
+            tuple(p - 1 for p in positions if p > 0), tuple(-p - 1 for p in positions if p < 0)
+        )
 
     async def record_requests(
         self,
@@ -475,10 +583,11 @@ class RedisStatsStore(RedisBase):
         return await record_whole(self, namespace, requests, update, refold)
 
     def _writes(
-        self, namespace: str, request_ids: Sequence[str], update: StatsUpdate, lock: str
+        self, namespace: str, requests: Sequence[RequestWrite], update: StatsUpdate, lock: str
     ) -> list[list[bytes]]:
         """The write pipeline: stage the records and the delta, then commit (claiming every
-        one of ``request_ids``, or, without any, a claim of the write's own)."""
+        request id of ``requests`` with its digest, or, without any, a claim of the write's
+        own). Raises UnicodeEncodeError for a key that is not valid Unicode text."""
         claim = self.new_id()
         stage_ms = self.stage_ms
         staged_delta = self.stage_key(namespace, claim, "d").encode()
@@ -489,8 +598,11 @@ class RedisStatsStore(RedisBase):
         pairs: list[bytes] = []
         for i, (key, record) in enumerate(update.records.items()):
             staged = self.stage_key(namespace, claim, i).encode()
-            commands.append(command(b"SET", staged, record, b"PX", stage_ms))
-            pairs += [staged, self.record_key(namespace, key).encode()]
+            target = self.record_key(namespace, key).encode()
+            if self.staged is None or self.staged(namespace, key):
+                commands.append(command(b"SET", staged, record, b"PX", stage_ms))
+            pairs += [staged, target]
+        claimed = {r.request_id: r.digest for r in requests if r.request_id is not None}
         keys = [
             self.delta_key(namespace).encode(),
             self.compacted_key(namespace).encode(),
@@ -498,12 +610,13 @@ class RedisStatsStore(RedisBase):
             staged_delta,
             # (no idempotency asked for: a private claim that only guards against resends)
             f"{self._ns(namespace)}:write:{claim}".encode(),
-            *(self.request_key(namespace, rid).encode() for rid in request_ids),
+            *(self.request_key(namespace, rid).encode() for rid in claimed),
             *pairs,
         ]
         args = [claim.encode(), b"%d" % self.ttl_seconds, b"%d" % self.ttl_seconds]
         args += [b"%d" % self.compact_after, lock.encode(), b"%d" % self.lock_ms]
-        args += [b"%d" % len(request_ids), b"%d" % ANONYMOUS_CLAIM_TTL]
+        args += [b"%d" % len(claimed), b"%d" % ANONYMOUS_CLAIM_TTL]
+        args += [claim_digest(digest) for digest in claimed.values()]
         commands.append(command(b"EVAL", COMMIT_WRITE, b"%d" % len(keys), *keys, *args))
         return commands
 
@@ -514,12 +627,16 @@ class RedisStatsStore(RedisBase):
     async def _execute_writes(self, commands: list[list[bytes]]) -> list[Any]:
         return await self._execute(self._writer, commands)
 
-    async def _execute(self, client: redis.Redis, commands: list[list[bytes]]) -> list[Any]:
+    async def _execute(
+        self, client: redis.Redis, commands: list[list[bytes]], *, errors: bool = False
+    ) -> list[Any]:
         """Send RESP-encoded ``commands`` in one write and read their replies: one round trip.
 
         Used instead of redis-py's pipeline so that megabyte records go to the socket as they
         are, without a copy per command. A broken connection is retried once on a fresh one
-        (safe: reads, and the idempotent writes).
+        (safe: reads, and the idempotent writes). An error reply raises, or with ``errors``
+        takes its command's place among the replies (every reply is read: the connection
+        stays usable, and the caller sees what the last command answered).
         """
         pool = client.connection_pool
         chunks = [chunk for command in commands for chunk in command]
@@ -528,7 +645,15 @@ class RedisStatsStore(RedisBase):
             try:
                 self.count_round_trip()
                 await conn.send_packed_command(chunks, check_health=False)
-                return [await conn.read_response() for _ in commands]
+                if not errors:
+                    return [await conn.read_response() for _ in commands]
+                replies: list[Any] = []
+                for _ in commands:
+                    try:
+                        replies.append(await conn.read_response())
+                    except ResponseError as exc:
+                        replies.append(exc)
+                return replies
             except RedisConnectionError:
                 await conn.disconnect()
                 if attempt:
@@ -563,6 +688,17 @@ class RedisStatsStore(RedisBase):
             return None
         table = await asyncio.to_thread(merge_tables, records)
         return token_stats_response(namespace, table.rollouts, token_columns(table), order, limit)
+
+
+def claim_key_bytes(store: RedisStatsStore, namespace: str, request_id: str | None) -> bytes | None:
+    """The claim key of ``request_id`` on one Redis; None without an id, or for one that is not
+    valid Unicode text (no claim of it can exist: nothing to read)."""
+    if request_id is None:
+        return None
+    try:
+        return store.request_key(namespace, request_id).encode()
+    except UnicodeEncodeError:
+        return None
 
 
 __all__ = ["DEFAULT_PREFIX", "RedisStatsStore", "merge_records"]

@@ -383,6 +383,10 @@ ADVANTAGE_RESPONSES: dict[int | str, dict[str, Any]] = {
     401: error_content("no bearer token, or one the service does not know"),
     403: error_content("the token does not allow the request's namespace"),
     408: error_content("the body did not arrive within ADV_BODY_TIMEOUT_SECONDS"),
+    409: error_content(
+        "conflict: the request_id was already counted in the namespace for a different "
+        "request (a retry must resend the same request)"
+    ),
     413: error_content("over ADV_MAX_BODY_BYTES, ADV_MAX_REQUEST_TOKENS or ADV_MAX_GROUP_SIZE"),
     415: error_content("Content-Type is neither application/json nor " + ARROW),
     422: error_content("a request the service will not compute; names group, rollout, field"),
