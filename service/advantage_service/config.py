@@ -64,14 +64,30 @@ class Settings(BaseSettings):
     max_queue: int = Field(
         default=256,
         ge=1,
-        description="requests held at once (being received, waiting or computing); beyond it "
-        "the answer is 503 overloaded with a retry hint",
+        description="requests admitted at once (body whole: decoding, waiting or computing); "
+        "beyond it the answer is 503 overloaded with a retry hint",
+    )
+    max_receiving: int = Field(
+        default=256,
+        ge=1,
+        description="HTTP request bodies being received at once (they hold no place among "
+        "ADV_MAX_QUEUE until whole); beyond it the answer is 503 overloaded",
     )
     max_queue_bytes: int = Field(
         default=1024 * MIB,
         ge=1,
-        description="bytes of request bodies held at once; beyond it the answer is 503 "
+        description="bytes held at once: request bodies (being received or admitted) and the "
+        "rollouts gRPC streams hold for incomplete groups; beyond it the answer is 503 "
         "overloaded (a lone request is always admitted up to ADV_MAX_BODY_BYTES)",
+    )
+    tenant_share: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="the most one tenant (a token's principal; with auth off, a client "
+        "address) may hold of each of ADV_MAX_RECEIVING, ADV_MAX_QUEUE, ADV_MAX_QUEUE_BYTES and "
+        "ADV_STREAM_MAX_OPEN, as a fraction (at least 1 of each); a token's limits in the "
+        "tokens file override it",
     )
     queue_timeout_seconds: float = Field(
         default=30.0,
@@ -125,6 +141,37 @@ class Settings(BaseSettings):
         description="the longest a client may take to send a request body (408); unset: "
         "ADV_REQUEST_TIMEOUT_SECONDS",
     )
+    body_min_rate: int = Field(
+        default=64 * 1024,
+        ge=0,
+        description="bytes per second a request body must average after its first "
+        "ADV_BODY_RATE_GRACE_SECONDS (408 below it: a slow sender holds nothing for long); 0: "
+        "no minimum",
+    )
+    body_rate_grace_seconds: float = Field(
+        default=5.0,
+        ge=0,
+        description="how long a request body may take before ADV_BODY_MIN_RATE applies",
+    )
+    header_timeout_seconds: float = Field(
+        default=10.0,
+        gt=0,
+        description="the longest an HTTP connection may take to send a request's headers "
+        "(from its opening, or from the previous answer on a kept-alive connection); then it "
+        "is closed",
+    )
+    max_pending_connections: int = Field(
+        default=1024,
+        ge=1,
+        description="HTTP connections still sending request headers at once; a new one beyond "
+        "it closes the oldest of them (they hold no place a request needs)",
+    )
+    max_header_bytes: int = Field(
+        default=16 * 1024,
+        ge=1024,
+        description="the request line and headers of an HTTP request; beyond it the answer is "
+        "431 and the connection is closed",
+    )
     stream_max_pending_groups: int = Field(
         default=4096, ge=1, description="gRPC StreamCompute: incomplete groups held per stream"
     )
@@ -132,13 +179,23 @@ class Settings(BaseSettings):
         default=8_388_608, ge=1, description="gRPC StreamCompute: tokens held per stream"
     )
     stream_max_open: int = Field(
-        default=64, ge=1, description="gRPC StreamCompute calls open at once (RESOURCE_EXHAUSTED)"
+        default=64,
+        ge=1,
+        description="gRPC StreamCompute calls open at once (UNAVAILABLE beyond, with a retry "
+        "hint); a tenant opens at most its share (ADV_TENANT_SHARE)",
+    )
+    stream_idle_timeout_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        description="a gRPC stream that sends no message for this long is ended "
+        "(DEADLINE_EXCEEDED) and its incomplete groups failed, so an idle stream holds no place",
     )
     max_connections: int = Field(
         default=1024,
         ge=1,
-        description="HTTP connections and gRPC calls handled at once (HTTP 503 / gRPC "
-        "RESOURCE_EXHAUSTED beyond): bounds what the service holds for clients it has not admitted",
+        description="HTTP requests whose headers are whole and gRPC calls handled at once "
+        "(HTTP 503 / gRPC RESOURCE_EXHAUSTED beyond): bounds what the service holds for "
+        "clients it has not admitted",
     )
     shutdown_timeout_seconds: float = Field(
         default=30.0, ge=0, description="on SIGTERM, how long in-flight requests may take to finish"

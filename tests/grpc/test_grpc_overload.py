@@ -30,10 +30,10 @@ from holding import Hold, held_request
 
 class InProcess:
     """An engine with one compute worker and a queue of four, and its gRPC server on a loop in a
-    thread."""
+    thread (one client, the whole queue its own: tenant shares are not these tests' subject)."""
 
     def __init__(self) -> None:
-        self.settings = Settings(device="cpu", max_inflight=1, max_queue=4)
+        self.settings = Settings(device="cpu", max_inflight=1, max_queue=4, tenant_share=1.0)
         self.engine = Engine(self.settings)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)

@@ -72,7 +72,8 @@ def assert_answers(request: dict[str, Any], payload: bytes) -> None:
 def test_a_full_queue_answers_503_with_retry_after_and_a_retry_hint(
     server_factory: Callable[..., Server],
 ) -> None:
-    server = server_factory(max_queue=1)
+    # One body being received at once: a second body is refused while the first arrives.
+    server = server_factory(max_receiving=1)
     held_request = random_request(seed=21)
     held = PartialPost(server, json.dumps(held_request).encode())
     poll(lambda: inflight(server) == 1, 30, "the held request to be admitted")
@@ -80,7 +81,7 @@ def test_a_full_queue_answers_503_with_retry_after_and_a_retry_hint(
     refused = server.client.post("/v1/advantages", json=random_request(seed=22))
     assert refused.status_code == 503, refused.text
     error = refused.json()["error"]
-    assert error["code"] == "overloaded" and "ADV_MAX_QUEUE" in error["message"]
+    assert error["code"] == "overloaded" and "ADV_MAX_RECEIVING" in error["message"]
     assert 10 <= error["retry_after_ms"] <= 60_000
     # Retry-After: the hint in whole seconds, rounded up.
     assert int(refused.headers["retry-after"]) == max(1, -(-error["retry_after_ms"] // 1000))

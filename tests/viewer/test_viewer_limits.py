@@ -30,7 +30,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     directory = tmp_path_factory.mktemp("viewer-limits")
     tokens = directory / "tokens.json"
     tokens.write_text(json.dumps({"tokens": {TOKEN: ["team-a"]}}))
-    srv = start_server(directory, auth_tokens_file=str(tokens), max_queue=1)
+    srv = start_server(directory, auth_tokens_file=str(tokens), max_queue=1, max_receiving=1)
     yield srv
     srv.stop()
 

@@ -290,6 +290,37 @@ class Metrics:
             "Groups received on streams and not yet complete",
             registry=r,
         )
+        self.tenant_held = Gauge(
+            "advantage_tenant_held",
+            "What each tenant holds now: bodies being received, requests admitted, bytes "
+            "(bodies and streams' pending rollouts), open streams (tenant: the token's name; "
+            "anonymous on an open service)",
+            ["tenant", "resource"],
+            registry=r,
+        )
+        self.tenant_refusals_total = Counter(
+            "advantage_tenant_refusals_total",
+            "Refusals (503) because the replica's or the tenant's limit of a resource was "
+            "reached, by tenant and resource",
+            ["tenant", "resource"],
+            registry=r,
+        )
+        self.http_pending_connections = Gauge(
+            "advantage_http_pending_connections",
+            "HTTP connections whose request headers have not arrived whole (new, or kept alive "
+            "between requests)",
+            registry=r,
+        )
+        self.http_connections_closed_total = Counter(
+            "advantage_http_connections_closed_total",
+            "HTTP connections the service closed: header_timeout (headers not whole within "
+            "ADV_HEADER_TIMEOUT_SECONDS), pending_full (the oldest of ADV_MAX_PENDING_CONNECTIONS "
+            "connections still sending headers, closed for a new one), headers_too_large (431)",
+            ["reason"],
+            registry=r,
+        )
+        for reason in ("header_timeout", "pending_full", "headers_too_large"):
+            self.http_connections_closed_total.labels(reason)
         self.auth_reloads_total = Counter(
             "advantage_auth_reloads_total",
             "Reloads of the tokens file after a change; outcome=error: it did not parse and the "

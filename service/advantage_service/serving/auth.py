@@ -5,6 +5,14 @@ each token to the namespaces it may read and write::
 
     {"tokens": {"<token>": ["team-a", "team-b"], "<admin token>": ["*"]}}
 
+or to an object that also names the tenant the token counts as (tokens of one name are one
+tenant: a rotated token and its successor share its limits) and its own limits on what it may
+hold at once (``serving/tenancy.py``; by default ``ADV_TENANT_SHARE`` of the replica's)::
+
+    {"tokens": {"<token>": {"namespaces": ["team-a"], "name": "team-a",
+                            "limits": {"bodies": 16, "requests": 64, "bytes": 268435456,
+                                       "streams": 8}}}}
+
 Only SHA-256 digests of the tokens are kept in memory, and a presented token is compared with
 every stored digest by :func:`hmac.compare_digest` (no early exit), so neither the tokens nor
 the comparison's timing leak. Tokens never appear in a log line or an error message.
@@ -73,6 +81,8 @@ class Principal:
     # The token's SHA-256 digest (None: anonymous), so that a call that outlives a reload can
     # ask what the token allows now (Authenticator.current). Never printed.
     digest: bytes | None = field(default=None, repr=False, compare=False)
+    # The token's own limits on what it may hold at once (tenancy.py), over the default share.
+    limits: Mapping[str, int] | None = field(default=None, compare=False)
 
     def allows(self, namespace: str) -> bool:
         return self.namespaces is None or namespace in self.namespaces
@@ -111,23 +121,24 @@ class TokenTable:
         if unknown:
             raise TokensFileError(f"tokens file: unknown keys {sorted(unknown)}")
         entries = []
-        for n, (token, namespaces) in enumerate(document["tokens"].items(), start=1):
+        for n, (token, value) in enumerate(document["tokens"].items(), start=1):
             if not isinstance(token, str) or not token.strip() or token != token.strip():
                 raise TokensFileError(
                     f"tokens file: token #{n} must be a non-empty string without surrounding spaces"
                 )
+            name, limits, namespaces = _entry(n, value)
             if (
                 not isinstance(namespaces, list)
                 or not namespaces
                 or not all(isinstance(ns, str) and 0 < len(ns) <= 128 for ns in namespaces)
             ):
                 raise TokensFileError(
-                    f"tokens file: token #{n}: its value must be a non-empty list of namespace "
-                    f'names (1 to 128 characters) or ["{ALL_NAMESPACES}"]'
+                    f"tokens file: token #{n}: its namespaces must be a non-empty list of "
+                    f'namespace names (1 to 128 characters) or ["{ALL_NAMESPACES}"]'
                 )
             allowed = None if ALL_NAMESPACES in namespaces else frozenset(namespaces)
             key = digest(token)
-            entries.append((key, Principal(allowed, f"token-{n}", key)))
+            entries.append((key, Principal(allowed, name or f"token-{n}", key, limits)))
         return cls(tuple(entries))
 
     @classmethod
@@ -154,6 +165,40 @@ class TokenTable:
             if hmac.compare_digest(stored, presented) and found is None:
                 found = principal
         return found
+
+
+# What a token's ``limits`` may set (tenancy.Limits' fields).
+LIMIT_KEYS = ("bodies", "requests", "bytes", "streams")
+NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+
+
+def _entry(n: int, value: Any) -> tuple[str | None, dict[str, int] | None, Any]:
+    """A token's value: its namespaces (a list), or an object with ``namespaces``, an
+    optional ``name`` (the tenant it counts as, in metrics and logs; tokens of one name are one
+    tenant) and optional ``limits``."""
+    if not isinstance(value, Mapping):
+        return None, None, value
+    unknown = set(value) - {"namespaces", "name", "limits"}
+    if unknown:
+        raise TokensFileError(f"tokens file: token #{n}: unknown keys {sorted(unknown)}")
+    name = value.get("name")
+    if name is not None and (
+        not isinstance(name, str) or not 0 < len(name) <= 64 or not set(name) <= NAME_CHARS
+    ):
+        raise TokensFileError(
+            f"tokens file: token #{n}: its name must be 1 to 64 letters, digits, '-', '_' or '.'"
+        )
+    limits = value.get("limits")
+    if limits is not None:
+        if not isinstance(limits, Mapping) or not all(
+            key in LIMIT_KEYS and type(limit) is int and limit >= 1 for key, limit in limits.items()
+        ):
+            raise TokensFileError(
+                f"tokens file: token #{n}: its limits must map some of {list(LIMIT_KEYS)} to "
+                "integers >= 1"
+            )
+        limits = dict(limits)
+    return name, limits, value.get("namespaces")
 
 
 def bearer_token(authorization: str | None) -> str:

@@ -41,8 +41,9 @@ from .accounting import UNKNOWN_ESTIMATOR, Call
 from .auth import Authenticator, Principal
 from .codec_pool import FINISH, START, CodecPool
 from .compute import check_finite, compute_request, summarize
-from .scheduler import Computation, Scheduler, Ticket
+from .scheduler import LOCAL, Computation, Scheduler, Ticket
 from .stats_writer import StatsWriter
+from .tenancy import Budget, Limits, Tenant
 from .term_state import StateSession
 from .token_text import TokenText
 
@@ -113,6 +114,23 @@ class Engine:
             max_workers=settings.max_inflight, thread_name_prefix="advantage-compute"
         )
         self._codecs = CodecPool(settings.max_inflight, "advantage-codec")
+        # What every tenant holds of the replica's budgets (tenancy.py): bodies being received,
+        # requests admitted, bytes, open streams.
+        self.budget = Budget(
+            Limits(
+                bodies=settings.max_receiving,
+                requests=settings.max_queue,
+                bytes=settings.max_queue_bytes,
+                streams=settings.stream_max_open,
+            ),
+            settings.tenant_share,
+            on_held=lambda label, resource, n: self.metrics.tenant_held.labels(label, resource).inc(
+                n
+            ),
+            on_refused=lambda label, resource: self.metrics.tenant_refusals_total.labels(
+                label, resource
+            ).inc(),
+        )
         self.scheduler = Scheduler(
             workers=settings.max_inflight,
             executor=self._workers,
@@ -128,6 +146,7 @@ class Engine:
             on_wait=self.metrics.queue_wait_seconds.observe,
             on_batch=self.metrics.batch_requests.observe,
             paused=lambda: WRITES_BEHIND if self.writer.behind else None,
+            budget=self.budget,
         )
         self.write_options = WriteOptions(compression=settings.stats_compression)
         self.writer = StatsWriter(
@@ -143,6 +162,7 @@ class Engine:
         self.draining = False
         # Set when the listeners close on shutdown: transports refuse new calls (UNAVAILABLE).
         self.closing = False
+        self.writer.on_poisoned = self.metrics.stats_poisoned_total.inc
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -154,7 +174,7 @@ class Engine:
     @property
     def inflight(self) -> int:
         """Requests admitted and not yet answered (being received, waiting or computing)."""
-        return self.scheduler.held
+        return self.scheduler.held + self.scheduler.receiving
 
     def warm_up(self) -> None:
         """Compute one tiny request so the first client does not pay for lazy initialisation:
@@ -162,7 +182,6 @@ class Engine:
         terms: dict[str, dict[str, Any]] = {
             name: {}
             for name, term in TERMS.items()
-        self.writer.on_poisoned = self.metrics.stats_poisoned_total.inc
             if not term.requires({p.name: p.default for p in term.params})
         }
         req = parse_request(
@@ -259,10 +278,22 @@ class Engine:
             max_rollouts=self.settings.max_request_rollouts,
         )
 
-    def admit(self, nbytes: int = 0) -> Ticket:
-        """A place in the queue for a request whose body has (at least) ``nbytes`` bytes, taken
-        before the body is read; raises :class:`~.errors.Overloaded` (503) when it is full."""
-        return self.scheduler.admit(nbytes)
+    def tenant(self, principal: Principal | None, address: str | None = None) -> Tenant:
+        """Who a call's resources are counted against (tenancy.py): its principal with
+        authentication on; on an open service, the client's ``address`` (its host), shown in
+        metrics as the principal's name (``anonymous``)."""
+        if self.auth.enabled and principal is not None:
+            return Tenant(principal.name, principal.name, principal.limits)
+        if address is None:  # in-process, or a transport that cannot tell: the replica's
+            return LOCAL
+        return Tenant(f"address:{address}", principal.name if principal else "anonymous")
+
+    def admit(self, nbytes: int = 0, tenant: Tenant = LOCAL, *, receiving: bool = False) -> Ticket:
+        """A place for a request whose body has (at least) ``nbytes`` bytes, taken before the
+        body is read (``receiving``: among the bodies being received, until
+        :meth:`Ticket.received`); raises :class:`~.errors.Overloaded` (503) when the replica or
+        the tenant is at its limit."""
+        return self.scheduler.admit(nbytes, tenant, receiving=receiving)
 
     # ---- limits ---------------------------------------------------------------------------------
 
@@ -306,11 +337,14 @@ class Engine:
         started: float | None = None,
         principal: Principal | None = None,
         call: Call | None = None,
+        tenant: Tenant | None = None,
+        nbytes: int = 0,
     ) -> Computed[T]:
         """Decode (when given a decoder), authorise, check limits, queue, compute, record,
         encode.
 
-        Takes a place in the queue unless the transport already holds one (``ticket``, from
+        Takes a place in the queue for ``tenant`` (by default the principal's) and ``nbytes``
+        (a message already received) unless the transport already holds one (``ticket``, from
         :meth:`admit`, taken before reading a large body). ``principal`` (from :attr:`auth`)
         must allow the request's namespace (403 otherwise). Accounts for the call (metrics, the
         access line) unless the transport does (``call``, from :meth:`call`). Raises
@@ -325,7 +359,9 @@ class Engine:
         with call if own_call else contextlib.nullcontext(call):
             own_ticket = ticket is None
             if ticket is None:
-                ticket = self.admit()
+                ticket = self.admit(
+                    nbytes, tenant if tenant is not None else self.tenant(principal)
+                )
             try:
                 return await self._compute(request, encode, ticket, principal, call)
             finally:
@@ -365,6 +401,8 @@ class Engine:
                     if done.error is not None:
                         raise done.error
                     history = await session.settle()
+                    # (409 for a request id counted before for another body: not accepted)
+                    session.check_request_id()
                 finally:
                     session.cancel()
                 assert done.result is not None
@@ -401,8 +439,6 @@ class Engine:
         self, ticket: Ticket, priority: int, fn: Callable[..., Any], *args: Any
     ) -> Any:
         """``fn(*args)`` on a codec thread (``FINISH`` work before ``START`` work); the
-                    # (409 for a request id counted before for another body: not accepted)
-                    session.check_request_id()
         request's place stays taken until it ends."""
         future = asyncio.wrap_future(self._codecs.submit(priority, fn, *args))
         ticket.keep(future)

@@ -3,10 +3,12 @@
 It works the way Triton's dynamic batcher and Knative's queue proxy do:
 
 - **Admission** (:meth:`Scheduler.admit`): a request takes a place (a :class:`Ticket`) before
-  its body is read, so memory stays bounded: at most ``ADV_MAX_QUEUE`` requests are held at once
-  (being received, decoded, waiting or computing), and the bytes of their bodies stay within
-  ``ADV_MAX_QUEUE_BYTES``. Past either the answer is :class:`~.errors.Overloaded` (503 /
-  UNAVAILABLE) with a retry hint sized from the rate the queue drains at.
+  its body is read, so memory stays bounded: among the bodies being received
+  (``ADV_MAX_RECEIVING``) while it arrives, then among the requests admitted (``ADV_MAX_QUEUE``:
+  decoded, waiting or computing), so that a slow sender never holds a place a ready request
+  needs; the bytes of their bodies stay within ``ADV_MAX_QUEUE_BYTES``. Each tenant holds at
+  most its share of each (``tenancy``). Past a limit the answer is :class:`~.errors.Overloaded`
+  (503 / UNAVAILABLE) with a retry hint sized from the rate the queue drains at.
 - **Waiting** (:meth:`Scheduler.run`): a decoded, validated request waits in its namespace's
   first-come-first-served queue, at most ``ADV_QUEUE_TIMEOUT_SECONDS`` after its admission (then
   it is refused as overloaded); a request whose caller went away is dropped without computing.
@@ -40,8 +42,12 @@ from typing import Any
 from ..errors import Overloaded
 from ..estimators import AdvantageResult, TermContext
 from ..wire.request import ComputeRequest
+from .tenancy import Budget, Limits, Refusal, Tenant
 
 log = logging.getLogger("advantage_service.scheduler")
+
+# The tenant of a request no transport names one for (in-process calls, tests).
+LOCAL = Tenant("local", "local", whole=True)
 
 # Weight of the newest completion in the moving average of the time between completions.
 DRAIN_SMOOTHING = 0.1
@@ -68,12 +74,17 @@ ComputeFn = Callable[[Sequence[ComputeRequest], Sequence[TermContext | None]], l
 
 
 class Ticket:
-    """A request's place in the queue, from before its body is read until it is answered.
-    Release it once (a context manager does)."""
+    """A request's place, from before its body is read until it is answered: first among the
+    bodies being received (``receiving``), then, once its body is whole (:meth:`received`),
+    among the requests admitted. Release it once (a context manager does)."""
 
-    def __init__(self, scheduler: Scheduler, nbytes: int) -> None:
+    def __init__(
+        self, scheduler: Scheduler, tenant: Tenant, nbytes: int, *, receiving: bool
+    ) -> None:
         self._scheduler = scheduler
+        self.tenant = tenant
         self.nbytes = nbytes
+        self.receiving = receiving
         self.admitted = time.monotonic()
         self.released = False
         self._freed = False
@@ -99,10 +110,17 @@ class Ticket:
             self._scheduler._release(self)
 
     def hold(self, nbytes: int) -> None:
-        """Hold ``nbytes`` in the queue's byte budget (the body so far: it only grows); raises
-        :class:`Overloaded` when that exceeds the budget."""
+        """Hold ``nbytes`` in the byte budget (the body so far: it only grows); raises
+        :class:`Overloaded` when that passes the replica's or the tenant's budget."""
         if nbytes > self.nbytes:
             self._scheduler._grow(self, nbytes)
+
+    def received(self) -> None:
+        """The body is whole: from now on the request counts among the requests admitted
+        (``ADV_MAX_QUEUE``, the tenant's share) instead of the bodies being received; raises
+        :class:`Overloaded` when there is no room (the ticket is then still to be released)."""
+        if self.receiving:
+            self._scheduler._received(self)
 
     def release(self) -> None:
         if not self.released:
@@ -152,6 +170,7 @@ class Scheduler:
         on_wait: Callable[[float], None] | None = None,
         on_batch: Callable[[int], None] | None = None,
         paused: Callable[[], str | None] | None = None,
+        budget: Budget | None = None,
     ) -> None:
         self.workers = workers
         self.max_queue = max_queue
@@ -169,8 +188,16 @@ class Scheduler:
         # Why no computation may start now (the statistics writes are behind), or None: requests
         # wait in the queue, up to its limits; call wake() when it turns None.
         self._paused = paused
-        self._held = 0  # tickets outstanding
-        self._held_bytes = 0
+        # What every tenant holds; the streams' share of it is the gRPC transport's.
+        # (Without one: a single tenant may take everything.)
+        self.budget = (
+            budget
+            if budget is not None
+            else Budget(
+                Limits(bodies=max_queue, requests=max_queue, bytes=max_queue_bytes, streams=1),
+                share=1.0,
+            )
+        )
         self._free = workers
         self._queues: dict[str, deque[_Job]] = {}
         self._turns: deque[str] = deque()  # namespaces with waiting requests, whose turn is next
@@ -186,56 +213,75 @@ class Scheduler:
 
     @property
     def held(self) -> int:
-        """Requests admitted and not yet answered."""
-        return self._held
+        """Requests admitted and not yet answered (their bodies whole)."""
+        return self.budget.used.requests
+
+    @property
+    def receiving(self) -> int:
+        """Bodies being received."""
+        return self.budget.used.bodies
 
     @property
     def held_bytes(self) -> int:
-        return self._held_bytes
+        return self.budget.used.bytes
 
     @property
     def depth(self) -> int:
         """Requests waiting for a worker."""
         return self._waiting
 
-    def admit(self, nbytes: int = 0) -> Ticket:
-        """A place in the queue for a request of (at least) ``nbytes`` bytes, or
-        :class:`Overloaded`."""
-        if self._held >= self.max_queue:
-            raise self.overloaded(
-                f"the service holds {self._held} requests, its limit (ADV_MAX_QUEUE)"
-            )
-        if self._held and self._held_bytes + nbytes > self.max_queue_bytes:
-            raise self.overloaded(self._bytes_message(nbytes))
-        self._held += 1
-        self._held_bytes += nbytes
-        if self._on_held is not None:
-            self._on_held(self._held)
-        return Ticket(self, nbytes)
+    def admit(self, nbytes: int = 0, tenant: Tenant = LOCAL, *, receiving: bool = False) -> Ticket:
+        """A place for a request of (at least) ``nbytes`` bytes of ``tenant``'s, or
+        :class:`Overloaded`. ``receiving``: its body is still to be read, so it takes a place
+        among the bodies being received, not among the requests admitted (it moves there by
+        :meth:`Ticket.received`); it is refused now all the same when those are full, so that
+        a full replica answers without reading what it refuses."""
+        budget = self.budget
+        try:
+            if receiving:
+                budget.check(tenant, "requests")
+                budget.take(tenant, "bodies")
+            else:
+                budget.take(tenant, "requests")
+            try:
+                budget.take(tenant, "bytes", nbytes)
+            except Refusal:
+                budget.give(tenant, "bodies" if receiving else "requests")
+                raise
+        except Refusal as refusal:
+            raise self.overloaded(str(refusal)) from None
+        self._changed()
+        return Ticket(self, tenant, nbytes, receiving=receiving)
+
+    def _received(self, ticket: Ticket) -> None:
+        try:
+            self.budget.take(ticket.tenant, "requests")
+        except Refusal as refusal:
+            raise self.overloaded(str(refusal)) from None
+        self.budget.give(ticket.tenant, "bodies")
+        ticket.receiving = False
+        self._changed()
 
     def _grow(self, ticket: Ticket, nbytes: int) -> None:
-        extra = nbytes - ticket.nbytes
-        if self._held > 1 and self._held_bytes + extra > self.max_queue_bytes:
-            raise self.overloaded(self._bytes_message(extra))
-        self._held_bytes += extra
+        try:
+            self.budget.take(ticket.tenant, "bytes", nbytes - ticket.nbytes, own=ticket.nbytes)
+        except Refusal as refusal:
+            raise self.overloaded(str(refusal)) from None
         ticket.nbytes = nbytes
 
-    def _bytes_message(self, nbytes: int) -> str:
-        return (
-            f"the service holds {self._held_bytes} bytes of requests; {nbytes} more would pass "
-            f"its limit of {self.max_queue_bytes} (ADV_MAX_QUEUE_BYTES)"
-        )
-
     def _release(self, ticket: Ticket) -> None:
-        self._held -= 1
-        self._held_bytes -= ticket.nbytes
-        if self._on_held is not None:
-            self._on_held(self._held)
+        self.budget.give(ticket.tenant, "bodies" if ticket.receiving else "requests")
+        self.budget.give(ticket.tenant, "bytes", ticket.nbytes)
+        self._changed()
+
+    def _changed(self) -> None:
+        if self._on_held is not None:  # (advantage_inflight_requests: received or receiving)
+            self._on_held(self.held + self.receiving)
 
     def retry_after_ms(self) -> int:
         """How long a refused client should wait: the time the queue ahead of it takes to
         drain at the rate requests have been completing."""
-        ahead = max(1, self._held - self.workers + 1)
+        ahead = max(1, self.held - self.workers + 1)
         wait = 1000.0 * ahead * self._interval
         return int(min(RETRY_AFTER_MAX_MS, max(RETRY_AFTER_MIN_MS, math.ceil(wait))))
 

@@ -33,6 +33,7 @@ from ..errors import Overloaded, RequestError
 from ..serving.accounting import Call
 from ..serving.auth import Principal
 from ..serving.engine import Engine
+from ..serving.tenancy import Refusal
 from .grpc_codec import (
     INTERNAL_MESSAGE,
     SERVICE_NAME,
@@ -52,6 +53,18 @@ log = logging.getLogger("advantage_service.grpc")
 
 # The retry hint of a stream refused for ADV_STREAM_MAX_OPEN (streams last long: a second).
 STREAM_RETRY_MS = 1000
+
+
+def peer_host(context: grpc.aio.ServicerContext) -> str | None:
+    """The client's host from gRPC's peer string (``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``,
+    ``unix:...``): what tells clients apart on an open service (tenancy.py)."""
+    peer = context.peer() or ""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv6":
+        return rest.rpartition(":")[0].strip("[]") or None
+    if kind == "ipv4":
+        return rest.rpartition(":")[0] or None
+    return peer or None
 
 
 def add_servicer(servicer: AdvantageServicer, server: grpc.aio.Server) -> None:
@@ -124,6 +137,8 @@ class AdvantageServicer(pb_grpc.AdvantageServiceServicer):
                     encode=encode_compute_response,
                     principal=principal,
                     call=call,
+                    tenant=self.engine.tenant(principal, peer_host(context)),
+                    nbytes=len(request),
                 )
         except RequestError as exc:
             await abort(context, exc)
@@ -145,18 +160,22 @@ class AdvantageServicer(pb_grpc.AdvantageServiceServicer):
         try:
             with self.engine.call(TRANSPORT) as call:
                 principal = await self._authenticate(context, call)
-                if self.open_streams >= self.settings.stream_max_open:
+                tenant = self.engine.tenant(principal, peer_host(context))
+                # ADV_STREAM_MAX_OPEN for the replica, the tenant's share of it for each tenant:
+                # one tenant's streams, idle or not, never keep another's from opening.
+                try:
+                    self.engine.budget.take(tenant, "streams")
+                except Refusal as refusal:
                     raise Overloaded(
-                        f"{self.open_streams} streams are open; the limit is "
-                        f"{self.settings.stream_max_open} (ADV_STREAM_MAX_OPEN): retry later",
+                        f"{refusal}: retry later",
                         retry_after_ms=STREAM_RETRY_MS,
                         field="streams",
-                    )
+                    ) from None
                 call.skip()  # the stream's groups are accounted one by one, as computed
         except RequestError as exc:
             await abort(context, exc)
             raise  # unreachable: abort raises
-        session = StreamSession(self.engine, self.settings, self.limits, principal)
+        session = StreamSession(self.engine, self.settings, self.limits, principal, tenant)
         metrics = self.engine.metrics
         self.open_streams += 1
         metrics.stream_open.inc()
@@ -171,6 +190,7 @@ class AdvantageServicer(pb_grpc.AdvantageServiceServicer):
                 await abort(context, item.error)
         finally:
             session.release()
+            self.engine.budget.give(tenant, "streams")
             self.open_streams -= 1
             metrics.stream_open.dec()
 

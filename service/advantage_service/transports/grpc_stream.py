@@ -37,6 +37,7 @@ from ..errors import LimitExceeded, RequestError
 from ..estimators import AdvantageResult
 from ..serving.auth import AuthError, Principal, unauthenticated
 from ..serving.engine import Engine
+from ..serving.tenancy import Refusal, Tenant
 from ..wire import jsonio
 from ..wire.request import (
     ComputeRequest,
@@ -71,6 +72,8 @@ class StreamLimits:
     max_pending_groups: int = DEFAULT_STREAM_MAX_PENDING_GROUPS
     max_pending_tokens: int = 8_388_608
     max_outstanding: int = 8
+    # Seconds a stream may send nothing before it is ended (ADV_STREAM_IDLE_TIMEOUT_SECONDS).
+    idle_timeout: float = 300.0
 
     @classmethod
     def from_settings(cls, settings: Settings) -> StreamLimits:
@@ -84,7 +87,38 @@ class StreamLimits:
                 getattr(settings, "stream_max_pending_tokens", settings.max_request_tokens)
             ),
             max_outstanding=2 * settings.max_inflight,
+            idle_timeout=float(getattr(settings, "stream_idle_timeout_seconds", 300.0)),
         )
+
+
+class StreamIdle(Exception):
+    """The client sent nothing for the idle timeout."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.error = RequestError(
+            "stream_idle",
+            f"the stream sent no message for {seconds:g} s (ADV_STREAM_IDLE_TIMEOUT_SECONDS): it "
+            "ends, and its incomplete groups with it; open a new stream to go on",
+            field="stream",
+            status=504,
+        )
+
+
+async def _idle_bounded(
+    messages: AsyncIterator[pb.StreamRequest], seconds: float
+) -> AsyncIterator[pb.StreamRequest]:
+    """``messages``, raising :class:`StreamIdle` when the next one takes over ``seconds``."""
+    iterator = aiter(messages)
+    while True:
+        try:
+            async with asyncio.timeout(seconds):
+                message = await anext(iterator)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise StreamIdle(seconds) from None
+        yield message
 
 
 @dataclass
@@ -96,6 +130,12 @@ class _Rollout:
     token_inputs: dict[str, np.ndarray]
     teacher_logprobs: dict[str, np.ndarray]
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes its arrays hold (counted in the replica's byte budget while pending)."""
+        arrays = (self.tokens, *self.token_inputs.values(), *self.teacher_logprobs.values())
+        return sum(int(a.nbytes) for a in arrays)
+
 
 @dataclass
 class _Group:
@@ -103,6 +143,7 @@ class _Group:
     size: int
     rollouts: list[_Rollout] = field(default_factory=list)
     tokens: int = 0
+    nbytes: int = 0  # held in the replica's byte budget (Budget) while pending
     completed_at: float = 0.0
     # The key of the group's history (the first rollout's prompt_key; "" for none).
     prompt_key: str = ""
@@ -254,11 +295,18 @@ class StreamSession:
     queues the answers for the handler to write."""
 
     def __init__(
-        self, engine: Engine, settings: Settings, limits: StreamLimits, principal: Principal
+        self,
+        engine: Engine,
+        settings: Settings,
+        limits: StreamLimits,
+        principal: Principal,
+        tenant: Tenant | None = None,
     ) -> None:
         # What the session needs is passed in, not read off the servicer: the servicer imports
         # this module, and this module imports nothing of the servicer's.
         self.principal = principal
+        # Whose budget the stream's pending rollouts and its groups' requests count against.
+        self.tenant = tenant if tenant is not None else engine.tenant(principal)
         self.engine = engine
         self.settings = settings
         self.limits = limits
@@ -347,7 +395,7 @@ class StreamSession:
         """Consume the client's messages until it half-closes, then flush and mark the end."""
         try:
             first = True
-            async for message in requests:
+            async for message in _idle_bounded(requests, self.limits.idle_timeout):
                 self._check_token()  # a reload since the last message: is the token still good?
                 if isinstance(message, Malformed):
                     raise message.error()
@@ -373,6 +421,11 @@ class StreamSession:
                 first = False
             self.ending = True
             await self._finish()
+        except StreamIdle as idle:
+            # The client sent nothing for the idle timeout: its incomplete groups are answered
+            # (failed) and the stream ends, so an abandoned stream holds no place.
+            self.ending = True
+            await self._finish(idle.error)
         except AuthError as exc:  # revoked mid-stream, or its namespace not allowed
             await self.end(exc)
         except RequestError as exc:
@@ -436,6 +489,7 @@ class StreamSession:
                 )
             room = self.limits.max_pending_tokens - self.pending_tokens
             rollout = decode_rollout(message, index, room)
+            self._hold(group, rollout.nbytes)
         except RequestError as exc:
             await self._fail(gid, exc, message)
             return
@@ -493,11 +547,23 @@ class StreamSession:
         self.metrics.stream_pending_groups.inc()
         return group
 
+    def _hold(self, group: _Group, nbytes: int) -> None:
+        """Hold a rollout's ``nbytes`` in the replica's byte budget, the tenant's share of it
+        (the same budget as request bodies: what every stream may hold is bounded with them);
+        :class:`Overloaded` (the group's error) when there is no room."""
+        try:
+            self.engine.budget.take(self.tenant, "bytes", nbytes)
+        except Refusal as refusal:
+            raise self.engine.scheduler.overloaded(str(refusal)) from None
+        group.nbytes += nbytes
+
     def _close(self, group: _Group) -> None:
-        """Take a group out of the pending state (complete or failed)."""
+        """Take a group out of the pending state (complete or failed), giving back its bytes
+        (a complete group's request takes them again, admitted as any request)."""
         if self.pending.pop(group.group_id, None) is not None:
             self.pending_tokens -= group.tokens
             self.metrics.stream_pending_groups.dec()
+            self.engine.budget.give(self.tenant, "bytes", group.nbytes)
 
     async def _fail(self, gid: str, exc: RequestError, message: pb.Rollout) -> None:
         """Answer the group with ``exc``, drop what it holds, and drop its later rollouts. An
@@ -530,22 +596,26 @@ class StreamSession:
         await self.outstanding.acquire()
         self.out.put_nowait(response)
 
-    async def _finish(self) -> None:
-        """The client half-closed: let computing groups finish, then answer the incomplete."""
+    async def _finish(self, error: RequestError | None = None) -> None:
+        """The client half-closed (or, with ``error``, went idle): let computing groups
+        finish, then answer the incomplete, then end the stream (with ``error``)."""
         if self.tasks:
             await asyncio.gather(*self.tasks)
+        why = "the stream closed" if error is None else "the stream went idle"
         for group in list(self.pending.values()):
             self._close(group)
             exc = RequestError(
                 "incomplete_group",
                 f"group {group.group_id!r} has {len(group.rollouts)} of its {group.size} "
-                "rollouts; the stream closed before the rest arrived",
+                f"rollouts; {why} before the rest arrived",
                 group_id=group.group_id,
                 field="group_size",
             )
             self._reject(exc)
             await self._answer(group_error(group.group_id, exc, group.rollout_ids))
-        self.out.put_nowait(StreamEnd())
+        if error is not None:
+            self._reject(error)
+        self.out.put_nowait(StreamEnd(error))
 
     # ---- computing --------------------------------------------------------------------------
 
@@ -565,6 +635,9 @@ class StreamSession:
                 TRANSPORT,
                 encode=partial(encode_group_result, group),
                 started=group.completed_at,
+                principal=self.principal,
+                tenant=self.tenant,
+                nbytes=group.nbytes,
             )
             assert computed.encoded is not None
             response = computed.encoded

@@ -42,6 +42,7 @@ from ..wire.request import ComputeRequest, parse_request
 from ..wire.response import build_response
 from ..wire.text import check_query
 from . import arrow
+from .connections import HeaderLimit, RequestLimit
 from .openapi import (
     ADVANTAGE_RESPONSES,
     AUTH_RESPONSES,
@@ -173,10 +174,14 @@ async def read_body(
     hold: Callable[[int], None] | None = None,
     *,
     setting: str = "ADV_MAX_BODY_BYTES",
+    min_rate: int = 0,
+    grace: float = 0.0,
 ) -> bytes:
     """The request body in one buffer, refusing more than ``limit`` bytes (413, naming
-    ``setting``) and slow senders (408). ``hold(n)`` is told the bytes received so far (the
-    queue's byte budget: it may refuse).
+    ``setting``) and slow senders (408): the whole body within ``timeout`` seconds and, after
+    the first ``grace`` seconds, an average of at least ``min_rate`` bytes per second (0: no
+    minimum), so that a client trickling bytes holds its place for seconds, not for the whole
+    timeout. ``hold(n)`` is told the bytes received so far (the byte budget: it may refuse).
 
     With Content-Length, a body over ``limit`` is refused before a byte is read; otherwise one
     buffer of that size is allocated (zeroed by calloc: its pages become resident only as
@@ -193,8 +198,17 @@ async def read_body(
     # (bytes(n) passed straight in: the BytesIO holds the only reference, so it writes in place)
     buffer = io.BytesIO(bytes(length)) if length else io.BytesIO()
     received = 0
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    final = start + timeout
+
+    def due() -> float:
+        # When the body is late: at its final deadline, or once what it has sent falls under
+        # the minimum rate (received / min_rate seconds of credit after the grace period).
+        return final if not min_rate else min(final, start + grace + received / min_rate)
+
     try:
-        async with asyncio.timeout(timeout):
+        async with asyncio.timeout_at(due()) as deadline:
             async for chunk in request.stream():
                 received += len(chunk)
                 if received > limit:
@@ -204,29 +218,45 @@ async def read_body(
                 buffer.write(chunk)
                 if hold is not None:
                     hold(received)
+                deadline.reschedule(due())
         if received != length:  # chunked (or, which the server prevents, short of its length)
             buffer.truncate(received)
         body = buffer.getvalue()
     except TimeoutError as exc:
-        raise RequestError(
-            "body_timeout",
-            f"the body did not arrive within {timeout:g} s (ADV_REQUEST_TIMEOUT_SECONDS)",
-            field="body",
-            status=408,
-        ) from exc
+        elapsed = loop.time() - start
+        message = (
+            f"the body did not arrive within {timeout:g} s (ADV_REQUEST_TIMEOUT_SECONDS or "
+            "ADV_BODY_TIMEOUT_SECONDS)"
+            if elapsed >= timeout
+            else f"the body arrived at {received / max(elapsed, 1e-9):.0f} bytes/s ({received} "
+            f"bytes in {elapsed:.1f} s), under the minimum of {min_rate} bytes/s after the "
+            f"first {grace:g} s (ADV_BODY_MIN_RATE, ADV_BODY_RATE_GRACE_SECONDS)"
+        )
+        raise RequestError("body_timeout", message, field="body", status=408) from exc
     finally:
         buffer.close()  # frees a refused body's buffer now (the traceback keeps this frame)
     request.state.body_read = True
     return body
 
 
-async def discard_body(request: Request, max_bytes: int, max_seconds: float) -> int:
+async def discard_body(
+    request: Request, max_bytes: int, max_seconds: float, min_rate: int = 0, grace: float = 0.0
+) -> int:
     """Read and drop what is left of the request's body, at most ``max_bytes`` within
     ``max_seconds`` (as nginx's lingering close does): a client that sends its whole body before
-    reading the answer then reads it instead of a connection reset. The bytes dropped."""
+    reading the answer then reads it instead of a connection reset. A client sending under
+    ``min_rate`` bytes per second after ``grace`` seconds is not waited for (a slow sender's
+    refusal must not hold its connection for long either). The bytes dropped."""
     dropped = 0
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    final = start + max_seconds
+
+    def due() -> float:
+        return final if not min_rate else min(final, start + grace + dropped / min_rate)
+
     with contextlib.suppress(TimeoutError, ClientDisconnect):
-        async with asyncio.timeout(max_seconds):
+        async with asyncio.timeout_at(due()) as deadline:
             while dropped < max_bytes:
                 message = await request.receive()
                 if message["type"] != "http.request":
@@ -234,6 +264,7 @@ async def discard_body(request: Request, max_bytes: int, max_seconds: float) -> 
                 dropped += len(message.get("body", b""))
                 if not message.get("more_body", False):
                     break
+                deadline.reschedule(due())
     return dropped
 
 
@@ -326,22 +357,43 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.state.settings = settings
     arrow_limits = arrow.ArrowLimits.from_settings(settings)
     app.add_middleware(CloseWhenDraining, engine=engine)
+    # HTTP requests handled at once (ADV_MAX_CONNECTIONS): requests, not connections, so that
+    # connections still sending headers never refuse one (connections.py).
+    app.add_middleware(RequestLimit, limit=settings.max_connections)
+    app.add_middleware(HeaderLimit, limit=settings.max_header_bytes)
     app.mount(DOCS_ASSETS, StaticFiles(directory=str(swagger_ui_path)), name="docs-assets")
 
     async def receive_body(
-        request: Request, limit: int, setting: str = "ADV_MAX_BODY_BYTES"
+        request: Request,
+        limit: int,
+        setting: str = "ADV_MAX_BODY_BYTES",
+        principal: Principal | None = None,
     ) -> tuple[Ticket, bytes]:
-        """A place in the queue, then the body (:func:`read_body`, at most ``limit`` bytes):
-        the admission of every route that reads a body (the API's and the viewer's). A body
-        over ``limit`` by its Content-Length is a 413 before it takes a place; the place is
-        taken before the body is read, for the bytes Content-Length declares, so an overloaded
-        service answers 503 without buffering what it refuses. The caller releases the ticket
-        (``with ticket:``) once it has answered."""
-        ticket = engine.admit(declared_length(request, limit, setting) or 0)
+        """A place among the bodies being received, then the body (:func:`read_body`, at most
+        ``limit`` bytes, at the minimum rate), then a place among the requests admitted: the
+        admission of every route that reads a body (the API's and the viewer's), counted
+        against the caller's tenant (``principal``'s; authenticated here when not given). A
+        body over ``limit`` by its Content-Length is a 413 before it takes a place; the place
+        is taken before the body is read, for the bytes Content-Length declares, and refused
+        at once when the requests admitted are full too, so an overloaded service answers 503
+        without buffering what it refuses; a body still arriving holds no place a ready
+        request needs. The caller releases the ticket (``with ticket:``) once it has
+        answered."""
+        if principal is None:
+            principal = engine.auth.authenticate(request.headers.getlist("authorization"))
+        tenant = engine.tenant(principal, request.client.host if request.client else None)
+        ticket = engine.admit(declared_length(request, limit, setting) or 0, tenant, receiving=True)
         try:
             body = await read_body(
-                request, limit, settings.body_timeout, ticket.hold, setting=setting
+                request,
+                limit,
+                settings.body_timeout,
+                ticket.hold,
+                setting=setting,
+                min_rate=settings.body_min_rate,
+                grace=settings.body_rate_grace_seconds,
             )
+            ticket.received()
         except BaseException:
             ticket.release()
             raise
@@ -381,7 +433,13 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
             # limit, 503, 408), on any route that takes one: a client still sending must get
             # this answer, not a reset, so the rest is discarded (bounded) and the connection
             # closed. (Every route reads its body through read_body, which marks it read.)
-            await discard_body(request, DISCARD_MAX_BYTES, DISCARD_MAX_SECONDS)
+            await discard_body(
+                request,
+                DISCARD_MAX_BYTES,
+                DISCARD_MAX_SECONDS,
+                settings.body_min_rate,
+                settings.body_rate_grace_seconds,
+            )
             headers["Connection"] = "close"
         return _error_response(exc.status, exc.to_dict(), headers)
 
@@ -424,7 +482,9 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
             call.transport = transport = f"http_{fmt}"
             arrow_out = wants_arrow(request.headers.get("accept"))
             try:
-                ticket, body = await receive_body(request, settings.max_body_bytes)
+                ticket, body = await receive_body(
+                    request, settings.max_body_bytes, principal=principal
+                )
             except ClientDisconnect:
                 if engine.draining:
                     # Past the shutdown deadline the server closes the connections whose bodies
@@ -485,6 +545,8 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
     ) -> Response:
         with engine.call(STATS_TRANSPORT, count=False) as call:
+            # (raw bytes: the framework reads bytes that are not UTF-8 as U+FFFD, another name)
+            check_query(request.scope.get("query_string", b""))
             call.namespace = namespace
             principal = authenticate(request, call)
             stats = await engine.token_stats(namespace, order, limit, principal)
@@ -527,5 +589,3 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     listing = estimator_listing()
     document_request_body(app)
     return app
-            # (raw bytes: the framework reads bytes that are not UTF-8 as U+FFFD, another name)
-            check_query(request.scope.get("query_string", b""))

@@ -26,6 +26,7 @@ from ..config import Settings
 from ..observability import logs
 from ..serving.auth import TokensFileError
 from ..serving.engine import Engine
+from .connections import PendingConnections, protocol_class
 from .grpc import start_grpc_server, stop_grpc_server, stop_serving
 from .http import create_app
 
@@ -85,6 +86,12 @@ async def run(settings: Settings) -> int:
     check_tls(settings)
     engine = Engine(settings)
     app = create_app(settings, engine)
+    pending = PendingConnections(
+        timeout=settings.header_timeout_seconds,
+        limit=settings.max_pending_connections,
+        on_pending=engine.metrics.http_pending_connections.set,
+        on_closed=lambda reason: engine.metrics.http_connections_closed_total.labels(reason).inc(),
+    )
     http = _HTTPServer(
         uvicorn.Config(
             app,
@@ -94,7 +101,10 @@ async def run(settings: Settings) -> int:
             # Our own logging setup (logs.configure) and access lines (the engine's).
             log_config=None,
             access_log=False,
-            limit_concurrency=settings.max_connections,
+            # Connections still sending headers: a deadline and a budget of their own; the
+            # requests at once (ADV_MAX_CONNECTIONS) are counted by create_app's RequestLimit.
+            http=protocol_class(pending),
+            h11_max_incomplete_event_size=settings.max_header_bytes,
             timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout_seconds),
             lifespan="on",
             **tls_options(settings),
