@@ -68,6 +68,7 @@ from .base import (
 from .blobs import TokenStatsUpdate, encode_token_stats, merge_token_stats
 from .redis_common import (
     ANONYMOUS_CLAIM_TTL,
+    LUA_CLAIMS,
     Commands,
     DeltaKeys,
     PartlyUnavailable,
@@ -97,7 +98,9 @@ REDIRECTS = 2
 # one Redis (redis_store.COMMIT_WRITE), everything that can fail is checked before the first
 # write: a staged record or delta missing answers the error ADVREFUSED, a deltas list of another
 # type WRONGTYPE, and nothing is applied.
-COMMIT_PART = b"""
+COMMIT_PART = (
+    LUA_CLAIMS
+    + b"""
 local n = tonumber(ARGV[4])
 local delta = ARGV[6] == '1'
 local last = #KEYS
@@ -106,28 +109,11 @@ local function discard()
   for i = n + 2, last, 2 do redis.call('DEL', KEYS[i]) end
   if delta then redis.call('DEL', KEYS[last + 4]) end
 end
-local function digest_of(value)
-  if type(value) == 'string' and #value > 33 and string.sub(value, -33, -33) == '|' then
-    return string.sub(value, -32)
-  end
-  return ''
-end
 if redis.call('EXISTS', KEYS[1]) == 1 then
   discard()
   return {1, 0, 0}
 end
-local claimed = {0, 0, 0}
-for i = 2, n + 1 do
-  if redis.call('EXISTS', KEYS[i]) == 1 then
-    local stored = digest_of(redis.pcall('GET', KEYS[i]))
-    local digest = ARGV[8 + i]
-    if stored ~= '' and digest ~= '' and stored ~= digest then
-      claimed[#claimed + 1] = 1 - i
-    else
-      claimed[#claimed + 1] = i - 1
-    end
-  end
-end
+local claimed = claims(2, n + 1, 8, 1)
 if #claimed > 3 then
   discard()
   return claimed
@@ -171,6 +157,7 @@ if pending >= tonumber(ARGV[7])
 end
 return {1, pending, 0}
 """
+)
 
 
 COMMIT_PART_SHA = hashlib.sha1(COMMIT_PART).hexdigest().encode()

@@ -280,12 +280,42 @@ def command(*args: bytes) -> list[bytes]:
     return out
 
 
+# The Lua both commit scripts (redis_store.COMMIT_WRITE, redis_cluster.COMMIT_PART) begin with:
+# ``claims(first, last, at, base)`` looks up the claims KEYS[first..last]; each request id found
+# claimed adds ``i - base`` (its 1-based position), or ``base - i`` when the claim keeps another
+# digest than ARGV[at + i] (a conflict). A claim is the write's claim, then '|' and the request's
+# 32-hex-digit digest when it has one (earlier releases wrote none: never a conflict).
+LUA_CLAIMS = b"""
+local function digest_of(value)
+  if type(value) == 'string' and #value > 33 and string.sub(value, -33, -33) == '|' then
+    return string.sub(value, -32)
+  end
+  return ''
+end
+local function claims(first, last, at, base)
+  local claimed = {0, 0, 0}
+  for i = first, last do
+    if redis.call('EXISTS', KEYS[i]) == 1 then
+      local stored = digest_of(redis.pcall('GET', KEYS[i]))
+      local digest = ARGV[at + i]
+      if stored ~= '' and digest ~= '' and stored ~= digest then
+        claimed[#claimed + 1] = base - i
+      else
+        claimed[#claimed + 1] = i - base
+      end
+    end
+  end
+  return claimed
+end
+"""
+
 __all__ = [
     "ANONYMOUS_CLAIM_TTL",
     "COMPACT_ROUNDS",
     "DEFAULT_COMPACT_AFTER",
     "DEFAULT_LOCK_MS",
     "DIGEST_CHARS",
+    "LUA_CLAIMS",
     "REFUSAL",
     "STAGE_MS",
     "DeltaKeys",

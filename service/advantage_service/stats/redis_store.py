@@ -156,6 +156,7 @@ from .redis_common import (
     ANONYMOUS_CLAIM_TTL,
     DEFAULT_COMPACT_AFTER,
     DEFAULT_LOCK_MS,
+    LUA_CLAIMS,
     DeltaKeys,
     RedisBase,
     Staged,
@@ -183,18 +184,14 @@ DEFAULT_PREFIX = "adv"
 # or delta missing (its SET refused, or evicted) answers the error ADVREFUSED (nothing applied:
 # the caller writes the requests again in smaller groups), a deltas list of another type
 # WRONGTYPE. A claim is the write's claim, then '|' and the request's digest when it has one.
-COMMIT_WRITE = b"""
+COMMIT_WRITE = (
+    LUA_CLAIMS
+    + b"""
 local ids = tonumber(ARGV[7])
 local first = 6 + ids
 local function discard()
   for i = first, #KEYS, 2 do redis.call('DEL', KEYS[i]) end
   redis.call('DEL', KEYS[4])
-end
-local function digest_of(value)
-  if type(value) == 'string' and #value > 33 and string.sub(value, -33, -33) == '|' then
-    return string.sub(value, -32)
-  end
-  return ''
 end
 -- A resent pipeline that was applied already finds its own claim in place.
 local own = KEYS[5]
@@ -205,18 +202,7 @@ if type(mine) == 'string'
   discard()
   return {1, 0, 0}
 end
-local claimed = {0, 0, 0}
-for i = 6, first - 1 do
-  if redis.call('EXISTS', KEYS[i]) == 1 then
-    local stored = digest_of(redis.pcall('GET', KEYS[i]))
-    local digest = ARGV[3 + i]
-    if stored ~= '' and digest ~= '' and stored ~= digest then
-      claimed[#claimed + 1] = 5 - i
-    else
-      claimed[#claimed + 1] = i - 5
-    end
-  end
-end
+local claimed = claims(6, first - 1, 3, 5)
 if #claimed > 3 then
   discard()
   return claimed
@@ -257,6 +243,7 @@ if pending >= tonumber(ARGV[4]) and redis.call('SET', KEYS[3], ARGV[5], 'NX', 'P
 end
 return {1, pending, 0}
 """
+)
 
 
 class RedisStatsStore(RedisBase):
