@@ -173,6 +173,7 @@ async def assert_only_the_good_are_counted(
 @pytest.mark.parametrize(
     "kinds", [["request_id"], ["request_id", "record"]], ids=["bad-id", "bad-id-and-record"]
 )
+@pytest.mark.integration
 async def test_a_write_the_store_cannot_take_fails_alone_and_every_other_request_counts_once(
     store: StatsStore, kinds: list[str]
 ) -> None:
@@ -202,6 +203,7 @@ async def test_a_write_the_store_cannot_take_fails_alone_and_every_other_request
         writer.close()
 
 
+@pytest.mark.integration
 async def test_a_bad_request_id_alone_in_its_round_costs_nothing_else(
     store: StatsStore,
 ) -> None:
@@ -220,6 +222,7 @@ async def test_a_bad_request_id_alone_in_its_round_costs_nothing_else(
         writer.close()
 
 
+@pytest.mark.integration
 async def test_a_store_handed_a_request_it_cannot_encode_splits_the_write_around_it(
     store: StatsStore,
 ) -> None:

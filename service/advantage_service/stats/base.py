@@ -329,7 +329,7 @@ async def record_whole(
     namespace: str,
     requests: Sequence[RequestWrite],
     update: StatsUpdate,
-    refold: Refold,
+    refold: Refold | None,
 ) -> list[Outcome]:
     """:meth:`StatsStore.record_requests` for a store that applies a write whole.
 
@@ -338,11 +338,16 @@ async def record_whole(
     refuses (:class:`Refused`: nothing applied) is written again in two halves, the first
     before the second, each folded again on top of the requests written before it (so that a
     prompt visited in both halves ends with every visit, in order); a request refused alone is
-    ``poisoned``. k refused requests among n cost about 2 k log2(n) more writes."""
+    ``poisoned``. k refused requests among n cost about 2 k log2(n) more writes.
+
+    ``refold`` None: the requests go together or not at all (:meth:`StatsStore.record_many`),
+    one write: refused, they are all ``poisoned``; finding some of their ids claimed, it applies
+    nothing, and the others stay ``lost`` (not written)."""
     outcomes: list[Outcome] = [LOST] * len(requests)
     written: list[int] = []  # positions applied so far, in the order they were written
 
     async def folded(part: list[int]) -> StatsUpdate:
+        assert refold is not None
         keys = {key for i in part for key in requests[i].keys}
         records = await refold(keys, sorted({*written, *part}))
         return StatsUpdate(records, merge_token_stats([requests[i].tokens for i in part]))
@@ -353,8 +358,9 @@ async def record_whole(
             try:
                 claims = await store.commit(namespace, [requests[i] for i in left], update)
             except Refused:
-                if len(left) == 1:
-                    outcomes[left[0]] = POISONED
+                if len(left) == 1 or refold is None:
+                    for i in left:
+                        outcomes[i] = POISONED
                     return True
                 half = len(left) // 2
                 for part in (left[:half], left[half:]):
@@ -375,8 +381,9 @@ async def record_whole(
             for i in other:
                 outcomes[i] = CONFLICT
             rest = [i for i in left if i not in before and i not in other]
-            if not rest or len(rest) == len(left):
-                # (nothing left to write, or a store that answers positions it was not given)
+            if not rest or len(rest) == len(left) or refold is None:
+                # (nothing left to write, a store that answers positions it was not given, or
+                # requests that go together)
                 return True
             left = rest
             update = await folded(left)

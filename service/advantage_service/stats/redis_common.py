@@ -1,7 +1,8 @@
-"""What the Redis stats store shares between one Redis and a Redis Cluster: reachability (the
-backoff after a failure, the callbacks), RESP commands as socket buffers, and the compaction of
-statistics deltas (its script and its rounds). The layouts are in :mod:`.redis_store` (one
-Redis) and :mod:`.redis_cluster` (a cluster)."""
+"""What the Redis stats store shares between one Redis and a Redis Cluster: its settings and
+reachability (:class:`RedisContext`: the backoff after a failure, the callbacks), RESP commands
+as socket buffers, and the compaction of statistics deltas (its script and its rounds). The
+layouts are in :mod:`.redis_single` (one Redis) and :mod:`.redis_cluster` (a cluster), chosen
+by :mod:`.redis_layout`."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
@@ -35,7 +36,7 @@ INLINE_ARG_BYTES = 1 << 16
 T = TypeVar("T")
 Commands = list[list[bytes]]
 Execute = Callable[[Commands], Awaitable[list[Any]]]
-# staged(namespace, key): False leaves that record unstaged (a seam for tests, see RedisBase).
+# staged(namespace, key): False leaves that record unstaged (a seam for tests, see RedisContext).
 Staged = Callable[[str, RecordKey], bool]
 
 # The error a commit script answers when what the write staged is not all there (nothing
@@ -75,6 +76,40 @@ class PartlyUnavailable(Exception):
     failed, the rest of the cluster is up (no backoff)."""
 
 
+@dataclass
+class Backoff:
+    """How long to leave a Redis node alone after a failure: ``initial`` seconds after the first,
+    doubling up to ``maximum`` while it keeps failing, none once it answers. The store's (one
+    Redis, or a whole cluster), each cluster node's and the viewer's keep use this one rule."""
+
+    initial: float = 0.25
+    maximum: float = 4.0
+    retry_at: float = 0.0
+    # The wait after the next failure (unset: ``initial``).
+    backoff: float = field(default=-1.0)
+
+    def __post_init__(self) -> None:
+        if self.backoff < 0:
+            self.backoff = self.initial
+
+    @property
+    def waiting(self) -> bool:
+        """True while in the interval after a failure: no attempt now."""
+        return time.monotonic() < self.retry_at
+
+    @property
+    def failing(self) -> bool:
+        """True from a failure until the next answer."""
+        return self.retry_at > 0.0
+
+    def failed(self) -> None:
+        self.retry_at = time.monotonic() + self.backoff
+        self.backoff = min(self.backoff * 2, self.maximum)
+
+    def answered(self) -> None:
+        self.backoff, self.retry_at = self.initial, 0.0
+
+
 @dataclass(frozen=True)
 class DeltaKeys:
     """The keys of one statistics table: pending deltas, the compacted record, the compaction
@@ -86,8 +121,10 @@ class DeltaKeys:
     stage: str
 
 
-class RedisBase:
-    """Reachability and the settings both layouts share (see :class:`.RedisStatsStore`)."""
+class RedisContext:
+    """The settings and the reachability the store and its layout share (see
+    :class:`.RedisStatsStore`): each layout is handed this one object, and reports through it
+    what reached Redis and what did not."""
 
     def __init__(
         self,
@@ -117,11 +154,8 @@ class RedisBase:
         self.ttl_seconds = int(ttl_seconds)
         self.compact_after = max(1, int(compact_after))
         self.lock_ms = int(lock_ms)
-        self._backoff_initial = backoff_initial
-        self._backoff_max = backoff_max
-        self._backoff = backoff_initial
-        self._retry_at = 0.0
-        self._up = False
+        self.backoff = Backoff(backoff_initial, backoff_max)
+        self.up = False
         self._on_error = on_error
         self._on_duration = on_duration
         self._on_up = on_up
@@ -134,70 +168,82 @@ class RedisBase:
         if self._on_round_trip is not None:
             self._on_round_trip()
 
+    def staged_in(self, namespace: str) -> Callable[[RecordKey], bool] | None:
+        """The ``staged`` seam for one namespace's records."""
+        return None if self.staged is None else functools.partial(self.staged, namespace)
+
     @property
     def stage_ms(self) -> bytes:
         return b"%d" % min(STAGE_MS, 1000 * self.ttl_seconds)
 
     # ---- reachability ------------------------------------------------------------------------
 
-    def _mark(self, up: bool) -> None:
+    def mark(self, up: bool) -> None:
+        """Redis answered (``up``) or could not be reached: the backoff, and ``on_up`` when
+        reachability changed."""
         if up:
-            self._backoff, self._retry_at = self._backoff_initial, 0.0
+            self.backoff.answered()
         else:
-            self._retry_at = time.monotonic() + self._backoff
-            self._backoff = min(self._backoff * 2, self._backoff_max)
-        if up != self._up:
-            self._up = up
+            self.backoff.failed()
+        if up != self.up:
+            self.up = up
             if up:
                 log.info("stats store: Redis reachable")
             if self._on_up is not None:
                 self._on_up(up)
 
-    def _skipping(self, op: str) -> bool:
+    def skipping(self, op: str) -> bool:
         """True (and counted) while in backoff after a failure: no attempt, no encoding."""
-        if time.monotonic() < self._retry_at:
+        if self.backoff.waiting:
             self.count_error(op)
             return True
         return False
 
     def unreachable(self, op: str, exc: BaseException) -> None:
         """``op`` did not reach Redis: counted, and the store's backoff starts."""
-        if self._up:
+        if self.up:
             log.warning("stats store: Redis unreachable (%s: %s)", op, exc)
-        self._mark(False)
+        self.mark(False)
         self.count_error(op)
 
     def count_error(self, op: str) -> None:
         if self._on_error is not None:
             self._on_error(op)
 
-    @property
-    def writable(self) -> bool:
-        return time.monotonic() >= self._retry_at
-
-    async def _call(self, op: str, fn: Callable[[], Awaitable[T]]) -> T:
-        """Run ``fn`` against Redis, or raise Unavailable (counted, with backoff)."""
-        if self._skipping(op):
-            raise Unavailable(op)
+    @contextlib.contextmanager
+    def timed(self, op: str) -> Iterator[None]:
+        """Report the wall time of an attempted ``op`` (``on_duration``), however it ends."""
         start = time.perf_counter()
         try:
-            result = await fn()
-        except (ResponseError, PartlyUnavailable) as exc:
-            # Redis answered, with an error: this operation failed (e.g. "OOM command not
-            # allowed" once maxmemory is reached and nothing more can be evicted), but Redis is
-            # up, so there is no backoff: reads (never refused for memory) go on. The same for
-            # a cluster of which only some masters answered.
-            log.warning("stats store: Redis refused %s: %s", op, exc)
-            self._mark(True)
-            self.count_error(op)
-            raise Unavailable(op) from exc
-        except (TimeoutError, RedisError, RedisClusterException, OSError) as exc:
-            self.unreachable(op, exc)
-            raise Unavailable(op) from exc
+            yield
         finally:
             if self._on_duration is not None:
                 self._on_duration(op, time.perf_counter() - start)
-        self._mark(True)
+
+    @property
+    def writable(self) -> bool:
+        return not self.backoff.waiting
+
+    async def call(self, op: str, fn: Callable[[], Awaitable[T]]) -> T:
+        """Run ``fn`` against Redis, or raise Unavailable (counted, with backoff)."""
+        if self.skipping(op):
+            raise Unavailable(op)
+        with self.timed(op):
+            try:
+                result = await fn()
+            except (ResponseError, PartlyUnavailable) as exc:
+                # Redis answered, with an error: this operation failed (e.g. "OOM command not
+                # allowed" once maxmemory is reached and nothing more can be evicted), but Redis
+                # is up, so there is no backoff: reads (never refused for memory) go on. The
+                # same for a cluster of which only some masters answered.
+                log.warning("stats store: Redis refused %s: %s", op, exc)
+                self.mark(True)
+                self.count_error(op)
+                raise Unavailable(op) from exc
+            except (TimeoutError, RedisError, RedisClusterException, OSError) as exc:
+                self.unreachable(op, exc)
+                raise Unavailable(op) from exc
+        self.mark(True)
         return result
 
     # ---- compaction --------------------------------------------------------------------------
@@ -231,7 +277,7 @@ class RedisBase:
         with contextlib.suppress(Unavailable):
             for round_ in range(COMPACT_ROUNDS):
                 last_round = round_ == COMPACT_ROUNDS - 1
-                if not await self._call("compact", functools.partial(run, last_round)):
+                if not await self.call("compact", functools.partial(run, last_round)):
                     break
 
 
@@ -280,47 +326,18 @@ def command(*args: bytes) -> list[bytes]:
     return out
 
 
-# The Lua both commit scripts (redis_store.COMMIT_WRITE, redis_cluster.COMMIT_PART) begin with:
-# ``claims(first, last, at, base)`` looks up the claims KEYS[first..last]; each request id found
-# claimed adds ``i - base`` (its 1-based position), or ``base - i`` when the claim keeps another
-# digest than ARGV[at + i] (a conflict). A claim is the write's claim, then '|' and the request's
-# 32-hex-digit digest when it has one (earlier releases wrote none: never a conflict).
-LUA_CLAIMS = b"""
-local function digest_of(value)
-  if type(value) == 'string' and #value > 33 and string.sub(value, -33, -33) == '|' then
-    return string.sub(value, -32)
-  end
-  return ''
-end
-local function claims(first, last, at, base)
-  local claimed = {0, 0, 0}
-  for i = first, last do
-    if redis.call('EXISTS', KEYS[i]) == 1 then
-      local stored = digest_of(redis.pcall('GET', KEYS[i]))
-      local digest = ARGV[at + i]
-      if stored ~= '' and digest ~= '' and stored ~= digest then
-        claimed[#claimed + 1] = base - i
-      else
-        claimed[#claimed + 1] = i - base
-      end
-    end
-  end
-  return claimed
-end
-"""
-
 __all__ = [
     "ANONYMOUS_CLAIM_TTL",
     "COMPACT_ROUNDS",
     "DEFAULT_COMPACT_AFTER",
     "DEFAULT_LOCK_MS",
     "DIGEST_CHARS",
-    "LUA_CLAIMS",
     "REFUSAL",
     "STAGE_MS",
+    "Backoff",
     "DeltaKeys",
     "PartlyUnavailable",
-    "RedisBase",
+    "RedisContext",
     "Staged",
     "Unavailable",
     "claim_digest",

@@ -1,6 +1,7 @@
 """The Redis stats store: shared by every replica, survives restarts of the service. On one
-Redis (this layout, unchanged since the stateful-term protocol) or on a Redis Cluster (the
-cluster layout, below): the store asks the node of its URL which at its first contact.
+Redis (:mod:`.redis_single`, unchanged since the stateful-term protocol) or on a Redis Cluster
+(:mod:`.redis_cluster`, below): the store asks the node of its URL which at its first contact
+(:mod:`.redis_layout`, the one interface of both), and hands every operation to that layout.
 
 One Redis
 ---------
@@ -120,20 +121,14 @@ above without a script that spans slots:
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any
-from urllib.parse import quote
-
-import redis.asyncio as redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
 
 from .base import (
+    CONFLICT,
+    DUPLICATE,
     LOST,
-    Claims,
+    POISONED,
     OnDuration,
     OnError,
     OnUp,
@@ -146,107 +141,28 @@ from .base import (
     StatsUpdate,
     StoreStatus,
     check_order,
-    record_whole,
     token_stats_response,
 )
-from .blobs import empty_token_stats, encode_token_stats, token_columns
+from .blobs import token_columns
 from .memory import DEFAULT_TTL_SECONDS
 from .redis_cluster import DEFAULT_BUCKETS, ClusterLayout
 from .redis_common import (
-    ANONYMOUS_CLAIM_TTL,
     DEFAULT_COMPACT_AFTER,
     DEFAULT_LOCK_MS,
-    LUA_CLAIMS,
-    DeltaKeys,
-    RedisBase,
+    PartlyUnavailable,
+    RedisContext,
     Staged,
     Unavailable,
-    claim_digest,
-    command,
-    is_refusal,
     merge_records,
     merge_tables,
-    stored_digest,
 )
-
-log = logging.getLogger(__name__)
+from .redis_layout import FirstContact, Layout
+from .redis_single import SingleLayout, namespace_keys
 
 DEFAULT_PREFIX = "adv"
 
-# KEYS: 1 tokdelta, 2 tokstats, 3 toklock, 4 staged delta, 5 the write's own claim (used when it
-# claims no request id), then ARGV[7] request id claims, then pairs (staged record, record).
-# ARGV: 1 claim, 2 claim TTL, 3 TTL, 4 compact after, 5 lock value, 6 lock ms, 7 request ids,
-# 8 TTL of the write's own claim, then one digest per request id ('' for none). Answers
-# {counted, pending deltas, 1 when this caller now holds the compaction lock}, then, when not
-# counted, the (1-based) positions of the request ids already claimed, negative where the claim
-# keeps another digest (a conflict): nothing is claimed or applied then. Everything that can
-# fail is checked before the first write, so that no error leaves half a write: a staged record
-# or delta missing (its SET refused, or evicted) answers the error ADVREFUSED (nothing applied:
-# the caller writes the requests again in smaller groups), a deltas list of another type
-# WRONGTYPE. A claim is the write's claim, then '|' and the request's digest when it has one.
-COMMIT_WRITE = (
-    LUA_CLAIMS
-    + b"""
-local ids = tonumber(ARGV[7])
-local first = 6 + ids
-local function discard()
-  for i = first, #KEYS, 2 do redis.call('DEL', KEYS[i]) end
-  redis.call('DEL', KEYS[4])
-end
--- A resent pipeline that was applied already finds its own claim in place.
-local own = KEYS[5]
-if ids > 0 then own = KEYS[6] end
-local mine = redis.pcall('GET', own)
-if type(mine) == 'string'
-    and (mine == ARGV[1] or string.sub(mine, 1, #ARGV[1] + 1) == ARGV[1] .. '|') then
-  discard()
-  return {1, 0, 0}
-end
-local claimed = claims(6, first - 1, 3, 5)
-if #claimed > 3 then
-  discard()
-  return claimed
-end
-local missing = {}
-for i = first, #KEYS, 2 do
-  if redis.call('EXISTS', KEYS[i]) == 0 then missing[#missing + 1] = (i - first) / 2 + 1 end
-end
-if redis.call('EXISTS', KEYS[4]) == 0 then missing[#missing + 1] = 0 end
-if #missing > 0 then
-  discard()
-  return redis.error_reply('ADVREFUSED staged records missing: ' .. table.concat(missing, ' '))
-end
-local kind = redis.call('TYPE', KEYS[1])['ok']
-if kind ~= 'list' and kind ~= 'none' then
-  discard()
-  return redis.error_reply('WRONGTYPE ' .. KEYS[1] .. ' holds a ' .. kind)
-end
-if ids == 0 then
-  redis.call('SET', KEYS[5], ARGV[1], 'EX', ARGV[8])
-end
-for i = 6, first - 1 do
-  local value = ARGV[1]
-  if ARGV[3 + i] ~= '' then value = value .. '|' .. ARGV[3 + i] end
-  redis.call('SET', KEYS[i], value, 'EX', ARGV[2])
-end
-for i = first, #KEYS, 2 do
-  redis.call('RENAME', KEYS[i], KEYS[i + 1])
-  redis.call('EXPIRE', KEYS[i + 1], ARGV[3])
-end
-redis.call('LMOVE', KEYS[4], KEYS[1], 'LEFT', 'RIGHT')
-redis.call('DEL', KEYS[4])
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-redis.call('EXPIRE', KEYS[2], ARGV[3])
-local pending = redis.call('LLEN', KEYS[1])
-if pending >= tonumber(ARGV[4]) and redis.call('SET', KEYS[3], ARGV[5], 'NX', 'PX', ARGV[6]) then
-  return {1, pending, 1}
-end
-return {1, pending, 0}
-"""
-)
 
-
-class RedisStatsStore(RedisBase):
+class RedisStatsStore:
     """The Redis :class:`~advantage_service.stats.base.StatsStore` (redis-py asyncio, hiredis),
     on one Redis or on a Redis Cluster.
 
@@ -266,7 +182,7 @@ class RedisStatsStore(RedisBase):
     those of writes and compactions, which run after the response and may carry megabytes.
     ``compact_after``: pending statistics deltas that trigger a compaction; ``lock_ms``: how
     long a compactor may hold the lock. ``merge``, ``new_id`` and ``staged`` are seams for
-    tests (:class:`~.redis_common.RedisBase`). Extra keyword arguments go to
+    tests (:class:`~.redis_common.RedisContext`). Extra keyword arguments go to
     ``redis.asyncio.Redis.from_url`` (and ``RedisCluster.from_url``).
     """
 
@@ -294,7 +210,7 @@ class RedisStatsStore(RedisBase):
         staged: Staged | None = None,
         **redis_kwargs: Any,
     ) -> None:
-        super().__init__(
+        self.context = RedisContext(
             prefix=prefix,
             ttl_seconds=ttl_seconds,
             backoff_initial=backoff_initial,
@@ -309,22 +225,20 @@ class RedisStatsStore(RedisBase):
             new_id=new_id,
             staged=staged,
         )
-        options = {
-            "socket_connect_timeout": connect_timeout,
-            # One immediate retry on a broken connection (a pooled socket that died with a
-            # restarted Redis); none on timeouts. Safe for writes too: the pipeline is idempotent.
-            "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-            "decode_responses": False,
-            # Replies carry megabytes of records: read them in large pieces.
-            "socket_read_size": 1 << 20,
-            **redis_kwargs,
-        }
-        self._client = redis.Redis.from_url(url, socket_timeout=socket_timeout, **options)
-        self._writer = redis.Redis.from_url(url, socket_timeout=write_timeout, **options)
 
-        def layout() -> ClusterLayout:
+        def on_one() -> SingleLayout:
+            return SingleLayout(
+                self.context,
+                url,
+                socket_timeout=socket_timeout,
+                write_timeout=write_timeout,
+                connect_timeout=connect_timeout,
+                **redis_kwargs,
+            )
+
+        def on_cluster() -> ClusterLayout:
             return ClusterLayout(
-                self,
+                self.context,
                 url,
                 socket_timeout=socket_timeout,
                 write_timeout=write_timeout,
@@ -333,149 +247,99 @@ class RedisStatsStore(RedisBase):
                 **redis_kwargs,
             )
 
-        self._make_cluster = layout
-        self.cluster: ClusterLayout | None = layout() if cluster else None
-        # Known once the node answered INFO cluster (or told by ``cluster``).
-        self._mode_known = cluster is not None
+        # The one place the layout is chosen: every operation goes to it.
+        self._layout: Layout
+        # (one Redis's layout also asks the node which layout: none when told it is a cluster)
+        self._one = None if cluster else on_one()
+        if self._one is None:
+            self._layout = on_cluster()
+        elif cluster is None:
+            self._layout = FirstContact(self.context, self._one, on_cluster)
+        else:
+            self._layout = self._one
 
     # ---- keys (one Redis) --------------------------------------------------------------------
 
-    def _ns(self, namespace: str) -> str:
-        # (quote encodes as UTF-8: a namespace that is not valid Unicode text raises
-        # UnicodeEncodeError, which a write answers as Refused)
-        return f"{self.prefix}:{{{quote(namespace, safe='')}}}"
-
     def record_key(self, namespace: str, key: RecordKey) -> str:
-        space, name = key
-        return f"{self._ns(namespace)}:{space}:{name}"
-
-    def delta_key(self, namespace: str) -> str:
-        return f"{self._ns(namespace)}:tokdelta"
-
-    def compacted_key(self, namespace: str) -> str:
-        return f"{self._ns(namespace)}:tokstats"
+        return namespace_keys(self.context.prefix, namespace).record(key).decode()
 
     def lock_key(self, namespace: str) -> str:
-        return f"{self._ns(namespace)}:toklock"
+        return namespace_keys(self.context.prefix, namespace).deltas().lock.decode()
 
-    def stage_key(self, namespace: str, claim: str, i: int | str) -> str:
-        return f"{self._ns(namespace)}:stage:{claim}:{i}"
-
-    def request_key(self, namespace: str, request_id: str) -> str:
-        return f"{self._ns(namespace)}:claim:{request_id}"
-
-    def delta_keys(self, namespace: str) -> DeltaKeys:
-        return DeltaKeys(
-            delta=self.delta_key(namespace).encode(),
-            compacted=self.compacted_key(namespace).encode(),
-            lock=self.lock_key(namespace).encode(),
-            stage=f"{self._ns(namespace)}:stage",
-        )
+    async def compact(self, namespace: str, lock: str) -> None:
+        """One Redis: merge the pending deltas into the compacted record, holding the lock
+        ``lock`` (a seam for the tests of racing compactors)."""
+        if self._one is None:
+            raise RuntimeError("compact(namespace, lock) is one Redis's: this store is a cluster's")
+        await self._one.compact(namespace, lock)
 
     # ---- which layout ------------------------------------------------------------------------
 
-    async def _layout(self) -> ClusterLayout | None:
-        """The cluster layout, or None for one Redis; asks the node once (raises when it does
-        not answer: the caller's operation failed)."""
-        if not self._mode_known:
-            try:
-                info = await self._client.info("cluster")
-            except ResponseError:  # (INFO not allowed, as on some managed Redis: one Redis)
-                info = {}
-            if str(info.get("cluster_enabled", 0)) == "1":
-                log.info("stats store: the Redis node runs in cluster mode: the cluster layout")
-                self.cluster = self._make_cluster()
-            self._mode_known = True
-        return self.cluster
+    @property
+    def cluster(self) -> ClusterLayout | None:
+        """The cluster layout when the store uses it (told, or found at the first contact)."""
+        layout = self._layout
+        chosen = layout.chosen if isinstance(layout, FirstContact) else layout
+        return chosen if isinstance(chosen, ClusterLayout) else None
 
-    async def _resolve(self, op: str) -> ClusterLayout | None:
-        """:meth:`_layout` for an operation outside :meth:`_call` (raises Unavailable)."""
-        if self._mode_known:
-            return self.cluster
-        return await self._call(op, self._layout)
+    @property
+    def round_trips(self) -> int:
+        """Pipelines sent to Redis nodes (one per node an operation touches)."""
+        return self.context.round_trips
+
+    @property
+    def writable(self) -> bool:
+        return self.context.writable
 
     @property
     def status(self) -> StoreStatus:
-        if not self._up:
+        if not self.context.up:
             return "down"
-        if self.cluster is not None and self.cluster.degraded:
-            return "degraded"
-        return "up"
+        return "degraded" if self._layout.degraded else "up"
 
     async def ping(self) -> bool:
-        async def run() -> bool:
-            layout = await self._layout()
-            if layout is not None:
-                return await layout.ping()
-            # Both pools: reads and writes go over separate connections.
-            return bool(await self._client.ping()) and bool(await self._writer.ping())
-
         try:
-            return await self._call("ping", run)
+            return await self.context.call("ping", self._layout.ping)
         except Unavailable:
             return False
 
     async def close(self) -> None:
-        await self._client.aclose()
-        await self._writer.aclose()
-        if self.cluster is not None:
-            await self.cluster.close()
+        await self._layout.close()
 
     # ---- records -----------------------------------------------------------------------------
 
     async def read_records(
         self, namespace: str, keys: Sequence[RecordKey]
     ) -> list[bytes | None] | None:
-        read = await self._read(namespace, keys, None)
-        return None if read is None else read.records
-
-    async def _read(
-        self, namespace: str, keys: Sequence[RecordKey], request_id: str | None
-    ) -> Read | None:
-        """One Redis: the records of ``keys`` and the digest of ``request_id``'s claim, in one
-        pipeline (a cluster found at the first contact: the records alone, all or none)."""
-        if self._skipping("read_history"):
+        if self.context.skipping("read_history"):
             return None
-        commands = [command(b"GET", self.record_key(namespace, key).encode()) for key in keys]
-        claim = claim_key_bytes(self, namespace, request_id)
-        if claim is not None:
-            commands.append(command(b"GET", claim))
 
-        async def run() -> Read:
-            layout = await self._layout()
-            if layout is not None:
-                # (every record or none: a node that did not answer fails the read)
-                return Read(await layout.read_records(namespace, keys))
-            replies = await self._execute(self._client, commands)
-            if claim is None:
-                return Read(replies)
-            return Read(replies[:-1], claimed_digest=stored_digest(replies[-1]))
+        async def run() -> list[bytes | None]:
+            read = await self._layout.read(namespace, keys, None)
+            if read.unread:
+                # (every record or none: a part of the cluster that did not answer fails it)
+                raise PartlyUnavailable(f"{len(read.unread)} of {len(keys)} records not read")
+            return read.records
 
         try:
-            return await self._call("read_history", run)
+            return await self.context.call("read_history", run)
         except Unavailable:
             return None
 
     async def read_partly(
         self, namespace: str, keys: Sequence[RecordKey], request_id: str | None = None
     ) -> Read | None:
-        if self._skipping("read_history"):
+        if self.context.skipping("read_history"):
             return None
         try:
-            layout = await self._resolve("read_history")
-        except Unavailable:
-            return None
-        if layout is None:
-            return await self._read(namespace, keys, request_id)
-        try:
-            read = await self._call(
-                "read_history", lambda: layout.read_partly(namespace, keys, request_id)
+            read = await self.context.call(
+                "read_history", lambda: self._layout.read(namespace, keys, request_id)
             )
         except Unavailable:
             return None
         if read.unread:
             # (counted: part of the cluster did not answer; the store is up, degraded)
-            self.count_error("read_history")
+            self.context.count_error("read_history")
             if len(read.unread) == len(keys):
                 return None
         return read
@@ -492,65 +356,26 @@ class RedisStatsStore(RedisBase):
     async def record_many(
         self, namespace: str, request_ids: Sequence[str], update: StatsUpdate
     ) -> list[str] | None:
+        """:meth:`record_requests` of requests that go together or not at all: one per id
+        (one without an id when none is given), each writing the whole ``update``."""
         ids = list(dict.fromkeys(request_ids))
-        if self._skipping("record"):
+        if self.context.skipping("record"):
             return None
-        try:
-            layout = await self._resolve("record")
-        except Unavailable:
-            return None
-        if layout is not None:
-            return await layout.record_many(namespace, ids, update)
-        requests = [RequestWrite(rid, (), empty_token_stats()) for rid in ids]
-        claims = await self.commit(namespace, requests, update)
-        if claims is None:
-            return None
-        return [ids[p] for p in sorted({*claims.duplicates, *claims.conflicts})]
-
-    async def commit(
-        self, namespace: str, requests: Sequence[RequestWrite], update: StatsUpdate
-    ) -> Claims | None:
-        """One Redis: the write pipeline (one round trip) and its commit script."""
-        if self._skipping("record"):
-            return None
-        lock = self.new_id()
-        try:
-            commands = await asyncio.to_thread(self._writes, namespace, requests, update, lock)
-        except UnicodeEncodeError as exc:  # (nothing was sent)
-            self.count_error("record")
-            raise Refused(f"a key or request id is not valid Unicode text: {exc.reason}") from exc
-
-        async def run() -> list[Any]:
-            replies = await self._execute(self._writer, commands, errors=True)
-            for reply in replies[:-1]:
-                if isinstance(reply, ResponseError):
-                    # (a staging command refused, e.g. for memory: refused as a whole, as
-                    # before; the script, which checks what was staged, applied nothing)
-                    raise reply
-            if isinstance(replies[-1], ResponseError) and not is_refusal(replies[-1]):
-                raise replies[-1]
-            return replies
-
-        try:
-            replies = await self._call("record", run)
-        except Unavailable:
-            return None
-        reply = replies[-1]
-        if isinstance(reply, ResponseError):
-            log.warning(
-                "stats store: Redis refused a write of %d requests: %s", len(requests), reply
-            )
-            self.count_error("record")
-            raise Refused(str(reply))
-        counted, _pending, compact, *claimed = reply
-        if compact:
-            await self.compact_deltas(self._execute_writes, self.delta_keys(namespace), lock)
-        if counted:
-            return Claims()
-        positions = [int(p) for p in claimed]
-        return Claims(
-            tuple(p - 1 for p in positions if p > 0), tuple(-p - 1 for p in positions if p < 0)
-        )
+        keys = tuple(update.records)
+        requests = [RequestWrite(rid, keys, update.tokens) for rid in ids] or [
+            RequestWrite(None, keys, update.tokens)
+        ]
+        outcomes = await self._layout.record_requests(namespace, requests, update, None)
+        if POISONED in outcomes:
+            raise Refused("the store refused the write")
+        claimed = [
+            rid
+            for r, outcome in zip(requests, outcomes, strict=True)
+            if outcome in (DUPLICATE, CONFLICT) and (rid := r.request_id) is not None
+        ]
+        if claimed:
+            return claimed
+        return None if LOST in outcomes else []
 
     async def record_requests(
         self,
@@ -559,133 +384,22 @@ class RedisStatsStore(RedisBase):
         update: StatsUpdate,
         refold: Refold,
     ) -> list[Outcome]:
-        if self._skipping("record"):
+        if self.context.skipping("record"):
             return [LOST] * len(requests)
-        try:
-            layout = await self._resolve("record")
-        except Unavailable:
-            return [LOST] * len(requests)
-        if layout is not None:
-            return await layout.record_requests(namespace, requests, update, refold)
-        return await record_whole(self, namespace, requests, update, refold)
-
-    def _writes(
-        self, namespace: str, requests: Sequence[RequestWrite], update: StatsUpdate, lock: str
-    ) -> list[list[bytes]]:
-        """The write pipeline: stage the records and the delta, then commit (claiming every
-        request id of ``requests`` with its digest, or, without any, a claim of the write's
-        own). Raises UnicodeEncodeError for a key that is not valid Unicode text."""
-        claim = self.new_id()
-        stage_ms = self.stage_ms
-        staged_delta = self.stage_key(namespace, claim, "d").encode()
-        commands = [
-            command(b"RPUSH", staged_delta, encode_token_stats(update.tokens)),
-            command(b"PEXPIRE", staged_delta, stage_ms),
-        ]
-        pairs: list[bytes] = []
-        for i, (key, record) in enumerate(update.records.items()):
-            staged = self.stage_key(namespace, claim, i).encode()
-            target = self.record_key(namespace, key).encode()
-            if self.staged is None or self.staged(namespace, key):
-                commands.append(command(b"SET", staged, record, b"PX", stage_ms))
-            pairs += [staged, target]
-        claimed = {r.request_id: r.digest for r in requests if r.request_id is not None}
-        keys = [
-            self.delta_key(namespace).encode(),
-            self.compacted_key(namespace).encode(),
-            self.lock_key(namespace).encode(),
-            staged_delta,
-            # (no idempotency asked for: a private claim that only guards against resends)
-            f"{self._ns(namespace)}:write:{claim}".encode(),
-            *(self.request_key(namespace, rid).encode() for rid in claimed),
-            *pairs,
-        ]
-        args = [claim.encode(), b"%d" % self.ttl_seconds, b"%d" % self.ttl_seconds]
-        args += [b"%d" % self.compact_after, lock.encode(), b"%d" % self.lock_ms]
-        args += [b"%d" % len(claimed), b"%d" % ANONYMOUS_CLAIM_TTL]
-        args += [claim_digest(digest) for digest in claimed.values()]
-        commands.append(command(b"EVAL", COMMIT_WRITE, b"%d" % len(keys), *keys, *args))
-        return commands
-
-    async def compact(self, namespace: str, lock: str) -> None:
-        """Merge the pending deltas into the compacted record, holding the lock ``lock``."""
-        await self.compact_deltas(self._execute_writes, self.delta_keys(namespace), lock)
-
-    async def _execute_writes(self, commands: list[list[bytes]]) -> list[Any]:
-        return await self._execute(self._writer, commands)
-
-    async def _execute(
-        self, client: redis.Redis, commands: list[list[bytes]], *, errors: bool = False
-    ) -> list[Any]:
-        """Send RESP-encoded ``commands`` in one write and read their replies: one round trip.
-
-        Used instead of redis-py's pipeline so that megabyte records go to the socket as they
-        are, without a copy per command. A broken connection is retried once on a fresh one
-        (safe: reads, and the idempotent writes). An error reply raises, or with ``errors``
-        takes its command's place among the replies (every reply is read: the connection
-        stays usable, and the caller sees what the last command answered).
-        """
-        pool = client.connection_pool
-        chunks = [chunk for command in commands for chunk in command]
-        for attempt in range(2):
-            conn = await pool.get_connection()
-            try:
-                self.count_round_trip()
-                await conn.send_packed_command(chunks, check_health=False)
-                if not errors:
-                    return [await conn.read_response() for _ in commands]
-                replies: list[Any] = []
-                for _ in commands:
-                    try:
-                        replies.append(await conn.read_response())
-                    except ResponseError as exc:
-                        replies.append(exc)
-                return replies
-            except RedisConnectionError:
-                await conn.disconnect()
-                if attempt:
-                    raise
-            except BaseException:
-                # Replies may be left unread: the connection cannot be reused.
-                await conn.disconnect()
-                raise
-            finally:
-                await pool.release(conn)
-        raise AssertionError("unreachable")
+        return await self._layout.record_requests(namespace, requests, update, refold)
 
     # ---- reading the statistics -------------------------------------------------------------
 
     async def token_stats(self, namespace: str, order: str, limit: int) -> dict[str, Any] | None:
         check_order(order)
-        commands = [
-            command(b"GET", self.compacted_key(namespace).encode()),
-            command(b"LRANGE", self.delta_key(namespace).encode(), b"0", b"-1"),
-        ]
-
-        async def run() -> list[bytes | None]:
-            layout = await self._layout()
-            if layout is not None:
-                return await layout.statistics_records(namespace)
-            current, deltas = await self._execute(self._client, commands)
-            return [current, *deltas]
-
         try:
-            records = await self._call("token_stats", run)
+            records = await self.context.call(
+                "token_stats", lambda: self._layout.statistics_records(namespace)
+            )
         except Unavailable:
             return None
         table = await asyncio.to_thread(merge_tables, records)
         return token_stats_response(namespace, table.rollouts, token_columns(table), order, limit)
-
-
-def claim_key_bytes(store: RedisStatsStore, namespace: str, request_id: str | None) -> bytes | None:
-    """The claim key of ``request_id`` on one Redis; None without an id, or for one that is not
-    valid Unicode text (no claim of it can exist: nothing to read)."""
-    if request_id is None:
-        return None
-    try:
-        return store.request_key(namespace, request_id).encode()
-    except UnicodeEncodeError:
-        return None
 
 
 __all__ = ["DEFAULT_PREFIX", "RedisStatsStore", "merge_records"]
