@@ -39,11 +39,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from advantage_contract import arrow as contract_arrow
 from advantage_service import RolloutBatch, compute_batch
 from advantage_service.transports import arrow
 from synthetic import training_batch
 
-ARROW = arrow.MEDIA_TYPE
+ARROW = contract_arrow.MEDIA_TYPE
 SETTLE_SECONDS = 0.2
 
 

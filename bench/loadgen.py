@@ -32,11 +32,12 @@ from advantage_client.grpc_client import (
     options_message,
     rollout_message,
 )
-from advantage_client.grpc_gen import advantage_pb2 as pb
-from advantage_client.grpc_gen import advantage_pb2_grpc as pb_grpc
 from advantage_client.http_client import arrow_request_body
+from advantage_contract import arrow as contract_arrow
+from advantage_contract.grpc_gen import advantage_pb2 as pb
+from advantage_contract.grpc_gen import advantage_pb2_grpc as pb_grpc
 
-ARROW = "application/vnd.apache.arrow.stream"
+ARROW = contract_arrow.MEDIA_TYPE
 KINDS = ("http", "grpc", "http", "grpc_stream")
 # After the shutdown signal: UNAVAILABLE (the server refused the call, or its port is closed),
 # and CANCELLED for a call that reached the server in the instant its gRPC server began to stop

@@ -9,7 +9,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from advantage_contract.fields import GROUP_FIELDS, ROLLOUT_FIELDS, TOP_LEVEL_FIELDS
 from advantage_service.errors import LimitExceeded, RequestError
+from advantage_service.wire import jsonio
 from advantage_service.wire.jsonio import BodyLimits, loads_request
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -146,3 +148,116 @@ def test_limits_are_checked_from_the_commas_before_the_numbers_are_parsed() -> N
     # A marker-like string a client sends is a string: the markers carry a per-call nonce.
     forged = json.dumps({"groups": [{"id": "g", "rollouts": [{"tokens": "\x01:0"}]}]})
     assert loads_request(forged.encode())["groups"][0]["rollouts"][0]["tokens"] == "\x01:0"
+
+
+# ---- the decoder's paths: msgspec's Structs, field by field, and what msgspec does not read ----
+
+LIMITS = BodyLimits(max_tokens=10**6, max_rollouts=100)
+
+
+def test_the_structs_have_the_contracts_fields_in_its_order() -> None:
+    """The guard checks that a body lists its fields in this order before the Structs (which
+    keep their own order, not the body's) read it: the two must agree."""
+    assert jsonio._Rollout.__struct_fields__ == ROLLOUT_FIELDS
+    assert jsonio._Group.__struct_fields__ == GROUP_FIELDS
+    assert jsonio._Request.__struct_encode_fields__ == TOP_LEVEL_FIELDS
+
+
+@SETTINGS
+@given(
+    st.permutations(["tokens", "reward", "logprobs", "teacher_logprobs"]),
+    st.permutations(["id", "prompt_key", "rollouts"]),
+    st.permutations(["request_id", "estimator", "return", "groups"]),
+    st.booleans(),
+)
+def test_fields_in_any_order_decode_as_json_loads_keeps_them(
+    rollout_keys: list[str], group_keys: list[str], top_keys: list[str], twice: bool
+) -> None:
+    values: dict[str, Any] = {
+        "tokens": [5, 6],
+        "reward": 0.5,
+        "logprobs": [-0.25, -1e-7],
+        "teacher_logprobs": {"b": [-1.0, -2.0], "a": [-3, 4]},
+        "id": "g",
+        "prompt_key": "p",
+        "request_id": "r",
+        "estimator": {"outcome": "grpo"},
+        "return": ["scalar"],
+    }
+    rollout = {k: values[k] for k in rollout_keys}
+    values["rollouts"] = [rollout, {**rollout, "reward": 1}]
+    values["groups"] = [{k: values[k] for k in group_keys}]
+    text = json.dumps({k: values[k] for k in top_keys}).encode()
+    if twice:  # a field given twice: json keeps its first place and its last value
+        text = text.replace(b'"reward": 0.5', b'"reward": 7, "reward": 0.5', 1)
+    for limits in (None, LIMITS):
+        same(loads_request(text, limits), json.loads(text))
+        assert list(loads_request(text, limits)) == list(json.loads(text))
+
+
+BAD_JSON_TEXT = [
+    b"NaN",
+    b"Infinity",
+    b"-Infinity",
+    b'"\\ud800"',
+    b'"x\xff"',
+    b'"\xed\xa0\x80"',
+]
+
+
+@pytest.mark.parametrize("literal", BAD_JSON_TEXT)
+@pytest.mark.parametrize("limits", [None, LIMITS], ids=["unbounded", "bounded"])
+def test_what_msgspec_does_not_read_decodes_as_json_reads_it(
+    literal: bytes, limits: BodyLimits | None
+) -> None:
+    """NaN, Infinity, lone surrogates and bytes that are not UTF-8: json reads them (the
+    request's checks then refuse them, naming where they are); so does the decoder, wherever
+    they are, and the rest of the body is decoded as usual."""
+    key = literal if literal.startswith(b'"') else b'"k"'
+    body = (
+        b'{"estimator": {"outcome": {"name": "grpo", "x": %s}}, "groups": [{"id": "g",'
+        b' "rollouts": [{"tokens": [1, 2], "reward": %s, "logprobs": [-0.5, %s],'
+        b' "teacher_logprobs": {%s: [-1, -2]}}, {"tokens": [3], "reward": 0,'
+        b' %s: [4]}]}], "request_id": %s}'
+    ) % (literal, literal, literal, key, key, literal)
+    got = loads_request(body, limits)
+    want = jsonio.loads(body)
+    assert repr(plain(got)) == repr(want)  # (repr: NaN is not equal to itself)
+    rollouts = got["groups"][0]["rollouts"]
+    assert isinstance(rollouts[0]["tokens"], np.ndarray)
+    assert isinstance(rollouts[1]["tokens"], np.ndarray)
+
+
+def test_nan_where_a_key_belongs_is_invalid_json_as_for_json() -> None:
+    for limits in (None, LIMITS):
+        with pytest.raises(RequestError) as info:
+            loads_request(b'{"groups": [{"id": "g", NaN: 1}], "request_id": NaN}', limits)
+        assert info.value.code == "invalid_json"
+
+
+def test_a_body_in_utf16_or_with_a_byte_order_mark_decodes_as_json_loads_reads_it() -> None:
+    obj = {"groups": [{"id": "é😀", "rollouts": [{"tokens": [1, 2], "reward": 1}]}]}
+    text = json.dumps(obj, ensure_ascii=False)
+    for body in (
+        b"\xef\xbb\xbf" + text.encode(),
+        text.encode("utf-16"),
+        text.encode("utf-32-le"),
+    ):
+        for limits in (None, LIMITS):
+            same(loads_request(body, limits), json.loads(body))
+    with pytest.raises(RequestError) as info:
+        loads_request(text.encode("utf-16-le")[:-1], LIMITS)  # (half a character)
+    assert info.value.code == "invalid_json"
+
+
+def test_integers_numpy_would_saturate_are_jsons_exact_integers() -> None:
+    """numpy reads an integer beyond int64 as 2**63 - 1, whatever its sign: one of 19 digits
+    or more is json's (as before, when a regex found them)."""
+    for token in (2**63, -(2**63) - 1, 10**19, -(10**20), 10**18, -(10**18)):
+        body = json.dumps({"groups": [{"id": "g", "rollouts": [{"tokens": [1, token]}]}]})
+        for limits in (None, LIMITS):
+            tokens = loads_request(body.encode(), limits)["groups"][0]["rollouts"][0]["tokens"]
+            assert tokens == [1, token] and isinstance(tokens, list)
+    body = b'{"groups": [{"id": "g", "rollouts": [{"tokens": [1], "logprobs": [1e999, 2]}]}]}'
+    logprobs = loads_request(body, LIMITS)["groups"][0]["rollouts"][0]["logprobs"]
+    assert logprobs == [float("inf"), 2]  # (json's: msgspec refuses a float beyond float64)

@@ -225,3 +225,32 @@ def test_json_where_the_schema_has_none_is_kept_for_its_error_up_to_a_mebibyte()
     error = refusal(unknown)
     assert (error.code, error.field, error.group_id) == ("unknown_field", "note", "g")
     assert traced_peak(lambda: loads_request(unknown, LIMITS)) < 2 * MIB
+
+
+def test_a_long_array_of_numbers_is_counted_a_chunk_at_a_time_holding_almost_nothing() -> None:
+    """An array of numbers is checked and counted without copying it whole (a copy of a
+    4-million-token array would be 8 MB)."""
+    data = b'{"groups": [{"id": "g", "rollouts": [{"tokens": [' + b"1," * 4_000_000 + b"1]}]}]}"
+    error = refusal(data)
+    assert (error.status, error.field) == (413, "tokens")
+    assert "4000001 tokens" in error.message
+    assert traced_peak(lambda: loads_request(data, LIMITS)) < MIB
+
+
+def test_an_array_of_numbers_but_one_far_into_it_is_json_where_the_schema_has_none() -> None:
+    """The check of an array's text goes on past its first chunk: an array of numbers with a
+    true at its end is no per-token array (not counted as one), and more than a mebibyte of it
+    is refused as JSON the schema does not take."""
+    data = b'{"groups": [{"id": "g", "rollouts": [{"tokens": [' + b"1," * 600_000 + b"true]}]}]}"
+    error = refusal(data)
+    assert (error.status, error.code, error.field) == (422, "invalid_type", "tokens")
+    assert (error.group_id, error.rollout_index) == ("g", 0)
+
+
+def test_json_where_the_schema_has_none_is_bounded_in_all_not_per_value() -> None:
+    """Arrays of numbers where a number belongs (a reward), each small, count toward the one
+    mebibyte the request may hold of such JSON."""
+    rollout = {"tokens": [1], "reward": [1] * 6_000}  # 18 KB of JSON where a number belongs
+    error = refusal({"groups": [{"id": "g", "rollouts": [rollout] * 90}]})
+    assert (error.status, error.code, error.field) == (422, "invalid_type", "reward")
+    assert (error.group_id, error.rollout_index) == ("g", 58)  # (18 KB each: the 59th passes 1 MiB)

@@ -17,7 +17,7 @@ import numpy as np
 import orjson
 import pyarrow as pa
 import pytest
-from advantage_client.grpc_gen import advantage_pb2 as pb
+from advantage_contract.grpc_gen import advantage_pb2 as pb
 from advantage_service.errors import RequestError
 from advantage_service.transports import arrow
 from advantage_service.transports.grpc_codec import (
