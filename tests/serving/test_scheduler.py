@@ -279,3 +279,26 @@ def test_history_requests_wait_in_the_queue_but_are_computed_alone(hold: Hold) -
     assert hold.computed[1:] == [["h0"], ["h1"]]
     assert [c.summary["history"] for c in computed] == ["empty", "empty"]  # first visits
     engine.close()
+
+
+def test_past_the_refusal_point_a_request_starts_at_once_or_is_refused(hold: Hold) -> None:
+    """A request that reaches the queue after ``refuse_waiting`` with a worker free is computed
+    at once, not held back for company (ADV_MAX_BATCH_DELAY_MS) that could outlast the shutdown
+    deadline; with the workers paused by a statistics writer behind, it is refused 503. Before,
+    both waited and were cut off at the deadline (a 500 to the client)."""
+    engine = engine_with(max_inflight=1, max_batch_tokens=100_000, max_batch_delay_ms=60_000)
+    engine.scheduler.refuse_waiting("the service is shutting down")
+
+    async def alone() -> Any:
+        return await asyncio.wait_for(engine.compute(parse_request(request("late")), "t"), 10)
+
+    response = asyncio.run(alone())
+    assert response.summary["rollouts"] > 0
+    assert hold.computed == [["late"]]
+
+    engine.scheduler._paused = lambda: "the statistics writer is behind"
+    with pytest.raises(Overloaded, match="shutting down"):
+        asyncio.run(alone())
+    assert hold.computed == [["late"]]
+    assert engine.scheduler.depth == 0
+    engine.close()

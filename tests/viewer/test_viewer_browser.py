@@ -386,6 +386,7 @@ def test_the_namespace_statistics_show_as_a_sortable_table_with_text(
     assert '"the"' in browser.find_element(By.ID, "stats-table").text
 
 
+@pytest.mark.integration
 def test_kept_requests_in_redis_while_it_is_down_are_a_503_on_the_page(
     browser: Any, redis_server: RedisServer, tmp_path: Path
 ) -> None:

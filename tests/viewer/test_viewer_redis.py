@@ -73,6 +73,7 @@ def errors(client: httpx.AsyncClient, op: str) -> float:
     return float(metrics.stats_store_errors_total.labels(op)._value.get())
 
 
+@pytest.mark.integration
 async def test_a_request_kept_by_one_replica_opens_on_another(redis_server: RedisServer) -> None:
     async with replica(redis_server.url) as one, replica(redis_server.url) as other:
         assert (await other.get("/viewer/api/config")).json()["keep_store"] == "redis"
@@ -94,6 +95,7 @@ async def test_a_request_kept_by_one_replica_opens_on_another(redis_server: Redi
         assert gone.status_code == 404 and "not among the last 4" in gone.json()["error"]["message"]
 
 
+@pytest.mark.integration
 async def test_kept_requests_on_a_redis_cluster_open_on_another_replica(
     tmp_path: Path,
 ) -> None:
@@ -133,6 +135,7 @@ def kept(request_id: str, tokens: int) -> KeptRequest:
     )
 
 
+@pytest.mark.integration
 async def test_redis_keeping_is_bounded_in_count_bytes_and_time(
     redis_server: RedisServer,
 ) -> None:
@@ -166,6 +169,7 @@ async def test_redis_keeping_is_bounded_in_count_bytes_and_time(
         await store.close()
 
 
+@pytest.mark.integration
 async def test_while_redis_is_down_requests_compute_and_the_listing_is_a_503(
     redis_server: RedisServer,
 ) -> None:

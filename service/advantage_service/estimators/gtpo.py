@@ -60,6 +60,11 @@ answer are two compiled loops over each rollout's slice (:mod:`.kernels`), with 
 keys or gathers; the keyed path (:func:`_gtpo`, ``index_add_`` and gathers, nothing looping)
 gives the same bits and serves the cases the loops hand back (entropies of 0, classes computed
 again in float64, other devices).
+
+The parts: :mod:`.gtpo_shaping` (the classes O+ and O-, the keys, the entropy shares and the
+per-key factor), :mod:`.gtpo_statistics` (each class's mean and std, Eq. 6, as a scale and a
+shift); this module, the method: its parameters, the keyed path and the compiled loops that put
+them together, and its registration.
 """
 
 from __future__ import annotations
@@ -71,6 +76,18 @@ import numpy as np
 import torch
 
 from ..batch import RolloutBatch
+from .gtpo_shaping import (
+    Classes,
+    KeyLayout,
+    clamp_entropy,
+    key_factor,
+    key_layout,
+    outcome_rewards,
+    split_classes,
+    token_keys,
+    token_shares,
+)
+from .gtpo_statistics import Normalisation, class_statistics_numpy, normalise
 from .registry import OutcomeOutput, Param, register_outcome
 
 PARAMS = (
@@ -103,343 +120,6 @@ PARAMS = (
         minimum=0.0,
     ),
 )
-
-
-class Classes(NamedTuple):
-    """A batch's rollouts split into O+ and O- per group."""
-
-    correct: torch.Tensor  # bool (B,)
-    class_group: torch.Tensor  # int64 (B,): g for a correct rollout, G + g for a wrong one
-    contrast: torch.Tensor  # bool (G,): the group has both a correct and a wrong rollout
-
-
-def split_classes(batch: RolloutBatch, correct_threshold: float) -> Classes:
-    """O+ = rollouts with reward > ``correct_threshold``, O- the others, per group."""
-    correct = batch.rewards.double() > correct_threshold
-    g = batch.num_groups
-    class_group = batch.group_index + g * (~correct).long()
-    per_class = torch.bincount(class_group, minlength=2 * g)
-    contrast = (per_class[:g] > 0) & (per_class[g:] > 0)
-    return Classes(correct, class_group, contrast)
-
-
-def outcome_rewards(batch: RolloutBatch, classes: Classes, alpha1: float) -> torch.Tensor:
-    """b_i, the shaped reward's outcome part: alpha1 r_i in O+, -alpha1 in O-; float64 (B,)."""
-    r = batch.rewards.double()
-    return torch.where(classes.correct, alpha1 * r, torch.full_like(r, -alpha1))
-
-
-def clamp_entropy(entropy: torch.Tensor) -> torch.Tensor:
-    """H as float32, an entropy below 0 (a trainer's rounding) taken as 0 (the input itself when
-    it is float32 with none below 0: never written into)."""
-    h = entropy.float()
-    if h.numel() and float(h.min()) < 0:
-        h = h.clamp(min=0.0)
-    return h
-
-
-# ---- token-level shaping -------------------------------------------------------------------------
-
-
-class KeyLayout(NamedTuple):
-    """Dense keys of (class group, position): class group c owns ``longest[c]`` consecutive
-    keys, one per position of its longest rollout, class groups in order; O+ keys come first,
-    so a token is in O- iff its key >= ``first_wrong``."""
-
-    start: torch.Tensor  # int64 (B,): the key of each rollout's first token
-    longest: torch.Tensor  # int64 (2G,): each class group's longest rollout
-    first_wrong: int
-    num_keys: int
-
-    def of_key(self) -> torch.Tensor:
-        """int64 (K,): each key's class group."""
-        groups = torch.arange(self.longest.numel(), device=self.longest.device)
-        return torch.repeat_interleave(groups, self.longest, output_size=self.num_keys)
-
-    def alive(self, lengths: torch.Tensor) -> torch.Tensor:
-        """float64 (K,): the class group's rollouts that reach each key (``lengths``: T_i,
-        (B,)): +1 where a rollout starts, -1 past its end, summed up."""
-        edges = torch.zeros(self.num_keys + 1, dtype=torch.float64, device=self.start.device)
-        edges.index_add_(0, self.start, torch.ones_like(self.start, dtype=torch.float64))
-        edges.index_add_(0, self.start + lengths, -torch.ones_like(self.start, dtype=torch.float64))
-        return torch.cumsum(edges, 0)[:-1]
-
-    def square_sums(self, factor: torch.Tensor, squares: torch.Tensor) -> torch.Tensor:
-        """Per class group, sum_k F_k^2 Q_k over its keys in float64: float64 (2G,) (on the CPU
-        the compiled loop's order, which the fast path shares)."""
-        if factor.device.type == "cpu":
-            from . import kernels  # (numba is imported when a compiled loop first runs)
-
-            return torch.from_numpy(
-                kernels.class_square_sums(
-                    factor.contiguous().numpy(), squares.contiguous().numpy(), self.longest.numpy()
-                )
-            )
-        f2q = factor.to(torch.float64, copy=True)
-        f2q.square_().mul_(squares)
-        out = torch.zeros(self.longest.numel(), dtype=torch.float64, device=factor.device)
-        return out.index_add_(0, self.of_key(), f2q)
-
-    def per_key(self, values: torch.Tensor) -> torch.Tensor:
-        """Per-class-group ``values`` (2G,) repeated over each class group's keys: (K,)."""
-        if values.device.type == "cpu":
-            return torch.from_numpy(np.repeat(values.numpy(), self.longest.numpy()))
-        return torch.repeat_interleave(values, self.longest, output_size=self.num_keys)
-
-
-def key_layout(batch: RolloutBatch, classes: Classes) -> KeyLayout:
-    cg = classes.class_group
-    lengths = batch.lengths
-    num_cg = 2 * batch.num_groups
-    longest = lengths.new_zeros(num_cg).scatter_reduce(0, cg, lengths, "amax")
-    base = torch.cumsum(longest, 0) - longest
-    num_keys = int(longest.sum())
-    if num_keys >= 2**31:
-        raise ValueError(f"{num_keys} (class, group, position) keys do not fit int32")
-    start = base.index_select(0, cg)
-    first_wrong = int(longest[: batch.num_groups].sum())
-    return KeyLayout(start, longest, first_wrong, num_keys)
-
-
-def token_keys(batch: RolloutBatch, layout: KeyLayout) -> torch.Tensor:
-    """int32 (N,): token t of rollout i has key start_i + t."""
-    lengths = batch.lengths
-    # A running count that steps by 1 from token to token and jumps at each rollout's first
-    # token (one int32 buffer, one cumulative sum).
-    nonempty = torch.nonzero(lengths > 0).flatten()
-    first = batch.offsets[:-1].index_select(0, nonempty)
-    at_first = layout.start.index_select(0, nonempty)
-    jump = at_first.clone()
-    jump[1:] -= at_first[:-1] + lengths.index_select(0, nonempty)[:-1] - 1
-    key = torch.ones(batch.num_tokens, dtype=torch.int32, device=jump.device)
-    key.scatter_(0, first, jump.to(torch.int32))
-    torch.cumsum(key, 0, dtype=torch.int32, out=key)
-    return key
-
-
-def token_shares(
-    entropy: torch.Tensor,
-    layout: KeyLayout,
-    alive: torch.Tensor,
-    key: torch.Tensor,
-    dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(v, S): token i's share of its position is v_it / S[key_it]: v ``dtype`` (N,) (a fresh
-    tensor, the caller's to reuse), S ``dtype`` (K,) (sums in batch order). v = H for O+ and 1/H
-    for O-, S their sum over the class's rollouts at the position; where those are 0 (every O+
-    entropy 0) or infinite (some O- entropy 0), the cases the module's docstring states. Every
-    key has a rollout that reaches it (a class group's keys span its longest rollout)."""
-    h = clamp_entropy(entropy).to(dtype)
-    first_wrong, num_keys = layout.first_wrong, layout.num_keys
-    v = torch.reciprocal(h)
-    torch.where(key >= first_wrong, v, h, out=v)
-    total = torch.zeros(num_keys, dtype=dtype, device=v.device).index_add_(0, key, v)
-    flat = total[:first_wrong] == 0
-    if bool(flat.any()):  # every O+ token at the position has H = 0: equal shares
-        every = torch.zeros(num_keys, dtype=torch.bool, device=v.device)
-        every[:first_wrong] = flat
-        v.masked_fill_(every.index_select(0, key), 1.0)
-        total = torch.where(every, alive.to(dtype), total)
-    if bool(torch.isinf(total[first_wrong:]).any()):  # some O- token has H = 0: they share
-        certain = torch.isinf(total)
-        zero = torch.isinf(v).to(dtype)
-        zeros = torch.zeros(num_keys, dtype=dtype, device=v.device)
-        zeros.index_add_(0, key, zero)
-        v = torch.where(certain.index_select(0, key), zero, v)
-        total = torch.where(certain, zeros, total)
-    return v, total
-
-
-def key_factor(
-    alive: torch.Tensor, total: torch.Tensor, first_wrong: int, alpha2: float
-) -> torch.Tensor:
-    """y_it = F[key_it] v_it, the entropy part of r~ (O- negative): F = +-alpha2 d_t / S_t, in
-    ``total``'s dtype (K,) (d_t: ``alive``)."""
-    factor = alive.to(total.dtype, copy=True).mul_(alpha2).div_(total)
-    factor[first_wrong:].neg_()
-    return factor
-
-
-class Normalisation(NamedTuple):
-    """A_it = F[key_it] ``scale``_c v_it + ``shift``_i: ``scale`` 1 / (std + eps) of each class
-    group, float64 (2G,) (0 for a class without contrast or of one rollout); ``shift`` (b_i -
-    mean) / (std + eps), float64 (B,); ``wide``, bool (2G,): the classes whose answer a float32
-    pass leaves to a float64 one."""
-
-    scale: torch.Tensor
-    shift: torch.Tensor
-    wide: torch.Tensor
-
-
-def normalise(
-    batch: RolloutBatch,
-    classes: Classes,
-    y2: torch.Tensor,
-    b: torch.Tensor,
-    alpha2: float,
-    epsilon: float,
-    rollout_y: torch.Tensor | None = None,
-) -> Normalisation:
-    """Each class's mean and sample std of r~_it = b_i + y_it over its own tokens in the group
-    (Eq. 6), from per-key sums: y sums to +-alpha2 d_t at each key (the shares sum to 1), so a
-    class's sum of y is +-alpha2 n_c (n_c its tokens); its sum of y^2 is ``y2`` = sum_k F_k^2
-    Q_k, with Q_k the sum of v^2 at key k (:meth:`KeyLayout.square_sums`). Where the b_i of a
-    class differ (rewards other than 0/1), the cross terms need each rollout's sum of y
-    (``rollout_y``, float64 (B,)); without it those classes are ``wide``.
-
-    A class of one rollout has r~ = b + alpha2 on every token (its share is 1 at each position):
-    its std is 0 and so is its advantage, set here exactly (float32 rounding of y would
-    otherwise be divided by eps). A class whose std is under 1e-3 of its entropy part's root
-    mean square in a float32 pass (shares all alike but for rounding, which the division by
-    std + eps would amplify) is ``wide``, as are classes whose Q overflowed float32.
-
-    Every array here has a value per rollout or per class group: on the CPU numpy's (a call
-    costs a microsecond; torch's several), elsewhere torch's."""
-    if b.device.type == "cpu":
-        scale, shift, wide = _class_statistics_numpy(
-            batch.lengths.numpy(),
-            classes.class_group.numpy(),
-            classes.contrast.numpy(),
-            y2.numpy(),
-            b.numpy(),
-            alpha2,
-            epsilon,
-            None if rollout_y is None else rollout_y.numpy(),
-        )
-        return Normalisation(
-            torch.from_numpy(scale), torch.from_numpy(shift), torch.from_numpy(wide)
-        )
-    return Normalisation(
-        *_class_statistics(
-            _TorchOps(b.device),
-            batch.lengths.double(),
-            (batch.lengths > 0).double(),
-            classes.class_group,
-            classes.contrast,
-            y2,
-            b,
-            alpha2,
-            epsilon,
-            rollout_y,
-        )
-    )
-
-
-def _class_statistics_numpy(
-    lengths: np.ndarray,
-    cg: np.ndarray,
-    group_contrast: np.ndarray,
-    y2: np.ndarray,
-    b: np.ndarray,
-    alpha2: float,
-    epsilon: float,
-    rollout_y: np.ndarray | None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`_class_statistics` in numpy from the rollouts' lengths (T_i, int (B,))."""
-    with np.errstate(all="ignore"):  # (classes left out may hold inf or nan: unused)
-        return _class_statistics(
-            np,
-            lengths.astype(np.float64),
-            (lengths > 0).astype(np.float64),
-            cg,
-            group_contrast,
-            y2,
-            b,
-            alpha2,
-            epsilon,
-            rollout_y,
-        )
-
-
-class _TorchOps:
-    """The few numpy functions :func:`_class_statistics` calls, on torch tensors of a device."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.sqrt = torch.sqrt
-        self.isfinite = torch.isfinite
-        self.where = torch.where
-        self.concatenate = torch.cat
-        self.float64 = torch.float64
-
-    def zeros(self, n: int, dtype: Any) -> torch.Tensor:
-        return torch.zeros(n, dtype=dtype, device=self.device)
-
-    def full(self, n: int, value: float, dtype: Any) -> torch.Tensor:
-        return torch.full((n,), value, dtype=dtype, device=self.device)
-
-    @staticmethod
-    def add_at(out: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
-        out.index_add_(0, index, values)
-
-    @staticmethod
-    def max_at(out: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
-        out.scatter_reduce_(0, index, values, "amax")
-
-    @staticmethod
-    def maximum(x: torch.Tensor, floor: float) -> torch.Tensor:
-        return x.clamp(min=floor)
-
-
-class _NumpyOps:
-    """numpy's, with the two scatters named as :class:`_TorchOps` names them."""
-
-    add_at = staticmethod(np.add.at)
-    max_at = staticmethod(np.maximum.at)
-    maximum = staticmethod(np.maximum)
-
-
-def _class_statistics(
-    xp: Any,
-    tokens: Any,
-    has_tokens: Any,
-    cg: Any,
-    group_contrast: Any,
-    y2: Any,
-    b: Any,
-    alpha2: float,
-    epsilon: float,
-    rollout_y: Any,
-) -> tuple[Any, Any, Any]:
-    """:func:`normalise`'s arithmetic on per-rollout and per-class-group arrays of ``xp``
-    (numpy, or :class:`_TorchOps`): (scale, shift, wide). The same float64 operations in the
-    same order either way (sums over a class's rollouts in batch order)."""
-    ops = _NumpyOps if xp is np else xp
-    num_cg = y2.shape[0]
-    g = num_cg // 2
-
-    def per_class(values: Any) -> Any:
-        out = xp.zeros(num_cg, xp.float64)
-        ops.add_at(out, cg, values)
-        return out
-
-    n = per_class(tokens)
-    members = per_class(has_tokens)
-    sign = xp.full(num_cg, 1.0, xp.float64)
-    sign[g:] = -1.0
-    sum_y = sign * alpha2 * n
-    # Centred on b_ref, one b_i of the class: with 0/1 rewards every b_i - b_ref is 0 exactly,
-    # and so is the mean's outcome part (a mean of equal values in floating point may not be).
-    b_ref = xp.full(num_cg, -np.inf, xp.float64)
-    ops.max_at(b_ref, cg, b)
-    rel = b - b_ref[cg]
-    varying = per_class(abs(rel)) > 0
-    n1 = ops.maximum(n, 1.0)
-    mean = (per_class(rel * tokens) + sum_y) / n1
-    d = rel - mean[cg]
-    # sum_i d_i sum_t y_it: with one b per class, d_i = -mean for all its rollouts.
-    cross = -mean * sum_y if rollout_y is None else per_class(d * rollout_y)
-    centred = ops.maximum(per_class(tokens * d * d) + 2.0 * cross + y2, 0.0)
-    std = xp.sqrt(centred / ops.maximum(n - 1.0, 1.0))
-    denominator = std + epsilon
-    contrast = xp.concatenate([group_contrast, group_contrast])
-    usable = contrast & (members > 1) & (denominator > 0)
-    scale = xp.where(usable, 1.0 / xp.where(usable, denominator, 1.0), 0.0)
-    rms = xp.sqrt(y2 / n1)
-    wide = usable & (
-        ((std <= 1e-3 * rms) & (rms > 0)) | ~xp.isfinite(y2) | (varying & (rollout_y is None))
-    )
-    return scale, d * scale[cg], wide
 
 
 class TokenShaping(NamedTuple):
@@ -554,9 +234,7 @@ def _gtpo_compiled(
         return None
     y2 = kernels.class_square_sums(factor, squares, longest)
     b = np.where(correct, alpha1 * rewards, -alpha1)
-    scale, shift, wide = _class_statistics_numpy(
-        lengths, cg, contrast, y2, b, alpha2, epsilon, None
-    )
+    scale, shift, wide = class_statistics_numpy(lengths, cg, contrast, y2, b, alpha2, epsilon, None)
     if wide.any():
         return None
     out = np.empty(batch.num_tokens, dtype=np.float32)
@@ -640,3 +318,22 @@ def gtpo(batch: RolloutBatch, params: Mapping[str, Any]) -> OutcomeOutput:
     return OutcomeOutput(
         shaping.advantage, diagnostics={"gtpo_reward": reward}, scalars=shaping.scalars
     )
+
+
+__all__ = [
+    "PARAMS",
+    "Classes",
+    "KeyLayout",
+    "Normalisation",
+    "TokenShaping",
+    "clamp_entropy",
+    "gtpo",
+    "gtpo_advantage",
+    "key_factor",
+    "key_layout",
+    "normalise",
+    "outcome_rewards",
+    "split_classes",
+    "token_keys",
+    "token_shares",
+]

@@ -318,6 +318,11 @@ class Scheduler:
             self._turns.append(req.namespace)
         self._set_waiting(self._waiting + 1)
         self._dispatch()
+        if self._refusing is not None and job.state == "waiting":
+            # (past the refusal point nothing waits: a free worker that held it back, for a
+            # statistics writer behind, would leave it to be cut off at the deadline)
+            self._drop(job)
+            raise self.overloaded(self._refusing)
         remaining = ticket.admitted + self.queue_timeout - time.monotonic()
         try:
             return await asyncio.wait_for(asyncio.shield(job.future), max(0.0, remaining))
@@ -444,8 +449,8 @@ class Scheduler:
     def _should_wait(self, head: _Job) -> bool:
         """True when a mergeable request alone should wait a little for company (and a wake-up
         is scheduled for the end of that wait)."""
-        if self.max_batch_delay <= 0 or head.key is None:
-            return False
+        if self.max_batch_delay <= 0 or head.key is None or self._refusing is not None:
+            return False  # (draining: company may never come before the deadline)
         left = head.enqueued + self.max_batch_delay - time.monotonic()
         if left <= 0:
             return False

@@ -13,41 +13,40 @@ requested per-token diagnostic as list<float32>; ``request_id``, ``namespace``, 
 ``summary`` as JSON in the schema metadata key ``advantage.response``.
 
 Rows of one group need not be contiguous: groups are numbered by first appearance.
+
+The parts: this module reads a request (the stream's layout and schema checked against the
+limits from its metadata, every batch validated, the options) and is the codec's entry point;
+:mod:`.arrow_columns` turns a validated table into the flat batch (group numbering, rewards,
+list columns, prompt keys: errors name group, rollout and column); :mod:`.arrow_response`
+writes the response and holds the client side's helpers (:func:`request_table`,
+:func:`read_response`). :mod:`.arrow_ipc` walks the stream's messages before pyarrow does.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
-from advantage_client.errors import AdvantageError
-from advantage_client.flat import (
-    MAX_CONDITION_NAME_LENGTH,
-    MAX_GROUP_ID_LENGTH,
-    group_prompt_keys,
-    prompt_ids,
+from advantage_contract.arrow import (
+    PROMPT_KEY_COLUMN,
+    REQUEST_METADATA,
+    REQUIRED_COLUMNS,
+    RESPONSE_METADATA,
+    TEACHER_PREFIX,
 )
+from advantage_contract.flat import MAX_CONDITION_NAME_LENGTH
 
 from ..batch import TOKEN_INPUTS, RolloutBatch
 from ..config import Settings
 from ..errors import LimitExceeded, RequestError
-from ..estimators import AdvantageResult
 from ..wire import jsonio
 from ..wire.request import ComputeRequest, parse_options
 from ..wire.text import check_utf8
 from . import arrow_ipc
-
-MEDIA_TYPE = "application/vnd.apache.arrow.stream"
-REQUEST_METADATA = b"advantage.request"
-RESPONSE_METADATA = b"advantage.response"
-TEACHER_PREFIX = "teacher."
-REQUIRED_COLUMNS = ("group_id", "reward", "tokens")
-PROMPT_KEY_COLUMN = "prompt_key"
+from .arrow_columns import batch_from_valid
+from .arrow_response import encode_response, read_response, request_table, write_stream
 
 # Arrow buffers are immutable, so numpy views of them are read-only, and torch warns when it
 # wraps one. The batch is never written in place (estimators are pure functions), and wrapping
@@ -73,8 +72,6 @@ MAX_METADATA_KEYS = 64
 # about 0.5-1 KB of objects however few values it holds, ~10x the bytes it takes in the stream:
 # 32768 arrays are at most ~16 MiB.
 MAX_ARRAYS = 32768
-# Integers a float64 holds exactly: a reward beyond would be computed as another number.
-MAX_EXACT_INTEGER = 2**53
 
 
 @dataclass(frozen=True)
@@ -374,165 +371,7 @@ def decode_request(
             "contain groups",
             field="groups",
         )
-    return options.with_batch(_batch_from_valid(table, options.vocab_size))
-
-
-class _Rows:
-    """Locates a row for error messages: its group id and its index within the group."""
-
-    def __init__(self, group_ids: list[str], group_index: np.ndarray) -> None:
-        self.group_ids = group_ids
-        self.group_index = group_index
-
-    def where(self, row: int) -> dict[str, Any]:
-        g = int(self.group_index[row])
-        rank = int(np.count_nonzero(self.group_index[:row] == g))
-        return {"group_id": self.group_ids[g], "rollout_index": rank}
-
-
-def _column(table: pa.Table, name: str) -> pa.Array:
-    column = table.column(name)
-    if column.num_chunks == 1:
-        return column.chunk(0)
-    return column.combine_chunks()
-
-
-def _first(mask: pa.Array | np.ndarray) -> int:
-    values = mask.to_numpy(zero_copy_only=False) if isinstance(mask, pa.Array) else mask
-    return int(np.flatnonzero(values)[0])
-
-
-def _group_column(table: pa.Table) -> tuple[list[str], np.ndarray]:
-    """(group ids in order of first appearance, each row's group number).
-
-    Works from each batch's distinct ids (a dictionary's entries the rows use, or a plain
-    column's distinct values): never one string per row, so a dictionary of one long id
-    referenced by every row costs its bytes once. Ids are checked against the JSON limit
-    before they become Python strings."""
-    entries: list[pa.Array] = []
-    codes: list[np.ndarray] = []
-    row0 = base = 0
-    for chunk in table.column("group_id").chunks:
-        if pa.types.is_dictionary(chunk.type):
-            indices, dictionary = chunk.indices, chunk.dictionary
-        else:
-            encoded = pc.dictionary_encode(chunk)
-            indices, dictionary = encoded.indices, encoded.dictionary
-        if indices.null_count:
-            row = row0 + _first(indices.is_null())
-            raise RequestError("invalid_type", f"group_id of row {row} is null", field="group_id")
-        index = indices.to_numpy(zero_copy_only=False).astype(np.int64)
-        used, inverse = np.unique(index, return_inverse=True)
-        picked = dictionary.take(pa.array(used))
-        if picked.null_count:
-            entry = _first(picked.is_null())
-            row = row0 + int(np.flatnonzero(inverse == entry)[0])
-            raise RequestError("invalid_type", f"group_id of row {row} is null", field="group_id")
-        entries.append(picked)
-        codes.append(inverse.reshape(-1) + base)
-        base += len(picked)
-        row0 += len(chunk)
-    if not entries:
-        return [], np.zeros(0, np.int64)
-    distinct = pc.dictionary_encode(pa.concat_arrays(entries))
-    row_codes = distinct.indices.to_numpy(zero_copy_only=False).astype(np.int64)[
-        np.concatenate(codes)
-    ]
-    lengths = pc.utf8_length(distinct.dictionary).to_numpy(zero_copy_only=False)
-    too_long = np.flatnonzero(lengths > MAX_GROUP_ID_LENGTH)
-    if too_long.size:
-        entry = int(too_long[0])
-        row = int(np.flatnonzero(row_codes == entry)[0])
-        # (not echoed: it is too long to be an id)
-        raise LimitExceeded(
-            f"group_id of row {row} has {int(lengths[entry])} characters; the limit is "
-            f"{MAX_GROUP_ID_LENGTH}",
-            field="group_id",
-        )
-    empty = np.flatnonzero(lengths == 0)
-    if empty.size:  # (refused on every transport alike: streams key groups by their id)
-        row = int(np.flatnonzero(row_codes == int(empty[0]))[0])
-        raise RequestError(
-            "invalid_value",
-            f"group_id of row {row} is empty: a group id is a non-empty string",
-            field="group_id",
-        )
-    # Number groups by first appearance.
-    present, first = np.unique(row_codes, return_index=True)
-    order = present[np.argsort(first)]
-    rank = np.empty(len(distinct.dictionary), np.int64)
-    rank[order] = np.arange(len(order))
-    return distinct.dictionary.take(pa.array(order)).to_pylist(), rank[row_codes]
-
-
-def _rewards(table: pa.Table, rows: _Rows) -> np.ndarray:
-    reward = _column(table, "reward")
-    if reward.null_count:
-        row = _first(reward.is_null())
-        raise RequestError("invalid_type", "reward is null", field="reward", **rows.where(row))
-    if pa.types.is_int64(reward.type) or pa.types.is_uint64(reward.type):
-        values = reward.to_numpy(zero_copy_only=False)
-        inexact = values > MAX_EXACT_INTEGER
-        if pa.types.is_int64(reward.type):
-            inexact |= values < -MAX_EXACT_INTEGER
-        if inexact.any():
-            row = _first(inexact)
-            raise RequestError(
-                "out_of_range",
-                f"reward {int(values[row])} is an integer a float64 cannot hold exactly "
-                f"(beyond +-2^53); send it as a float",
-                field="reward",
-                **rows.where(row),
-            )
-    return reward.cast(pa.float64()).to_numpy(zero_copy_only=False)
-
-
-def _list_column(
-    table: pa.Table, name: str, rows: _Rows, integer: bool
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """(offsets int64 (B+1,) from 0, values (N,)) of a validated list column; None when it is
-    all null (or of the null type).
-
-    A null row (given for some rollouts, not this one) and a null value are request errors.
-    The first offset need not be 0 (a slice of a longer array): only the values between the
-    first and the last offset are read.
-    """
-    column = _column(table, name)
-    if pa.types.is_null(column.type) or (column.null_count == len(column) and len(column)):
-        return None
-    value_type = column.type.value_type
-    if column.null_count:
-        row = _first(column.is_null())
-        raise RequestError(
-            "missing_input",
-            f"{name} is given for some rollouts but not this one; give it for every rollout "
-            "or none",
-            field=name,
-            **rows.where(row),
-        )
-    offsets = column.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
-    start, end = int(offsets[0]), int(offsets[-1])
-    values = column.values.slice(start, end - start)
-    offsets -= start
-    if values.null_count:
-        position = _first(values.is_null())
-        row = int(np.searchsorted(offsets, position, side="right")) - 1
-        raise RequestError(
-            "invalid_type",
-            f"{name}[{position - int(offsets[row])}] is null",
-            field=name,
-            **rows.where(row),
-        )
-    if integer and not (pa.types.is_int32(value_type) or pa.types.is_int64(value_type)):
-        try:
-            values = values.cast(pa.int64())
-        except pa.ArrowInvalid as exc:
-            raise RequestError(
-                "token_out_of_range", f"{name} holds an id out of range: {exc}", field=name
-            ) from exc
-    if pa.types.is_float16(value_type):
-        values = values.cast(pa.float32())
-    return offsets, values.to_numpy(zero_copy_only=False)
+    return options.with_batch(batch_from_valid(table, options.vocab_size))
 
 
 def batch_from_table(table: pa.Table, vocab_size: int | None = None) -> RolloutBatch:
@@ -541,164 +380,21 @@ def batch_from_table(table: pa.Table, vocab_size: int | None = None) -> RolloutB
     _plan(table.schema)
     for index, batch in enumerate(table.to_batches()):
         _validate(batch, index)
-    return _batch_from_valid(table, vocab_size)
+    return batch_from_valid(table, vocab_size)
 
 
-def _batch_from_valid(table: pa.Table, vocab_size: int | None) -> RolloutBatch:
-    """:func:`batch_from_table` of a table whose schema passed :func:`_plan` and whose every
-    batch passed :func:`_validate`."""
-    names = table.column_names
-    group_ids, group_index = _group_column(table)
-    rows = _Rows(group_ids, group_index)
-    rewards = _rewards(table, rows)
-
-    tokens = _list_column(table, "tokens", rows, integer=True)
-    if tokens is None:
-        row = 0
-        raise RequestError(
-            "invalid_type", "tokens must be a list of token ids", field="tokens", **rows.where(row)
-        )
-    offsets, token_values = tokens
-    lengths = np.diff(offsets)
-
-    def per_token(name: str, field: str) -> np.ndarray | None:
-        out = _list_column(table, name, rows, integer=False)
-        if out is None:
-            return None
-        their_offsets, values = out
-        mismatch = np.flatnonzero(np.diff(their_offsets) != lengths)
-        if mismatch.size:
-            row = int(mismatch[0])
-            raise RequestError(
-                "length_mismatch",
-                f"{field} has {int(their_offsets[row + 1] - their_offsets[row])} values for "
-                f"{int(lengths[row])} tokens",
-                field=field,
-                **rows.where(row),
-            )
-        return values
-
-    token_inputs = {name: per_token(name, name) for name in TOKEN_INPUTS if name in names}
-    teacher: dict[str, np.ndarray] = {}
-    for name in names:
-        if name.startswith(TEACHER_PREFIX):
-            condition = name[len(TEACHER_PREFIX) :]
-            values = per_token(name, f"teacher_logprobs.{condition}")
-            if values is not None:
-                teacher[condition] = values
-    return RolloutBatch.from_flat(
-        tokens=token_values,
-        offsets=offsets,
-        group_ids=group_ids,
-        group_index=group_index,
-        rewards=rewards,
-        teacher_logprobs=teacher,
-        vocab_size=vocab_size,
-        prompt_ids=_prompt_ids(table, group_ids, group_index),
-        **token_inputs,
-    )
-
-
-def _prompt_ids(table: pa.Table, group_ids: list[str], group_index: np.ndarray) -> list[str] | None:
-    """Per group, the key of its history from the optional ``prompt_key`` column (a null row
-    gives none; the rows of a group must agree); None without the column."""
-    if PROMPT_KEY_COLUMN not in table.column_names:
-        return None
-    column = _column(table, PROMPT_KEY_COLUMN)
-    if pa.types.is_null(column.type):
-        return None
-    # (lengths from the offsets, before any key becomes a Python string)
-    lengths = pc.utf8_length(column).to_numpy(zero_copy_only=False)
-    too_long = np.flatnonzero(np.nan_to_num(lengths.astype(np.float64)) > MAX_GROUP_ID_LENGTH)
-    if too_long.size:
-        row = int(too_long[0])
-        raise LimitExceeded(
-            f"prompt_key of row {row} has {int(lengths[row])} characters; the limit is "
-            f"{MAX_GROUP_ID_LENGTH}",
-            field=PROMPT_KEY_COLUMN,
-        )
-    try:
-        keys = group_prompt_keys(column.cast(pa.string()).to_pylist(), group_ids, group_index)
-    except AdvantageError as exc:
-        raise RequestError(
-            exc.code,
-            exc.message,
-            group_id=exc.group_id,
-            field=exc.field,
-            status=413 if exc.code == "limit_exceeded" else 422,
-        ) from exc
-    return prompt_ids(group_ids, keys)
-
-
-# ---- response -----------------------------------------------------------------------------------
-
-
-def _lists(offsets: pa.Array, values: np.ndarray) -> pa.Array:
-    return pa.ListArray.from_arrays(offsets, pa.array(values, type=pa.float32()))
-
-
-def encode_response(
-    req: ComputeRequest, result: AdvantageResult, summary: dict[str, Any]
-) -> pa.Buffer:
-    """The response as an Arrow IPC stream (one record batch)."""
-    batch = req.batch
-    offsets = pa.array(batch.offsets.cpu().numpy().astype(np.int32), type=pa.int32())
-    group_index = batch.group_index.cpu().numpy()
-    columns: dict[str, pa.Array] = {
-        "group_id": pa.array(batch.group_ids, type=pa.string()).take(pa.array(group_index)),
-        "rollout_index": pa.array(batch.rank_in_group.cpu().numpy().astype(np.int32)),
-        "advantages": _lists(offsets, result.advantages.cpu().numpy()),
-        "scalar": pa.array(result.scalars.cpu().numpy(), type=pa.float32()),
-    }
-    for name in req.returns:
-        if name != "scalar":
-            columns[name] = _lists(offsets, result.diagnostics[name].cpu().numpy())
-    meta = {
-        "request_id": req.request_id,
-        "namespace": req.namespace,
-        "estimator": req.estimator.to_dict(),
-        "summary": summary,
-    }
-    table = pa.table(columns).replace_schema_metadata({RESPONSE_METADATA: jsonio.dumps(meta)})
-    return write_stream(table)
-
-
-def write_stream(table: pa.Table) -> pa.Buffer:
-    """``table`` as an Arrow IPC stream."""
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    return sink.getvalue()
-
-
-# ---- client side (tests, benchmarks, embedding trainers) ---------------------------------------
-
-
-def request_table(batch: RolloutBatch, options: Mapping[str, Any] | None = None) -> pa.Table:
-    """A flat batch as a request table (the inverse of :func:`batch_from_table`), with
-    ``options`` (the JSON request without ``groups``) in the schema metadata."""
-    offsets = pa.array(batch.offsets.cpu().numpy().astype(np.int32), type=pa.int32())
-    group_index = batch.group_index.cpu().numpy()
-    columns: dict[str, pa.Array] = {
-        "group_id": pa.array(batch.group_ids, type=pa.string()).take(pa.array(group_index)),
-        "reward": pa.array(batch.rewards.cpu().numpy(), type=pa.float32()),
-        "tokens": pa.ListArray.from_arrays(
-            offsets, pa.array(batch.tokens.cpu().numpy().astype(np.int32), type=pa.int32())
-        ),
-    }
-    for name, values in batch.token_inputs().items():
-        columns[name] = _lists(offsets, values.cpu().numpy())
-    for name, values in batch.teacher_logprobs.items():
-        columns[TEACHER_PREFIX + name] = _lists(offsets, values.cpu().numpy())
-    table = pa.table(columns)
-    if options:
-        table = table.replace_schema_metadata({REQUEST_METADATA: jsonio.dumps(dict(options))})
-    return table
-
-
-def read_response(body: bytes | bytearray | memoryview) -> tuple[dict[str, Any], pa.Table]:
-    """(the ``advantage.response`` metadata object, the per-rollout table) of a response."""
-    with pa.ipc.open_stream(pa.py_buffer(body)) as reader:
-        table = reader.read_all()
-    meta = jsonio.loads((table.schema.metadata or {})[RESPONSE_METADATA])
-    return meta, table
+__all__ = [
+    "MAX_ARRAYS",
+    "MAX_METADATA_KEYS",
+    "MAX_SCHEMA_BYTES",
+    "RESPONSE_METADATA",
+    "ArrowLimits",
+    "batch_from_table",
+    "decode_request",
+    "encode_response",
+    "read_response",
+    "read_table",
+    "request_options",
+    "request_table",
+    "write_stream",
+]

@@ -1,8 +1,9 @@
-"""``StreamCompute``'s group assembly: rollouts arrive one by one, a group is computed as soon
-as its last rollout is in (one engine request, so its numbers are those of the group computed
-alone). Per stream it bounds the incomplete groups and the tokens they hold, and the responses
-outstanding (computing or not yet written): when that many are out it stops reading, so gRPC
-flow control holds the client back instead of the server buffering without end.
+"""``StreamCompute``'s flow: read the client's messages, decode each rollout, hand it to the
+stream's group assembly (:mod:`..serving.stream_groups`: a group is computed as soon as its last
+rollout is in, as one engine request), and queue each group's answer for the handler to write.
+Per stream it bounds the responses outstanding (computing or not yet written): when that many
+are out it stops reading, so gRPC flow control holds the client back instead of the server
+buffering without end.
 
 A stream outlives reloads of the tokens file: at each reload (and before each message read
 after one) it asks what its token allows now. Revoked, the stream ends UNAUTHENTICATED (a token
@@ -13,38 +14,35 @@ half-closed before the reload finishes what it was sent."""
 from __future__ import annotations
 
 import asyncio
-import collections
-import dataclasses
 import logging
-import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import numpy as np
-from advantage_client.flat import (
+from advantage_contract.flat import (
     MAX_CONDITION_NAME_LENGTH,
     MAX_GROUP_ID_LENGTH,
     MAX_TEACHER_CONDITIONS,
 )
-from advantage_client.grpc_gen import advantage_pb2 as pb
+from advantage_contract.grpc_gen import advantage_pb2 as pb
 
-from ..batch import TOKEN_INPUTS, RolloutBatch
+from ..batch import TOKEN_INPUTS
 from ..config import Settings
 from ..errors import LimitExceeded, RequestError
 from ..estimators import AdvantageResult
 from ..serving.auth import AuthError, Principal, unauthenticated
 from ..serving.engine import Engine
-from ..serving.tenancy import Refusal, Tenant
-from ..wire import jsonio
-from ..wire.request import (
-    ComputeRequest,
-    RequestOptions,
-    batch_from_groups,
-    parse_options,
+from ..serving.stream_groups import (
+    FailedGroup,
+    StreamGroup,
+    StreamGroups,
+    StreamLimits,
+    StreamRollout,
 )
+from ..serving.tenancy import Tenant
+from ..wire import jsonio
+from ..wire.request import ComputeRequest, RequestOptions, parse_options
 from .grpc_codec import (
     INTERNAL_MESSAGE,
     TRANSPORT,
@@ -58,37 +56,7 @@ from .grpc_codec import (
 
 log = logging.getLogger("advantage_service.grpc")
 
-# Stream limits when the settings do not carry them.
-DEFAULT_STREAM_MAX_PENDING_GROUPS = 4096
-
-# ---- stream assembly ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StreamLimits:
-    """Per-stream bounds: incomplete groups, the tokens they hold, and responses outstanding
-    (computing or not yet written) before the stream stops reading."""
-
-    max_pending_groups: int = DEFAULT_STREAM_MAX_PENDING_GROUPS
-    max_pending_tokens: int = 8_388_608
-    max_outstanding: int = 8
-    # Seconds a stream may send nothing before it is ended (ADV_STREAM_IDLE_TIMEOUT_SECONDS).
-    idle_timeout: float = 300.0
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> StreamLimits:
-        # ADV_STREAM_MAX_PENDING_GROUPS / _TOKENS when the settings define them; by default a
-        # stream holds at most as many tokens as one request may carry.
-        return cls(
-            max_pending_groups=int(
-                getattr(settings, "stream_max_pending_groups", DEFAULT_STREAM_MAX_PENDING_GROUPS)
-            ),
-            max_pending_tokens=int(
-                getattr(settings, "stream_max_pending_tokens", settings.max_request_tokens)
-            ),
-            max_outstanding=2 * settings.max_inflight,
-            idle_timeout=float(getattr(settings, "stream_idle_timeout_seconds", 300.0)),
-        )
+# ---- decoding a stream's messages ---------------------------------------------------------------
 
 
 class StreamIdle(Exception):
@@ -121,55 +89,6 @@ async def _idle_bounded(
         yield message
 
 
-@dataclass
-class _Rollout:
-    rollout_id: str
-    tokens: np.ndarray
-    reward: float
-    # The optional per-token inputs given (logprobs, entropy, ...: batch.TOKEN_INPUTS).
-    token_inputs: dict[str, np.ndarray]
-    teacher_logprobs: dict[str, np.ndarray]
-
-    @property
-    def nbytes(self) -> int:
-        """The bytes its arrays hold (counted in the replica's byte budget while pending)."""
-        arrays = (self.tokens, *self.token_inputs.values(), *self.teacher_logprobs.values())
-        return sum(int(a.nbytes) for a in arrays)
-
-
-@dataclass
-class _Group:
-    group_id: str
-    size: int
-    rollouts: list[_Rollout] = field(default_factory=list)
-    tokens: int = 0
-    nbytes: int = 0  # held in the replica's byte budget (Budget) while pending
-    completed_at: float = 0.0
-    # The key of the group's history (the first rollout's prompt_key; "" for none).
-    prompt_key: str = ""
-
-    @property
-    def rollout_ids(self) -> list[str]:
-        return [r.rollout_id for r in self.rollouts]
-
-    def batch(self, vocab_size: int | None) -> RolloutBatch:
-        """The group as a one-group flat batch, rollouts in arrival order (built as a JSON
-        request's groups are, so with the same checks and errors)."""
-        rollouts = [
-            {
-                "tokens": r.tokens,
-                "reward": r.reward,
-                **r.token_inputs,
-                "teacher_logprobs": r.teacher_logprobs,
-            }
-            for r in self.rollouts
-        ]
-        group: dict[str, Any] = {"id": self.group_id, "rollouts": rollouts}
-        if self.prompt_key:
-            group["prompt_key"] = self.prompt_key
-        return batch_from_groups([group], vocab_size)
-
-
 def check_names(rollout: pb.Rollout, rollout_index: int) -> None:
     """The rollout's id and teacher condition names: the lengths of the JSON contract, and at
     most MAX_TEACHER_CONDITIONS conditions (413, nothing echoed)."""
@@ -199,7 +118,9 @@ def check_names(rollout: pb.Rollout, rollout_index: int) -> None:
             )
 
 
-def decode_rollout(rollout: pb.Rollout, rollout_index: int, room: int | None = None) -> _Rollout:
+def decode_rollout(
+    rollout: pb.Rollout, rollout_index: int, room: int | None = None
+) -> StreamRollout:
     """A stream rollout's arrays, checked against its own token count; with ``room``, its
     tokens against what the stream may still hold, before the other arrays are read."""
     where: dict[str, Any] = {"group_id": rollout.group_id, "rollout_index": rollout_index}
@@ -228,7 +149,7 @@ def decode_rollout(rollout: pb.Rollout, rollout_index: int, room: int | None = N
             )
         return values
 
-    return _Rollout(
+    return StreamRollout(
         rollout_id=rollout.rollout_id,
         tokens=tokens,
         reward=rollout.reward,
@@ -244,8 +165,26 @@ def decode_rollout(rollout: pb.Rollout, rollout_index: int, room: int | None = N
     )
 
 
+class WireRollout:
+    """A stream message's rollout as the group assembly takes it (:class:`IncomingRollout`):
+    its header as sent, its names and arrays checked and decoded here."""
+
+    def __init__(self, message: pb.Rollout) -> None:
+        self.message = message
+        self.group_id: str = message.group_id
+        self.group_size: int = message.group_size
+        self.prompt_key: str = message.prompt_key
+        self.rollout_id: str = message.rollout_id
+
+    def check_names(self, rollout_index: int) -> None:
+        check_names(self.message, rollout_index)
+
+    def decode(self, rollout_index: int, room: int) -> StreamRollout:
+        return decode_rollout(self.message, rollout_index, room)
+
+
 def encode_group_result(
-    group: _Group, req: ComputeRequest, result: AdvantageResult, summary: dict[str, Any]
+    group: StreamGroup, req: ComputeRequest, result: AdvantageResult, summary: dict[str, Any]
 ) -> pb.StreamResponse:
     """A computed group: one RolloutResult per rollout, in arrival order."""
     offsets = req.batch.offsets.cpu().numpy()
@@ -291,8 +230,8 @@ class StreamEnd:
 
 
 class StreamSession:
-    """One StreamCompute call: reads rollouts, assembles groups, computes them on the engine,
-    queues the answers for the handler to write."""
+    """One StreamCompute call: reads rollouts, hands them to the stream's group assembly,
+    computes each complete group on the engine, queues the answers for the handler to write."""
 
     def __init__(
         self,
@@ -310,12 +249,8 @@ class StreamSession:
         self.engine = engine
         self.settings = settings
         self.limits = limits
-        self.metrics = engine.metrics
         self.template: RequestOptions | None = None
-        self.pending: dict[str, _Group] = {}
-        self.pending_tokens = 0
-        # Groups answered with an error -> rollouts of theirs still expected (dropped).
-        self.failed: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self.groups = StreamGroups(engine, limits, self.tenant, settings.max_group_size)
         self.out: asyncio.Queue[pb.StreamResponse | StreamEnd] = asyncio.Queue()
         self.outstanding = asyncio.Semaphore(self.limits.max_outstanding)
         self.tasks: set[asyncio.Task[None]] = set()
@@ -447,143 +382,19 @@ class StreamSession:
         return template
 
     async def _add(self, message: pb.Rollout) -> None:
-        gid = message.group_id
-        remaining = self.failed.get(gid)
-        if remaining is not None:
-            # The rest of a group already answered with an error: drop it quietly.
-            if remaining <= 1:
-                del self.failed[gid]
-            else:
-                self.failed[gid] = remaining - 1
-            return
-        group = self.pending.get(gid)
-        index = len(group.rollouts) if group is not None else 0
-        try:
-            group = self._open(message) if group is None else group
-            if message.group_size != group.size:
-                raise RequestError(
-                    "invalid_value",
-                    f"group_size is {message.group_size}, but earlier rollouts of the group "
-                    f"gave {group.size}",
-                    group_id=gid,
-                    rollout_index=index,
-                    field="group_size",
-                )
-            if message.prompt_key != group.prompt_key:
-                raise RequestError(
-                    "invalid_value",
-                    f"prompt_key is {message.prompt_key!r:.80}, but earlier rollouts of the group "
-                    f"gave {group.prompt_key!r:.80}; every rollout of a group must give the same",
-                    group_id=gid,
-                    rollout_index=index,
-                    field="prompt_key",
-                )
-            check_names(message, index)
-            if message.rollout_id and message.rollout_id in group.rollout_ids:
-                raise RequestError(
-                    "duplicate_rollout",
-                    f"rollout_id {message.rollout_id!r} appears twice in the group",
-                    group_id=gid,
-                    rollout_index=index,
-                    field="rollout_id",
-                )
-            room = self.limits.max_pending_tokens - self.pending_tokens
-            rollout = decode_rollout(message, index, room)
-            self._hold(group, rollout.nbytes)
-        except RequestError as exc:
-            await self._fail(gid, exc, message)
-            return
-        group.rollouts.append(rollout)
-        group.tokens += rollout.tokens.size
-        self.pending_tokens += rollout.tokens.size
-        if len(group.rollouts) == group.size:
-            self._close(group)
-            group.completed_at = time.perf_counter()
+        added = self.groups.add(WireRollout(message))
+        if isinstance(added, FailedGroup):
+            await self._fail(added)
+        elif added is not None:  # complete: computed once an answer may be outstanding
             await self.outstanding.acquire()
-            task = asyncio.create_task(self._compute(group))
+            task = asyncio.create_task(self._compute(added))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
 
-    def _open(self, message: pb.Rollout) -> _Group:
-        """A new pending group for the message's group id: its first rollout checks the id,
-        the size and the limit (the rollout's other names are checked for every rollout)."""
-        gid = message.group_id
-        if not gid:  # (as JSON and unary requests: every transport refuses an empty group id)
-            raise RequestError(
-                "invalid_value", "group_id must be a non-empty string", field="group_id"
-            )
-        if len(gid) > MAX_GROUP_ID_LENGTH:  # (not echoed, not held: too long to be an id)
-            raise LimitExceeded(
-                f"group_id has {len(gid)} characters; the limit is {MAX_GROUP_ID_LENGTH}",
-                field="group_id",
-            )
-        size = message.group_size
-        if size < 1:
-            raise RequestError(
-                "invalid_value",
-                "group_size must be at least 1",
-                group_id=gid,
-                rollout_index=0,
-                field="group_size",
-            )
-        if size > self.settings.max_group_size:
-            raise LimitExceeded(
-                f"group {gid!r} has {size} rollouts; the limit is "
-                f"{self.settings.max_group_size} (ADV_MAX_GROUP_SIZE)",
-                group_id=gid,
-                field="group_size",
-            )
-        if len(self.pending) >= self.limits.max_pending_groups:
-            raise LimitExceeded(
-                f"the stream has {len(self.pending)} incomplete groups; the limit is "
-                f"{self.limits.max_pending_groups} (ADV_STREAM_MAX_PENDING_GROUPS): finish "
-                "groups before starting more",
-                group_id=gid,
-                rollout_index=0,
-                field="group_id",
-            )
-        group = _Group(gid, size, prompt_key=message.prompt_key)
-        self.pending[gid] = group
-        self.metrics.stream_pending_groups.inc()
-        return group
-
-    def _hold(self, group: _Group, nbytes: int) -> None:
-        """Hold a rollout's ``nbytes`` in the replica's byte budget, the tenant's share of it
-        (the same budget as request bodies: what every stream may hold is bounded with them);
-        :class:`Overloaded` (the group's error) when there is no room."""
-        try:
-            self.engine.budget.take(self.tenant, "bytes", nbytes)
-        except Refusal as refusal:
-            raise self.engine.scheduler.overloaded(str(refusal)) from None
-        group.nbytes += nbytes
-
-    def _close(self, group: _Group) -> None:
-        """Take a group out of the pending state (complete or failed), giving back its bytes
-        (a complete group's request takes them again, admitted as any request)."""
-        if self.pending.pop(group.group_id, None) is not None:
-            self.pending_tokens -= group.tokens
-            self.metrics.stream_pending_groups.dec()
-            self.engine.budget.give(self.tenant, "bytes", group.nbytes)
-
-    async def _fail(self, gid: str, exc: RequestError, message: pb.Rollout) -> None:
-        """Answer the group with ``exc``, drop what it holds, and drop its later rollouts. An
-        id over its length limit is neither echoed nor remembered (its later rollouts are
-        answered each with the same error)."""
-        group = self.pending.get(gid)
-        rollout_id = message.rollout_id if len(message.rollout_id) <= MAX_GROUP_ID_LENGTH else ""
-        ids = [*(group.rollout_ids if group is not None else []), rollout_id]
-        received = len(ids)
-        expected = group.size if group is not None else message.group_size
-        if group is not None:
-            self._close(group)
-        if len(gid) > MAX_GROUP_ID_LENGTH:
-            gid = ""
-        if gid and expected > received:
-            self.failed[gid] = expected - received
-            while len(self.failed) > self.limits.max_pending_groups:
-                self.failed.popitem(last=False)
-        self._reject(exc)
-        await self._answer(group_error(gid, exc, ids))
+    async def _fail(self, failed: FailedGroup) -> None:
+        """Count and answer a group that failed before it reached the engine."""
+        self._reject(failed.error)
+        await self._answer(group_error(failed.group_id, failed.error, failed.rollout_ids))
 
     def _reject(self, exc: RequestError) -> None:
         """Count a group answered with an error before it reached the engine."""
@@ -602,36 +413,21 @@ class StreamSession:
         if self.tasks:
             await asyncio.gather(*self.tasks)
         why = "the stream closed" if error is None else "the stream went idle"
-        for group in list(self.pending.values()):
-            self._close(group)
-            exc = RequestError(
-                "incomplete_group",
-                f"group {group.group_id!r} has {len(group.rollouts)} of its {group.size} "
-                f"rollouts; {why} before the rest arrived",
-                group_id=group.group_id,
-                field="group_size",
-            )
-            self._reject(exc)
-            await self._answer(group_error(group.group_id, exc, group.rollout_ids))
+        for failed in self.groups.incomplete(why):
+            await self._fail(failed)
         if error is not None:
             self._reject(error)
         self.out.put_nowait(StreamEnd(error))
 
     # ---- computing --------------------------------------------------------------------------
 
-    async def _compute(self, group: _Group) -> None:
+    async def _compute(self, group: StreamGroup) -> None:
         assert self.template is not None
-        template = self.template
-
-        def decode() -> ComputeRequest:
-            options = dataclasses.replace(template, request_id=uuid.uuid4().hex)
-            return options.with_batch(group.batch(template.vocab_size))
-
         try:
             # Queued like any request (and merged with whatever else waits); a group refused as
             # overloaded, or that waited past the queue timeout, is its own error on the stream.
             computed = await self.engine.compute(
-                decode,
+                partial(group.request, self.template),
                 TRANSPORT,
                 encode=partial(encode_group_result, group),
                 started=group.completed_at,
@@ -661,6 +457,4 @@ class StreamSession:
                 helper.cancel()
         for task in list(self.tasks):
             task.cancel()
-        for group in list(self.pending.values()):
-            self._close(group)
-        self.failed.clear()
+        self.groups.release()

@@ -28,6 +28,7 @@ viewer's route answers.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import threading
 import time
@@ -39,14 +40,12 @@ from urllib.parse import quote
 
 import numpy as np
 import orjson
-import redis.asyncio as redis
-from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.crc import key_slot
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from ..serving.engine import Computed
+from ..stats.redis_common import Backoff, Commands, command
+from ..stats.redis_nodes import ClusterNodes, Nodes, OneNode, Part, replies_of, run_scripts
 from ..wire import jsonio
 
 log = logging.getLogger("advantage_service.viewer")
@@ -280,6 +279,7 @@ for k = 1, 3 do redis.call('EXPIRE', KEYS[k], ARGV[8]) end
 if redis.call('ZSCORE', KEYS[1], ARGV[1]) == false then return 0 end
 return redis.call('ZCARD', KEYS[1])
 """
+KEEP_SHA = hashlib.sha1(KEEP_SCRIPT).hexdigest().encode()
 
 
 class RedisKeep:
@@ -308,33 +308,32 @@ class RedisKeep:
         self.max_bytes = max_bytes
         self.ttl_seconds = int(ttl_seconds)
         self.prefix = prefix
-        options: dict[str, Any] = {
-            "socket_connect_timeout": connect_timeout,
-            "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-            "decode_responses": False,
-        }
-        self._reader: Any = redis.Redis.from_url(url, socket_timeout=socket_timeout, **options)
-        self._writer: Any = redis.Redis.from_url(url, socket_timeout=write_timeout, **options)
+        self._backoff = Backoff(backoff_initial, backoff_max)
+        self._one = OneNode(
+            url,
+            socket_timeout=socket_timeout,
+            write_timeout=write_timeout,
+            connect_timeout=connect_timeout,
+        )
+        self._nodes: Nodes = self._one
 
-        def cluster_clients() -> None:
-            # A namespace's three keys share a hash slot: the script and the read pipelines
-            # go to that slot's master (redis-py's cluster client routes them).
-            del options["retry"]
-            self._reader = RedisCluster.from_url(url, socket_timeout=socket_timeout, **options)
-            self._writer = RedisCluster.from_url(url, socket_timeout=write_timeout, **options)
-            self._script = self._writer.register_script(KEEP_SCRIPT)
+        def cluster_nodes() -> None:
+            # A namespace's three keys share a hash slot: the script and the read pipelines go
+            # to that slot's master.
+            self._nodes = ClusterNodes(
+                url,
+                socket_timeout=socket_timeout,
+                write_timeout=write_timeout,
+                connect_timeout=connect_timeout,
+                backoff=Backoff(backoff_initial, backoff_max),
+            )
 
-        self._cluster_clients = cluster_clients
+        self._cluster_nodes = cluster_nodes
         # (unset: asked of the node, as the stats store does, at the first call that reaches it)
         self._mode_known = cluster is not None
         if cluster:
-            cluster_clients()
-        self._script = self._writer.register_script(KEEP_SCRIPT)
+            cluster_nodes()
         self._on_error = on_error
-        self._backoff_initial = backoff_initial
-        self._backoff_max = backoff_max
-        self._backoff = backoff_initial
-        self._retry_at = 0.0
 
     @property
     def enabled(self) -> bool:
@@ -356,16 +355,15 @@ class RedisKeep:
             self._on_error(op)
         if exc is None or isinstance(exc, ResponseError):
             return
-        if self._retry_at == 0.0:
+        if not self._backoff.failing:
             log.warning("viewer: Redis unreachable (%s: %s)", op, exc)
-        self._retry_at = time.monotonic() + self._backoff
-        self._backoff = min(self._backoff * 2, self._backoff_max)
+        self._backoff.failed()
 
     def _ok(self) -> None:
-        self._backoff, self._retry_at = self._backoff_initial, 0.0
+        self._backoff.answered()
 
     def _skipping(self) -> bool:
-        return self._retry_at > 0.0 and time.monotonic() < self._retry_at
+        return self._backoff.waiting
 
     async def add(self, kept: KeptRequest) -> bool:
         """Keep ``kept``; False when it was not (too large, Redis unreachable: counted)."""
@@ -388,9 +386,14 @@ class RedisKeep:
             b"%d" % self._cutoff_us(),
             b"%d" % self.ttl_seconds,
         ]
+        keys = [k.encode() for k in self.keys(kept.namespace)]
+        tail = [b"3", *keys, *args]
+        part = Part(key_slot(keys[0]), [command(b"EVALSHA", KEEP_SHA, *tail)])
+        part.fallback = command(b"EVAL", KEEP_SCRIPT, *tail)
         try:
             await self._mode()
-            kept_now = await self._script(keys=self.keys(kept.namespace), args=args)
+            await run_scripts(self._nodes, [part])
+            (kept_now,) = replies_of(part)
         except (RedisError, RedisClusterException, OSError, TimeoutError) as exc:
             self._failed(KEEP_OP, exc)
             return False
@@ -398,13 +401,17 @@ class RedisKeep:
         return bool(kept_now)
 
     async def recent(self, namespace: str) -> list[dict[str, Any]]:
-        index, _, summaries = self.keys(namespace)
-
-        async def run(pipe: Any) -> None:
-            pipe.zrevrangebyscore(index, "+inf", self._cutoff_us(), 0, self.per_namespace)
-            pipe.hgetall(summaries)
-
-        ids, entries = await self._read(run)
+        index, _, summaries = (k.encode() for k in self.keys(namespace))
+        cutoff, count = b"%d" % self._cutoff_us(), b"%d" % self.per_namespace
+        ids, flat = await self._read(
+            index,
+            [
+                command(b"ZREVRANGEBYSCORE", index, b"+inf", cutoff, b"LIMIT", b"0", count),
+                command(b"HGETALL", summaries),
+            ],
+        )
+        # (a map as RESP3 and some parsers give it, else a flat list of field, value)
+        entries = flat if isinstance(flat, dict) else dict(zip(flat[::2], flat[1::2], strict=True))
         out = []
         for rid in ids:
             entry = entries.get(rid)
@@ -413,27 +420,25 @@ class RedisKeep:
         return out
 
     async def get(self, namespace: str, request_id: str) -> bytes | None:
-        index, blobs, _ = self.keys(namespace)
-
-        async def run(pipe: Any) -> None:
-            pipe.zscore(index, request_id)
-            pipe.hget(blobs, request_id)
-
-        score, blob = await self._read(run)
-        if score is None or blob is None or score < self._cutoff_us():
+        index, blobs, _ = (k.encode() for k in self.keys(namespace))
+        rid = request_id.encode()
+        score, blob = await self._read(
+            index, [command(b"ZSCORE", index, rid), command(b"HGET", blobs, rid)]
+        )
+        if score is None or blob is None or float(score) < self._cutoff_us():
             return None
         return bytes(blob)
 
-    async def _read(self, queue: Callable[[Any], Any]) -> list[Any]:
+    async def _read(self, index: bytes, commands: Commands) -> list[Any]:
         """One pipeline of reads, or :class:`KeepUnavailable` (counted)."""
         if self._skipping():
             self._failed(READ_OP, None)
             raise KeepUnavailable("in backoff after a failure")
         try:
             await self._mode()
-            async with self._reader.pipeline(transaction=False) as pipe:
-                await queue(pipe)
-                replies: list[Any] = await pipe.execute()
+            part = Part(key_slot(index), commands)
+            await self._nodes.run([part], read=True)
+            replies = replies_of(part)
         except (RedisError, RedisClusterException, OSError, TimeoutError) as exc:
             self._failed(READ_OP, exc)
             raise KeepUnavailable(str(exc)) from exc
@@ -444,18 +449,13 @@ class RedisKeep:
         """Ask the node once whether it runs in cluster mode (raises when it does not answer)."""
         if self._mode_known:
             return
-        try:
-            info = await self._reader.info("cluster")
-        except ResponseError:  # (INFO not allowed, as on some managed Redis: one Redis)
-            info = {}
-        if str(info.get("cluster_enabled", 0)) == "1":
+        if await self._one.runs_cluster():
             await self.close()
-            self._cluster_clients()
+            self._cluster_nodes()
         self._mode_known = True
 
     async def close(self) -> None:
-        await self._reader.aclose()
-        await self._writer.aclose()
+        await self._nodes.close()
 
 
 def make_keep_store(

@@ -9,9 +9,9 @@ token; the routes here add what the API does not have:
 - ``POST /viewer/api/diagnostics``: the diagnostics an estimator produces (so that the page asks
   for all of them).
 - ``GET /viewer/api/recent`` and ``GET /viewer/api/requests/{id}``: the requests kept by
-  ``ADV_VIEWER_KEEP`` (:mod:`.viewer_keep`: in memory, or in Redis with ``ADV_REDIS_URL``),
-  per namespace, with the namespace authorised as for the API (401, 403; 503 while Redis is
-  unreachable).
+  ``ADV_VIEWER_KEEP`` (:mod:`.keep`: in memory, or in Redis with ``ADV_REDIS_URL``), whichever
+  transport computed them (the engine hands each to :meth:`Viewer.keep`), per namespace, with
+  the namespace authorised as for the API (401, 403; 503 while Redis is unreachable).
 - ``POST /viewer/api/token-text``: token ids as text through ``ADV_TOKENIZER``.
 
 Every route answers at once: the page holds no connection open after it has loaded. Every
@@ -102,27 +102,31 @@ class Viewer:
         )
         self.token_text: TokenText | None = engine.token_text
         self._pending: set[asyncio.Task[None]] = set()
+        # Every transport's computed requests come through the engine: one hook keeps them all.
+        engine.add_computed_hook(self.keep)
 
-    async def keep(self, computed: Computed[Any], json_response: bool) -> None:
-        """Keep a request computed over HTTP (when ``ADV_VIEWER_KEEP`` asks for it). An Arrow
-        answer is written as JSON for the page, off the event loop. In memory before the
-        answer; to Redis after it (a task of its own: the answer never waits for Redis, and an
-        outage never fails it)."""
+    async def keep(self, computed: Computed[Any]) -> None:
+        """Keep a computed request, whatever its transport (the engine's hook: HTTP JSON or
+        Arrow, gRPC unary, each group of a gRPC stream), when ``ADV_VIEWER_KEEP`` asks for it.
+        A JSON answer is kept as sent; any other (Arrow, protobuf) is written as the JSON that
+        HTTP would have sent, off the event loop. In memory before the answer; to Redis after
+        it (a task of its own: the answer never waits for Redis, and an outage never fails
+        it)."""
         if not self.store.enabled:
             return
         if not self.store.background:
-            await self._keep(computed, json_response)
+            await self._keep(computed)
             return
         if len(self._pending) >= MAX_PENDING_KEEPS:
             self.engine.metrics.stats_store_errors_total.labels("viewer_keep").inc()
             return
-        task = asyncio.create_task(self._keep(computed, json_response))
+        task = asyncio.create_task(self._keep(computed))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def _keep(self, computed: Computed[Any], json_response: bool) -> None:
+    async def _keep(self, computed: Computed[Any]) -> None:
         try:
-            if json_response and isinstance(computed.encoded, bytes):
+            if computed.encoded_json and isinstance(computed.encoded, bytes):
                 response = computed.encoded
             else:
                 req, result, summary = computed.request, computed.result, computed.summary
@@ -139,6 +143,9 @@ class Viewer:
             await asyncio.gather(*list(self._pending), return_exceptions=True)
 
     async def close(self) -> None:
+        """Keep no more requests (those still computing, a gRPC stream's groups among them, are
+        not kept), wait for the writes scheduled, close the store."""
+        self.engine.remove_computed_hook(self.keep)
         await self.settle()
         await self.store.close()
 

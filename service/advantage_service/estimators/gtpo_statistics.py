@@ -1,0 +1,198 @@
+"""GTPO's class statistics (:mod:`.gtpo`, Eq. 6): each class's mean and sample standard deviation
+of its shaped rewards over its own tokens in the group, from per-key and per-rollout sums (no
+pass over the tokens), as the scale and shift that turn a token's entropy share into its
+advantage, and the classes a float32 pass leaves to a float64 one. The same float64 arithmetic
+runs on numpy arrays on the CPU and on torch tensors elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from ..batch import RolloutBatch
+from .gtpo_shaping import Classes
+
+
+class Normalisation(NamedTuple):
+    """A_it = F[key_it] ``scale``_c v_it + ``shift``_i: ``scale`` 1 / (std + eps) of each class
+    group, float64 (2G,) (0 for a class without contrast or of one rollout); ``shift`` (b_i -
+    mean) / (std + eps), float64 (B,); ``wide``, bool (2G,): the classes whose answer a float32
+    pass leaves to a float64 one."""
+
+    scale: torch.Tensor
+    shift: torch.Tensor
+    wide: torch.Tensor
+
+
+def normalise(
+    batch: RolloutBatch,
+    classes: Classes,
+    y2: torch.Tensor,
+    b: torch.Tensor,
+    alpha2: float,
+    epsilon: float,
+    rollout_y: torch.Tensor | None = None,
+) -> Normalisation:
+    """Each class's mean and sample std of r~_it = b_i + y_it over its own tokens in the group
+    (Eq. 6), from per-key sums: y sums to +-alpha2 d_t at each key (the shares sum to 1), so a
+    class's sum of y is +-alpha2 n_c (n_c its tokens); its sum of y^2 is ``y2`` = sum_k F_k^2
+    Q_k, with Q_k the sum of v^2 at key k (:meth:`.gtpo_shaping.KeyLayout.square_sums`). Where
+    the b_i of a class differ (rewards other than 0/1), the cross terms need each rollout's sum
+    of y (``rollout_y``, float64 (B,)); without it those classes are ``wide``.
+
+    A class of one rollout has r~ = b + alpha2 on every token (its share is 1 at each position):
+    its std is 0 and so is its advantage, set here exactly (float32 rounding of y would
+    otherwise be divided by eps). A class whose std is under 1e-3 of its entropy part's root
+    mean square in a float32 pass (shares all alike but for rounding, which the division by
+    std + eps would amplify) is ``wide``, as are classes whose Q overflowed float32.
+
+    Every array here has a value per rollout or per class group: on the CPU numpy's (a call
+    costs a microsecond; torch's several), elsewhere torch's."""
+    if b.device.type == "cpu":
+        scale, shift, wide = class_statistics_numpy(
+            batch.lengths.numpy(),
+            classes.class_group.numpy(),
+            classes.contrast.numpy(),
+            y2.numpy(),
+            b.numpy(),
+            alpha2,
+            epsilon,
+            None if rollout_y is None else rollout_y.numpy(),
+        )
+        return Normalisation(
+            torch.from_numpy(scale), torch.from_numpy(shift), torch.from_numpy(wide)
+        )
+    return Normalisation(
+        *_class_statistics(
+            _TorchOps(b.device),
+            batch.lengths.double(),
+            (batch.lengths > 0).double(),
+            classes.class_group,
+            classes.contrast,
+            y2,
+            b,
+            alpha2,
+            epsilon,
+            rollout_y,
+        )
+    )
+
+
+def class_statistics_numpy(
+    lengths: np.ndarray,
+    cg: np.ndarray,
+    group_contrast: np.ndarray,
+    y2: np.ndarray,
+    b: np.ndarray,
+    alpha2: float,
+    epsilon: float,
+    rollout_y: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_class_statistics` in numpy from the rollouts' lengths (T_i, int (B,))."""
+    with np.errstate(all="ignore"):  # (classes left out may hold inf or nan: unused)
+        return _class_statistics(
+            np,
+            lengths.astype(np.float64),
+            (lengths > 0).astype(np.float64),
+            cg,
+            group_contrast,
+            y2,
+            b,
+            alpha2,
+            epsilon,
+            rollout_y,
+        )
+
+
+class _TorchOps:
+    """The few numpy functions :func:`_class_statistics` calls, on torch tensors of a device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.sqrt = torch.sqrt
+        self.isfinite = torch.isfinite
+        self.where = torch.where
+        self.concatenate = torch.cat
+        self.float64 = torch.float64
+
+    def zeros(self, n: int, dtype: Any) -> torch.Tensor:
+        return torch.zeros(n, dtype=dtype, device=self.device)
+
+    def full(self, n: int, value: float, dtype: Any) -> torch.Tensor:
+        return torch.full((n,), value, dtype=dtype, device=self.device)
+
+    @staticmethod
+    def add_at(out: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+        out.index_add_(0, index, values)
+
+    @staticmethod
+    def max_at(out: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+        out.scatter_reduce_(0, index, values, "amax")
+
+    @staticmethod
+    def maximum(x: torch.Tensor, floor: float) -> torch.Tensor:
+        return x.clamp(min=floor)
+
+
+class _NumpyOps:
+    """numpy's, with the two scatters named as :class:`_TorchOps` names them."""
+
+    add_at = staticmethod(np.add.at)
+    max_at = staticmethod(np.maximum.at)
+    maximum = staticmethod(np.maximum)
+
+
+def _class_statistics(
+    xp: Any,
+    tokens: Any,
+    has_tokens: Any,
+    cg: Any,
+    group_contrast: Any,
+    y2: Any,
+    b: Any,
+    alpha2: float,
+    epsilon: float,
+    rollout_y: Any,
+) -> tuple[Any, Any, Any]:
+    """:func:`normalise`'s arithmetic on per-rollout and per-class-group arrays of ``xp``
+    (numpy, or :class:`_TorchOps`): (scale, shift, wide). The same float64 operations in the
+    same order either way (sums over a class's rollouts in batch order)."""
+    ops = _NumpyOps if xp is np else xp
+    num_cg = y2.shape[0]
+    g = num_cg // 2
+
+    def per_class(values: Any) -> Any:
+        out = xp.zeros(num_cg, xp.float64)
+        ops.add_at(out, cg, values)
+        return out
+
+    n = per_class(tokens)
+    members = per_class(has_tokens)
+    sign = xp.full(num_cg, 1.0, xp.float64)
+    sign[g:] = -1.0
+    sum_y = sign * alpha2 * n
+    # Centred on b_ref, one b_i of the class: with 0/1 rewards every b_i - b_ref is 0 exactly,
+    # and so is the mean's outcome part (a mean of equal values in floating point may not be).
+    b_ref = xp.full(num_cg, -np.inf, xp.float64)
+    ops.max_at(b_ref, cg, b)
+    rel = b - b_ref[cg]
+    varying = per_class(abs(rel)) > 0
+    n1 = ops.maximum(n, 1.0)
+    mean = (per_class(rel * tokens) + sum_y) / n1
+    d = rel - mean[cg]
+    # sum_i d_i sum_t y_it: with one b per class, d_i = -mean for all its rollouts.
+    cross = -mean * sum_y if rollout_y is None else per_class(d * rollout_y)
+    centred = ops.maximum(per_class(tokens * d * d) + 2.0 * cross + y2, 0.0)
+    std = xp.sqrt(centred / ops.maximum(n - 1.0, 1.0))
+    denominator = std + epsilon
+    contrast = xp.concatenate([group_contrast, group_contrast])
+    usable = contrast & (members > 1) & (denominator > 0)
+    scale = xp.where(usable, 1.0 / xp.where(usable, denominator, 1.0), 0.0)
+    rms = xp.sqrt(y2 / n1)
+    wide = usable & (
+        ((std <= 1e-3 * rms) & (rms > 0)) | ~xp.isfinite(y2) | (varying & (rollout_y is None))
+    )
+    return scale, d * scale[cg], wide
