@@ -7,7 +7,7 @@ SERVE_STAMP := $(VENV)/.serve-installed
 PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints-dev.txt
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-deps bench demo lint format clean
+.PHONY: install serve test test-unit test-deps bench demo lint format clean
 
 install: $(STAMP)
 
@@ -55,6 +55,11 @@ test-deps:
 
 test: install test-deps
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The quick loop: the tests that start no process (no service, Redis, browser or trainer run;
+# those are marked `integration`). A test that starts one without the marker fails here.
+test-unit: install
+	ADV_UNIT_ONLY=1 $(BIN)/python -m pytest -q -m "not integration" $(PYTEST_ARGS)
 
 bench: install
 	$(BIN)/python bench/bench_estimators.py

@@ -3,7 +3,7 @@
     python proto/generate.py           # rewrite the committed copy
     python proto/generate.py --check   # exit 1 when the committed copy differs from the .proto
 
-The generated modules are committed once, in the client package (``advantage_client.grpc_gen``,
+The generated modules are committed once, in the client package (``advantage_contract.grpc_gen``,
 which the service imports too: the client installs without the server, the server depends on
 the client), and ``tests/grpc/test_codegen.py`` fails when they drift from the .proto. protoc
 writes ``from advantage.v1 import advantage_pb2``; the modules live in a flat package of their
@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "proto"
 PROTO = Path("advantage/v1/advantage.proto")
-TARGET = ROOT / "clients/python/advantage_client/grpc_gen"
+TARGET = ROOT / "clients/python/advantage_contract/grpc_gen"
 MODULES = ("advantage_pb2.py", "advantage_pb2.pyi", "advantage_pb2_grpc.py")
 ABSOLUTE_IMPORT = "from advantage.v1 import advantage_pb2 as"
 RELATIVE_IMPORT = "from . import advantage_pb2 as"

@@ -4,9 +4,11 @@ real redis-server for any test that asks for one."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,6 +26,29 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(autouse=True)
+def unit_tests_start_no_process(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Under ``make test-unit`` (``ADV_UNIT_ONLY=1``, tests not marked ``integration``): a test
+    that starts a process (a service, redis-server, a trainer) fails, naming the marker it
+    lacks, so the quick loop never depends on a real component by accident."""
+    if os.environ.get("ADV_UNIT_ONLY") != "1" or "integration" in request.keywords:
+        yield
+        return
+    real = subprocess.Popen.__init__
+
+    def refuse(self: Any, args: Any, *rest: Any, **kwargs: Any) -> None:
+        raise AssertionError(
+            f"{request.node.nodeid} starts a process ({str(args)[:80]}): mark it "
+            "@pytest.mark.integration (make test-unit runs the tests that need none)"
+        )
+
+    subprocess.Popen.__init__ = refuse  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        subprocess.Popen.__init__ = real  # type: ignore[method-assign]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -26,6 +26,7 @@ def run_cli(args: list[str], stdin: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.integration
 def test_cli_and_python_api_give_identical_numbers_for_every_preset(tmp_path):
     rng = np.random.default_rng(7)
     requests = [random_request(rng, estimator=p, n_groups=(2, 3)) for p in PRESETS]
@@ -56,6 +57,7 @@ def test_cli_and_python_api_give_identical_numbers_for_every_preset(tmp_path):
                     )
 
 
+@pytest.mark.integration
 def test_cli_writes_the_json_the_http_service_answers_byte_for_byte():
     """One float formatting for the JSON contract: the CLI's output is the HTTP answer's text
     (float32 values in their shortest float32 repr, 1e-6 not 1e-06), compute times aside."""
@@ -96,6 +98,7 @@ def test_cli_writes_the_json_the_http_service_answers_byte_for_byte():
     assert numbers and all(len(n.lstrip("-").replace(".", "").split("e")[0]) <= 10 for n in numbers)
 
 
+@pytest.mark.integration
 def test_cli_reads_stdin_and_writes_stdout():
     req = random_request(np.random.default_rng(1), estimator="ktae")
     proc = run_cli(["compute", "--device", "cpu"], json.dumps(req))
@@ -104,6 +107,7 @@ def test_cli_reads_stdin_and_writes_stdout():
     assert out["summary"]["rollouts"] == sum(len(g["rollouts"]) for g in req["groups"])
 
 
+@pytest.mark.integration
 def test_cli_bad_request_prints_the_error_and_exits_non_zero():
     req = {
         "groups": [
@@ -123,6 +127,7 @@ def test_cli_bad_request_prints_the_error_and_exits_non_zero():
     assert proc.stdout == ""
 
 
+@pytest.mark.integration
 def test_cli_malformed_json_is_a_request_error():
     proc = run_cli(["compute"], "{not json")
     assert proc.returncode != 0
@@ -271,6 +276,7 @@ def test_repeat_runs_equals_repeat_interleave_for_every_bit_pattern(dtype, way):
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))  # bit for bit (-0.0 too)
 
 
+@pytest.mark.integration
 def test_a_bad_setting_is_one_line_and_exit_2_without_a_traceback():
     for args, env, name in (
         (["--redis-url", "foo://bar"], {}, "ADV_REDIS_URL"),

@@ -190,3 +190,52 @@ def test_the_walker_finds_every_kind_of_import(tmp_path: Path) -> None:
     (pkg / "newfolder" / "x.py").write_text("")
     with pytest.raises(KeyError, match="newfolder"):
         layer_of(f"{ROOT}.newfolder.x")
+
+
+# ---- the three packages -------------------------------------------------------------------------
+
+SOURCES = PACKAGE.parent.parent  # the repository
+PACKAGES = {
+    "advantage_contract": SOURCES / "clients" / "python" / "advantage_contract",
+    "advantage_client": SOURCES / "clients" / "python" / "advantage_client",
+    "advantage_service": PACKAGE,
+}
+# Package -> the others it may import. The contract is read by both sides and imports neither;
+# the client never imports the service (its in-process transport is an entry point).
+MAY_IMPORT = {
+    "advantage_contract": set(),
+    "advantage_client": {"advantage_contract"},
+    "advantage_service": {"advantage_contract"},
+}
+
+
+def packages_imported(folder: Path) -> dict[str, set[str]]:
+    """Module path -> the project's packages it imports, wherever the import stands."""
+    out: dict[str, set[str]] = {}
+    for path in sorted(folder.rglob("*.py")):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                found.add(node.module.split(".")[0])
+        out[str(path.relative_to(folder.parent))] = found & set(PACKAGES)
+    return out
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_each_package_imports_only_the_packages_it_may(package: str) -> None:
+    allowed = MAY_IMPORT[package] | {package}
+    wrong = {
+        module: sorted(imported - allowed)
+        for module, imported in packages_imported(PACKAGES[package]).items()
+        if imported - allowed
+    }
+    assert wrong == {}
+
+
+def test_the_package_walker_sees_an_import_inside_a_function(tmp_path: Path) -> None:
+    folder = tmp_path / "advantage_client"
+    folder.mkdir()
+    (folder / "lazy.py").write_text("def f():\n    import advantage_service.api\n")
+    assert packages_imported(folder) == {"advantage_client/lazy.py": {"advantage_service"}}

@@ -16,10 +16,11 @@ import oracle
 import pytest
 
 try:
-    from advantage_service import compute
+    from advantage_service import compute, presets
 except ImportError as exc:  # the fast path is missing: fail collection loudly, never skip
     raise ImportError(
-        "tests/test_parity.py needs `from advantage_service import compute` (the fast path); "
+        "tests/test_parity.py needs `from advantage_service import compute, presets` (the fast "
+        "path and the registry); "
         f"it does not import: {exc}"
     ) from exc
 
@@ -39,9 +40,11 @@ PER_TOKEN_FIELDS = (
     "hicra_bonus",
 )
 
-# name -> (estimator spec, extra knobs for oracle.random_request)
+# name -> (estimator spec, extra knobs for oracle.random_request). Every preset of the registry,
+# not of the oracle: a method registered without an oracle then fails here instead of shipping
+# untested (and test_every_preset_has_an_oracle says which).
 CONFIGS: dict[str, tuple[str | dict[str, Any], dict[str, Any]]] = {
-    **{preset: (preset, {}) for preset in oracle.ALL_PRESETS},
+    **{preset: (preset, {}) for preset in presets()},
     "rloo+cscr+ktae": ({"outcome": {"name": "rloo"}, "cscr": {}, "ktae": {}}, {}),
     "dr_grpo+opsd+whiten+clip": (
         {
@@ -161,6 +164,14 @@ CONFIGS: dict[str, tuple[str | dict[str, Any], dict[str, Any]]] = {
     "otb+hicra(alpha=1)": ({"outcome": "otb", "hicra": {"alpha": 1.0}}, {}),
     "rloo+ktae+hicra(alpha=0)": ({"outcome": "rloo", "ktae": {}, "hicra": {"alpha": 0}}, {}),
 }
+
+
+def test_every_preset_has_an_oracle() -> None:
+    registry, oracles = set(presets()), set(oracle.ALL_PRESETS)
+    assert registry == oracles, (
+        f"presets without an oracle in tests/oracle.py: {sorted(registry - oracles)}; "
+        f"oracle presets the registry no longer has: {sorted(oracles - registry)}"
+    )
 
 
 def _seed(name: str, seed: int) -> list[int]:

@@ -271,6 +271,7 @@ def test_cli_compute_prints_each_error_and_exits_1(
     assert not (tmp_path / "out.json").exists()
 
 
+@pytest.mark.integration
 def test_cli_process_computes_otb_and_forking_and_refuses_a_missing_input(tmp_path: Any) -> None:
     estimator = {"outcome": "otb", "ktae": {}, "forking": {}}
     request = token_request(estimator, ["scalar", "forking_mask", "otb_baseline"])

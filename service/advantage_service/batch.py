@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from advantage_contract.fields import TOKEN_FIELDS
 
 from .errors import RequestError
 
@@ -23,8 +24,8 @@ LOGPROB_TOLERANCE = 1e-4
 # Token ids travel as int32 (as tokenizers and varlen kernels store them).
 INT32_LIMIT = 2**31
 # The optional per-token inputs beside the teachers' log-probabilities, each float32 (N,) or
-# None (ESTIMATORS.md, "New per-token inputs"). They travel wherever logprobs travels.
-TOKEN_INPUTS = ("logprobs", "entropy", "sum_pi_squared", "is_weights", "returns", "planning_mask")
+# None: the contract's per-token fields. They travel wherever logprobs travels.
+TOKEN_INPUTS = TOKEN_FIELDS
 # An entropy may fall below 0, and a sum of squared probabilities above 1, by float rounding
 # in the client; more is a bug there.
 RANGE_TOLERANCE = 1e-4

@@ -230,7 +230,7 @@ class Settings(BaseSettings):
         default=0,
         ge=0,
         le=10_000,
-        description="the viewer's recent requests: the last N computed over HTTP kept per "
+        description="the viewer's recent requests: the last N computed (any transport) kept per "
         "namespace, in Redis with ADV_REDIS_URL (any replica shows them), else in memory "
         "(0: none kept; tokens are user data, so keeping is opt-in)",
     )

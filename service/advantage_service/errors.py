@@ -11,6 +11,8 @@ from __future__ import annotations
 import reprlib
 from typing import Any
 
+from advantage_contract.errors import AdvantageError
+
 # How much of a value a client sent an error message repeats (``shown``), and the longest an
 # error's message, group id and field may be whatever built them: an error carries a megabyte
 # name back to no one (over gRPC, trailing metadata that long would turn INVALID_ARGUMENT into
@@ -66,8 +68,10 @@ def _bounded(text: str | None, limit: int) -> str | None:
     return f"{shown_text[:limit]}... ({len(text)} characters)"
 
 
-class RequestError(ValueError):
-    """A request the service will not compute, with where the problem is.
+class RequestError(AdvantageError, ValueError):
+    """A request the service will not compute, with where the problem is: the contract's
+    :class:`AdvantageError` (the error object of every wire) with the service's bounds on what
+    it repeats.
 
     ``code`` is a stable machine-readable word; ``group_id``/``rollout_index``/``field`` locate the
     offending value (``None`` where they do not apply); ``status`` is the HTTP status to answer.
@@ -83,23 +87,34 @@ class RequestError(ValueError):
         field: str | None = None,
         status: int = 422,
     ) -> None:
-        message = _bounded(message, MAX_MESSAGE_CHARS) or ""
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.group_id = _bounded(group_id, MAX_LOCATOR_CHARS)
-        self.rollout_index = rollout_index
-        self.field = _bounded(field, MAX_LOCATOR_CHARS)
-        self.status = status
+        super().__init__(
+            code,
+            _bounded(message, MAX_MESSAGE_CHARS) or "",
+            group_id=_bounded(group_id, MAX_LOCATOR_CHARS),
+            rollout_index=rollout_index,
+            field=_bounded(field, MAX_LOCATOR_CHARS),
+            status=status,
+        )
+        self.status: int = status
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "code": self.code,
-            "message": self.message,
-            "group_id": self.group_id,
-            "rollout_index": self.rollout_index,
-            "field": self.field,
-        }
+    @classmethod
+    def from_contract(cls, exc: AdvantageError, *, field: str | None = None) -> RequestError:
+        """The one mapping of a contract check's error (the shared builders and checks raise
+        :class:`AdvantageError`) onto the service's answer: 413 for a limit, 422 otherwise;
+        ``field`` renames the field where a wire calls it otherwise."""
+        if isinstance(exc, RequestError) and field is None:
+            return exc
+        return cls(
+            exc.code,
+            exc.message,
+            group_id=exc.group_id,
+            rollout_index=exc.rollout_index,
+            field=field or exc.field,
+            status=413 if exc.code == "limit_exceeded" else 422,
+        )
+
+    def __str__(self) -> str:
+        return self.message
 
     def __repr__(self) -> str:
         return f"RequestError({self.to_dict()!r})"
@@ -120,12 +135,12 @@ class Overloaded(RequestError):
 
     def __init__(self, message: str, *, retry_after_ms: int, field: str | None = "queue") -> None:
         super().__init__("overloaded", message, field=field, status=503)
-        self.retry_after_ms = int(retry_after_ms)
+        self.retry_after_ms: int = int(retry_after_ms)
 
     @property
     def retry_after_seconds(self) -> int:
         """Whole seconds for ``Retry-After`` (rounded up, at least 1)."""
-        return max(1, -(-self.retry_after_ms // 1000))
+        return max(1, -(-int(self.retry_after_ms) // 1000))
 
     def to_dict(self) -> dict[str, Any]:
         return {**super().to_dict(), "retry_after_ms": self.retry_after_ms}

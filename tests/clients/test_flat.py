@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from advantage_client import AdvantageError
-from advantage_client.flat import flatten_groups, nest_rows
 from advantage_client.grpc_client import (
     compute_request_message,
     compute_response_dict,
@@ -13,7 +12,8 @@ from advantage_client.grpc_client import (
     rollout_message,
     to_tensor,
 )
-from advantage_client.grpc_gen import advantage_pb2 as pb
+from advantage_contract.flat import flatten_groups, nest_rows
+from advantage_contract.grpc_gen import advantage_pb2 as pb
 
 
 def test_groups_flatten_to_the_service_layout() -> None:

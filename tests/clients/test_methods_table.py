@@ -1,4 +1,4 @@
-"""The client's table of methods and inputs (``advantage_client/methods.py``) is what the
+"""The client's table of methods and inputs (``advantage_contract/methods.py``) is what the
 service's registry lists today: a method added to the registry and not regenerated fails here."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def load_generator():
 def test_the_committed_table_is_what_the_registry_lists() -> None:
     generate = load_generator()
     assert generate.TARGET.read_text() == generate.expected(), (
-        "advantage_client/methods.py drifted from the registry; run "
+        "advantage_contract/methods.py drifted from the registry; run "
         "`python clients/python/generate_methods.py`"
     )
 

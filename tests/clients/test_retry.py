@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from advantage_client import AdvantageError, GrpcClient, HttpClient, RetryPolicy
 from advantage_client.grpc_client import from_tensor, to_tensor
-from advantage_client.grpc_gen import advantage_pb2 as pb
-from advantage_client.grpc_gen import advantage_pb2_grpc as pb_grpc
 from advantage_client.retry import HINT_JITTER, Retryable
+from advantage_contract.grpc_gen import advantage_pb2 as pb
+from advantage_contract.grpc_gen import advantage_pb2_grpc as pb_grpc
 
 
 def test_delays_grow_exponentially_within_their_cap_and_honour_retry_after() -> None:

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from advantage_client import AdvantageError, GrpcClient
 from advantage_client.grpc_client import from_tensor, to_tensor
-from advantage_client.grpc_gen import advantage_pb2 as pb
-from advantage_client.grpc_gen import advantage_pb2_grpc as pb_grpc
+from advantage_contract.grpc_gen import advantage_pb2 as pb
+from advantage_contract.grpc_gen import advantage_pb2_grpc as pb_grpc
 
 
 class ScriptedService(pb_grpc.AdvantageServiceServicer):

@@ -72,6 +72,7 @@ def dockerfile() -> tuple[dict[str, str], dict[str, Stage], Stage]:
     return global_args, {s.name: s for s in stages}, stages[-1]
 
 
+@pytest.mark.integration
 def test_hadolint_passes_at_the_strictest_threshold() -> None:
     hadolint = tool("hadolint")
     assert hadolint, "hadolint is missing: install the dev extra (pip install -e '.[dev]')"
@@ -214,6 +215,7 @@ def test_dockerignore_keeps_what_the_builder_copies_and_drops_local_state(docker
         assert _ignored(local, patterns), f".dockerignore keeps {local}"
 
 
+@pytest.mark.integration
 def test_the_files_the_builder_copies_build_the_client_and_service_wheels(
     dockerfile, tmp_path: Path
 ) -> None:
@@ -244,15 +246,22 @@ def test_the_files_the_builder_copies_build_the_client_and_service_wheels(
     (client_wheel,) = (tmp_path / "dist").glob("advantage_client-*.whl")
     with zipfile.ZipFile(client_wheel) as archive:
         client_names = archive.namelist()
-    for module in ("flat.py", "grpc_gen/advantage_pb2.py", "grpc_gen/advantage_pb2_grpc.py"):
-        assert f"advantage_client/{module}" in client_names
+    # (the contract the service reads ships in the client's distribution)
+    for module in (
+        "advantage_contract/fields.py",
+        "advantage_contract/flat.py",
+        "advantage_contract/grpc_gen/advantage_pb2.py",
+        "advantage_contract/grpc_gen/advantage_pb2_grpc.py",
+        "advantage_client/http_client.py",
+    ):
+        assert module in client_names
     (wheel,) = (tmp_path / "dist").glob("advantage_service-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
         entry_points = next(n for n in names if n.endswith("entry_points.txt"))
-        assert (
-            "advantage-service = advantage_service.cli:main" in archive.read(entry_points).decode()
-        )
+        declared = archive.read(entry_points).decode()
+        assert "advantage-service = advantage_service.cli:main" in declared
+        assert "inprocess = advantage_service.api:InProcess" in declared
     assert "advantage_service/__main__.py" in names
     assert "advantage_service/transports/server.py" in names
-    assert not any("grpc_gen" in n for n in names), "the gRPC modules live in the client only"
+    assert not any("grpc_gen" in n for n in names), "the gRPC modules live in the contract only"

@@ -91,6 +91,7 @@ def test_overlay_patches_fail_loudly_when_the_base_moves(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize("name", RENDERINGS)
+@pytest.mark.integration
 def test_manifests_pass_kubernetes_validate_strict(
     name: str, rendered: dict[str, list[Manifest]], tmp_path: Path
 ) -> None:
@@ -119,6 +120,7 @@ def test_manifests_pass_kubernetes_validate_strict(
         assert not line.startswith(("ERROR", "FATAL")), line
 
 
+@pytest.mark.integration
 def test_strict_validation_rejects_an_unknown_field(
     rendered: dict[str, list[Manifest]], tmp_path: Path
 ) -> None:

@@ -31,6 +31,7 @@ def promtool() -> str:
     return path
 
 
+@pytest.mark.integration
 def test_promtool_check_rules_passes() -> None:
     result = subprocess.run(
         [promtool(), "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=60
@@ -39,6 +40,7 @@ def test_promtool_check_rules_passes() -> None:
     assert f"SUCCESS: {len(alert_rules())} rules found" in result.stdout
 
 
+@pytest.mark.integration
 def test_promtool_unit_tests_of_the_alerts_pass() -> None:
     result = subprocess.run(
         [promtool(), "test", "rules", ALERTS_TEST.name],

@@ -34,7 +34,7 @@ def test_generated_modules_match_the_proto(tmp_path: Path) -> None:
 
 def test_the_generated_modules_are_committed_once_in_the_client_package() -> None:
     generate = load_generator()
-    assert generate.TARGET == ROOT / "clients/python/advantage_client/grpc_gen"
+    assert generate.TARGET == ROOT / "clients/python/advantage_contract/grpc_gen"
     copies = [
         p.parent
         for top in ("service", "clients", "bench", "tests")
@@ -56,7 +56,7 @@ def test_drift_check_notices_an_edited_module(tmp_path: Path) -> None:
 
 
 def test_the_service_speaks_the_client_packages_messages() -> None:
-    from advantage_client.grpc_gen import advantage_pb2, advantage_pb2_grpc
+    from advantage_contract.grpc_gen import advantage_pb2, advantage_pb2_grpc
     from advantage_service.transports import grpc, grpc_codec, grpc_stream
 
     assert advantage_pb2.DESCRIPTOR.name == "advantage/v1/advantage.proto"

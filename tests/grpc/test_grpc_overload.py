@@ -19,7 +19,7 @@ import grpc
 import pytest
 from advantage_client import AdvantageError, GrpcClient
 from advantage_client.grpc_client import compute_request_message
-from advantage_client.grpc_gen import advantage_pb2_grpc as pb_grpc
+from advantage_contract.grpc_gen import advantage_pb2_grpc as pb_grpc
 from advantage_service.config import Settings
 from advantage_service.serving.engine import Engine
 from advantage_service.serving.scheduler import Ticket

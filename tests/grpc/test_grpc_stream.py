@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from advantage_client import AdvantageError, GrpcClient, to_padded
 from advantage_client.grpc_client import options_message, rollout_message
-from advantage_client.grpc_gen import advantage_pb2 as pb
-from advantage_client.grpc_gen import advantage_pb2_grpc as pb_grpc
+from advantage_contract.grpc_gen import advantage_pb2 as pb
+from advantage_contract.grpc_gen import advantage_pb2_grpc as pb_grpc
 from advantage_service import RequestError
 from advantage_service import compute as compute_in_process
 from grpc_support import Service, diagnostics_for, random_groups, stream_rollouts

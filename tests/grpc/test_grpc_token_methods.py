@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from advantage_client import AdvantageError, GrpcClient, HttpClient
 from advantage_client.grpc_client import compute_request_message
-from advantage_client.grpc_gen import advantage_pb2 as pb
-from advantage_client.grpc_gen import advantage_pb2_grpc as pb_grpc
+from advantage_contract.grpc_gen import advantage_pb2 as pb
+from advantage_contract.grpc_gen import advantage_pb2_grpc as pb_grpc
 from advantage_service import compute as compute_in_process
 from advantage_service.estimators.hicra import strategic_phrase_mask
 from grpc_support import (

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from advantage_client.grpc_gen import advantage_pb2 as pb
+from advantage_contract.grpc_gen import advantage_pb2 as pb
 from advantage_service.errors import LimitExceeded, RequestError
 from advantage_service.transports.grpc_wire import MessageLimits, check_compute_request
 from hypothesis import given, settings

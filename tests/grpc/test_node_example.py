@@ -18,8 +18,8 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from advantage_client.grpc_gen import advantage_pb2 as pb
-from advantage_client.grpc_gen import advantage_pb2_grpc as pb_grpc
+from advantage_contract.grpc_gen import advantage_pb2 as pb
+from advantage_contract.grpc_gen import advantage_pb2_grpc as pb_grpc
 from advantage_service import compute as compute_in_process
 from grpc_support import Service
 

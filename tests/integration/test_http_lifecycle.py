@@ -3,8 +3,11 @@ ADV_MAX_QUEUE, a SIGTERM that stops accepting, finishes the request in flight an
 SIGTERM with a full queue that answers or refuses every queued request cleanly (none lost).
 
 A request is held deterministically by sending its headers and only part of its body over a
-raw socket: the service admits a request (takes its place in the queue) before reading its
-body, so the place stays taken until the test sends the rest. No timing races, no sleeps.
+raw socket: the service admits a request (a place among the bodies being received) before
+reading its body, so the place stays taken until the test sends the rest. A full queue is held by
+dynamic batching: a request that would run alone waits ADV_MAX_BATCH_DELAY_MS in the queue for
+company, and none of the test's requests can share a computation with another. No timing races,
+no sleeps.
 """
 
 from __future__ import annotations
@@ -135,16 +138,31 @@ def test_sigterm_with_a_full_queue_answers_or_refuses_every_queued_request(
 ) -> None:
     """More queued work than the shutdown timeout allows: the requests computed in time are
     answered, the rest are refused 503 (retry elsewhere) before the deadline (a shutdown timeout
-    of 1 s refuses them at once); every client gets an HTTP answer, none a dropped connection,
-    and the process exits 0."""
-    server = server_factory(max_inflight=1, max_batch_tokens=0, shutdown_timeout_seconds=1)
+    of 1 s refuses them at once), and so is a request whose body was still arriving; every
+    client gets an HTTP answer, none a dropped connection, and the process exits 0."""
     bodies = [random_request(seed=100 + i, estimator="ktae", groups=16) for i in range(48)]
-    for body in bodies:  # (heavier: each computation takes a noticeable time)
-        for group in body["groups"]:
-            for rollout in group["rollouts"]:
-                rollout["tokens"] = rollout["tokens"] * 60
-                del rollout["logprobs"], rollout["teacher_logprobs"]
-    outcomes: list[Any] = [None] * len(bodies)
+    tokens = [sum(len(r["tokens"]) for g in b["groups"] for r in g["rollouts"]) for b in bodies]
+    # Decoding a body costs about what computing it does, so without a hold whether requests
+    # pile up before the single worker (rather than before the decoder, or not at all) would be
+    # up to thread scheduling and to how fast the clients send. The hold: each request fits a
+    # batch (ADV_MAX_BATCH_TOKENS) alone but no two do, so each waits ADV_MAX_BATCH_DELAY_MS in
+    # the queue, from its admission, for company that never comes, whatever the machine's
+    # speed; then they are computed one at a time.
+    assert 2 * min(tokens) > max(tokens), tokens
+    server = server_factory(
+        max_inflight=1,
+        max_batch_tokens=max(tokens),
+        max_batch_delay_ms=2000,
+        shutdown_timeout_seconds=1,
+        body_rate_grace_seconds=60,  # (the held body below takes seconds to arrive)
+    )
+    # A request whose body is still arriving at the SIGTERM (half of it sent now).
+    held = PartialPost(server, json.dumps(random_request(seed=99, estimator="ktae")).encode())
+    poll(lambda: inflight(server) == 1, 30, "the held request to be admitted")
+    # One request computed before the SIGTERM (after its wait for company) ...
+    first = server.client.post("/v1/advantages", json=bodies[0])
+    assert first.status_code == 200, first.text
+    outcomes: list[Any] = [first] + [None] * (len(bodies) - 1)
 
     def send(i: int) -> None:
         try:
@@ -153,36 +171,56 @@ def test_sigterm_with_a_full_queue_answers_or_refuses_every_queued_request(
         except httpx.HTTPError as exc:
             outcomes[i] = exc
 
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
+    # ... and the others queued after it: each waits 2 s from its admission, so the last one
+    # admitted still waits when the SIGTERM comes right after.
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(1, len(bodies))]
     for thread in threads:
         thread.start()
     depth = ("advantage_queue_depth", ())
-    poll(lambda: server.metrics()[depth] >= 4, 30, "requests waiting in the queue")
+    started = ("advantage_queue_wait_seconds_count", ())  # (observed as a computation starts)
+
+    def queue_full() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        # Before the SIGTERM every answer is a 200: any other is a request that should have
+        # queued.
+        early = [o for o in outcomes if o is not None and getattr(o, "status_code", 0) != 200]
+        assert not early, [getattr(o, "text", o) for o in early[:3]]
+        samples = server.metrics()
+        # Every request admitted, decoded and queued or computed (none still arriving or
+        # decoding), 4 of them waiting at least.
+        queued = samples[depth] + samples[started] == len(bodies)
+        return samples if queued and samples[depth] >= 4 else {}
+
+    samples = poll(queue_full, 60, "every request in the queue")
     server.proc.send_signal(signal.SIGTERM)
+    poll(lambda: 503 in (getattr(o, "status_code", 0) for o in outcomes), 30, "a refusal")
+    # Past the refusal point, the held request's body arrives whole: refused, not decoded.
+    status, headers, payload = held.finish()
+    assert status == 503, payload
+    held_error = json.loads(payload)["error"]
+    assert held_error["code"] == "overloaded" and "shutting down" in held_error["message"]
+    assert int(headers["retry-after"]) >= 1
     for thread in threads:
         thread.join(60)
     assert server.proc.wait(30) == 0, server.output()
-    # A client whose connection the service had not taken when the listener closed is refused
-    # it, or sees it closed before its request was read (clean: it retries elsewhere; nothing of
-    # it was admitted). Every request the service admitted was answered: its access log has an
-    # answer line for each, none cut off (499) ...
+    # Every request was admitted before the SIGTERM: each gets an HTTP answer, none a dropped
+    # connection (the service's access log has no line cut off, 499) ...
     accesses = [
         line
         for line in (json.loads(x) for x in server.output().splitlines() if x.startswith("{"))
         if line.get("logger") == "advantage_service.access"
     ]
-    answered = [o for o in outcomes if isinstance(o, httpx.Response)]
     cut_off = [a for a in accesses if a.get("status") == 499]
     assert not cut_off, "\n".join(json.dumps(a) for a in cut_off)
-    refused = [o for o in outcomes if not isinstance(o, httpx.Response)]
-    assert all(isinstance(o, httpx.TransportError) for o in refused), refused[:3]
-    # ... and each of them reached its client.
-    logged = [a for a in accesses if a.get("transport") == "http_json"]
-    assert len(answered) >= len([a for a in logged if a["status"] == 200]) >= 1
-    assert len(answered) >= 4
+    dropped = [o for o in outcomes if not isinstance(o, httpx.Response)]
+    assert not dropped, dropped[:3]
+    answered: list[httpx.Response] = outcomes
     statuses = sorted(o.status_code for o in answered)
     assert set(statuses) <= {200, 503}, statuses
-    assert 200 in statuses and 503 in statuses, statuses
+    # ... the requests whose computation had started are answered (each 200 the service logged
+    # reached its client), the rest refused.
+    logged = [a for a in accesses if a.get("transport") == "http_json" and a["status"] == 200]
+    assert statuses.count(200) == len(logged) >= samples[started] >= 1, statuses
+    assert 503 in statuses, statuses
     for o in answered:
         if o.status_code == 503:
             assert o.json()["error"]["code"] == "overloaded", o.text

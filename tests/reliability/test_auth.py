@@ -17,8 +17,8 @@ import grpc
 import httpx
 import pytest
 from advantage_client.grpc_client import compute_request_message, options_message, rollout_message
-from advantage_client.grpc_gen import advantage_pb2 as pb
-from advantage_client.grpc_gen import advantage_pb2_grpc as pb_grpc
+from advantage_contract.grpc_gen import advantage_pb2 as pb
+from advantage_contract.grpc_gen import advantage_pb2_grpc as pb_grpc
 from process_support import poll
 from stats.redis_support import RedisServer
 from support import Service, bearer, launch, start_service, write_tokens

@@ -14,8 +14,8 @@ import grpc
 import numpy as np
 import pytest
 from advantage_client.grpc_client import compute_request_message
-from advantage_client.grpc_gen import advantage_pb2_grpc as pb_grpc
 from advantage_client.http_client import arrow_request_body
+from advantage_contract.grpc_gen import advantage_pb2_grpc as pb_grpc
 from advantage_service.config import Settings
 from advantage_service.errors import RequestError
 from advantage_service.observability.metrics import Metrics

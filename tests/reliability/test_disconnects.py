@@ -14,9 +14,9 @@ from typing import Any
 import grpc
 import pytest
 from advantage_client.grpc_client import compute_request_message, options_message, rollout_message
-from advantage_client.grpc_gen import advantage_pb2 as pb
-from advantage_client.grpc_gen import advantage_pb2_grpc as pb_grpc
 from advantage_client.http_client import arrow_request_body
+from advantage_contract.grpc_gen import advantage_pb2 as pb
+from advantage_contract.grpc_gen import advantage_pb2_grpc as pb_grpc
 from process_support import poll
 from support import Service
 from test_deadline import big_request

@@ -21,7 +21,7 @@ import grpc
 import pytest
 import schemathesis
 from advantage_client.grpc_client import compute_request_message, options_message
-from advantage_client.grpc_gen import advantage_pb2 as pb
+from advantage_contract.grpc_gen import advantage_pb2 as pb
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test

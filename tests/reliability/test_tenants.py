@@ -27,8 +27,8 @@ import grpc
 import httpx
 import pytest
 from advantage_client.grpc_client import options_message, rollout_message
-from advantage_client.grpc_gen import advantage_pb2 as pb
-from advantage_client.grpc_gen import advantage_pb2_grpc as pb_grpc
+from advantage_contract.grpc_gen import advantage_pb2 as pb
+from advantage_contract.grpc_gen import advantage_pb2_grpc as pb_grpc
 from process_support import poll
 from support import Service, bearer
 
@@ -144,6 +144,7 @@ def assert_served(statuses: list[int], seconds: list[float], baseline: float) ->
     assert p50 < 5 * baseline, f"team-b's p50 {p50 * 1000:.0f} ms, unloaded {baseline * 1000:.0f}"
 
 
+@pytest.mark.integration
 def test_team_a_slow_bodies_leave_team_b_served(
     service_factory: Callable[..., Service], tmp_path: Path
 ) -> None:
@@ -181,6 +182,7 @@ def test_team_a_slow_bodies_leave_team_b_served(
     ) not in samples
 
 
+@pytest.mark.integration
 def test_slow_headers_leave_team_b_served_and_readiness_answering(
     service_factory: Callable[..., Service], tmp_path: Path
 ) -> None:
@@ -204,6 +206,7 @@ def test_slow_headers_leave_team_b_served_and_readiness_answering(
     assert samples[("advantage_http_connections_closed_total", (("reason", "pending_full"),))] > 0
 
 
+@pytest.mark.integration
 def test_both_attacks_at_once_leave_team_b_served(
     service_factory: Callable[..., Service], tmp_path: Path
 ) -> None:
@@ -228,6 +231,7 @@ def test_both_attacks_at_once_leave_team_b_served(
     assert_served(statuses, seconds, baseline)
 
 
+@pytest.mark.integration
 def test_a_connection_that_does_not_finish_its_headers_is_closed(
     service_factory: Callable[..., Service],
 ) -> None:
@@ -247,6 +251,7 @@ def test_a_connection_that_does_not_finish_its_headers_is_closed(
 
 
 @pytest.mark.parametrize("pieces", [1, 16])
+@pytest.mark.integration
 def test_headers_over_the_limit_are_431(
     service_factory: Callable[..., Service], pieces: int
 ) -> None:
@@ -319,6 +324,7 @@ def opened(stream: HeldStream, seconds: float = 2.0) -> bool:
     return not stream.done.wait(seconds)
 
 
+@pytest.mark.integration
 def test_team_a_at_its_stream_share_leaves_team_b_streams(
     service_factory: Callable[..., Service], tmp_path: Path
 ) -> None:
@@ -355,6 +361,7 @@ def test_team_a_at_its_stream_share_leaves_team_b_streams(
         channel.close()
 
 
+@pytest.mark.integration
 def test_an_idle_stream_ends_and_gives_its_place_back(
     service_factory: Callable[..., Service],
 ) -> None:
@@ -382,6 +389,7 @@ def test_an_idle_stream_ends_and_gives_its_place_back(
         channel.close()
 
 
+@pytest.mark.integration
 def test_what_incomplete_stream_groups_hold_counts_in_the_byte_budget(
     service_factory: Callable[..., Service],
 ) -> None:

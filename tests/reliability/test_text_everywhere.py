@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from advantage_client.grpc_client import compute_request_message, options_message
-from advantage_client.grpc_gen import advantage_pb2 as pb
+from advantage_contract.grpc_gen import advantage_pb2 as pb
 from advantage_service.observability import logs
 from advantage_service.observability.logs import JsonFormatter, TextFormatter
 from process_support import poll

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from advantage_client import AdvantageError, GrpcClient, HttpClient
 from advantage_client.grpc_client import compute_request_message
-from advantage_client.grpc_gen import advantage_pb2_grpc as pb_grpc
+from advantage_contract.grpc_gen import advantage_pb2_grpc as pb_grpc
 from support import Service, Tls, bearer, launch, make_tls, write_tokens
 
 pytestmark = pytest.mark.integration

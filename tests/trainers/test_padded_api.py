@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 from advantage_client import GrpcClient, HttpClient
-from advantage_client.errors import AdvantageError
-from advantage_client.padded import PaddedLayout, needs_token_ids
+from advantage_contract.errors import AdvantageError
+from advantage_contract.padded import PaddedLayout, needs_token_ids
 from advantage_service import RequestError, compute_padded
 from oracle import NONNEGATIVE_OUTCOME_NAMES, PRESETS, TOKEN_PRESETS
 from padded_batches import ID_KINDS, LAYOUTS, assert_matches, call_kwargs, padded_case

@@ -350,8 +350,12 @@ def test_an_estimator_needing_inputs_trl_lacks_fails_at_construction(tmp_path: P
 def test_inprocess_without_the_service_package_says_what_to_do(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(sys.modules, "advantage_service", None)
-    with pytest.raises(ModuleNotFoundError, match="advantage_url"):
+    """An environment without the service package: no ``advantage_contract.backends`` entry
+    point (how the client finds the in-process backend; it never imports the service)."""
+    import advantage_contract.backend
+
+    monkeypatch.setattr(advantage_contract.backend, "entry_points", lambda **_: ())
+    with pytest.raises(ModuleNotFoundError, match=r"pip install advantage-service.*advantage_url"):
         AdvantageGRPOTrainer(model="no/such-model", reward_funcs=odd_words, args=config(tmp_path))
 
 

@@ -263,6 +263,99 @@ def test_otb_uses_the_reward_to_go_of_per_token_rewards_as_verl_does() -> None:
         np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-4, atol=1e-5)
 
 
+def test_otb_sends_verls_importance_sampling_weights() -> None:
+    """An optional input the batch has and the estimator reads is sent: OTB with verl's
+    ``rollout_is_weights`` is verl's truncated-IS OTB (the issue's example: verl
+    [[0.0588, 0.0588], [-0.941, -0.941]]; the weights were dropped and the answer was
+    [[0.5, 0.5], [-0.5, -0.5]], 824 of 840 random batches off by up to 2.3)."""
+    from verl.trainer.ppo.core_algos import compute_optimal_token_baseline_advantage
+
+    fn = adv_verl.REGISTERED["adv_otb"]
+    weights = torch.tensor([[2.0, 2.0], [0.5, 0.5]])
+    got, _ = fn(
+        torch.tensor([[0.0, 1.0], [0.0, 0.0]]),
+        torch.ones(2, 2),
+        np.array(["g", "g"], dtype=object),
+        AlgoConfig(),
+        responses=torch.tensor([[1, 2], [3, 4]]),
+        old_log_probs=torch.full((2, 2), float(np.log(0.5))),
+        sum_pi_squared=torch.full((2, 2), 0.5),
+        rollout_is_weights=weights,
+    )
+    expected, _ = compute_optimal_token_baseline_advantage(
+        torch.tensor([[0.0, 1.0], [0.0, 0.0]], dtype=torch.float64),
+        torch.ones(2, 2, dtype=torch.float64),
+        np.array(["g", "g"], dtype=object),
+        torch.full((2, 2), np.log(0.5), dtype=torch.float64),
+        torch.full((2, 2), 0.5, dtype=torch.float64),
+        rollout_is_weights=weights.double(),
+    )
+    np.testing.assert_allclose(expected.numpy(), [[1 / 17, 1 / 17], [-16 / 17, -16 / 17]])
+    np.testing.assert_allclose(got.numpy(), expected.numpy(), atol=1e-5)
+
+    rng = np.random.default_rng(44)
+    for seed in range(8):
+        case = padded_case(
+            70 + seed, "grpo", layout="right", ids="str", group_size=(2, 5), empty_prob=0
+        )
+        data = data_proto(case)
+        rewards = spread_rewards(case, rng)
+        data.batch["token_level_rewards"] = rewards
+        logprobs = torch.from_numpy(-rng.uniform(0.01, 3, size=case.mask.shape))
+        spp = torch.from_numpy(rng.uniform(0.05, 1, size=case.mask.shape))
+        is_weights = torch.from_numpy(rng.uniform(0.2, 2.0, size=case.mask.shape))
+        data.batch["old_log_probs"] = logprobs.float()
+        data.batch["sum_pi_squared"] = spp.float()
+        data.batch["rollout_is_weights"] = is_weights.float()
+        mask = torch.from_numpy(case.mask).double()
+        expected, _ = compute_optimal_token_baseline_advantage(
+            rewards.double(),
+            mask,
+            data.non_tensor_batch["uid"],
+            logprobs.float().double(),
+            spp.float().double(),
+            rollout_is_weights=is_weights.float().double(),
+        )
+        got = advantages(data, "adv_otb")
+        scale = float(expected.abs().max())
+        np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=0, atol=1e-5 * scale)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+def test_otb_over_the_service_takes_returns_and_weights(service: Any, transport: str) -> None:
+    """verl's OTB over HTTP and gRPC: the integration sends ``returns`` (the reward-to-go) and
+    the IS weights, which every client's compute_padded takes (before: TypeError)."""
+    from verl.trainer.ppo.core_algos import compute_optimal_token_baseline_advantage
+
+    url = service.url if transport == "http" else service.target
+    adv_verl.register(transport, url, presets=["otb"])
+    rng = np.random.default_rng(45)
+    case = padded_case(80, "grpo", layout="right", ids="str", group_size=(2, 5), empty_prob=0)
+    data = data_proto(case)
+    rewards = spread_rewards(case, rng)
+    data.batch["token_level_rewards"] = rewards
+    for name, low, high in (
+        ("old_log_probs", -3, -0.01),
+        ("sum_pi_squared", 0.05, 1),
+        ("rollout_is_weights", 0.2, 2),
+    ):
+        data.batch[name] = torch.from_numpy(rng.uniform(low, high, size=case.mask.shape)).float()
+    before = service.requests(transport=transport)
+    got = advantages(data, "adv_otb")
+    expected, _ = compute_optimal_token_baseline_advantage(
+        rewards.double(),
+        torch.from_numpy(case.mask).double(),
+        data.non_tensor_batch["uid"],
+        data.batch["old_log_probs"].double(),
+        data.batch["sum_pi_squared"].double(),
+        rollout_is_weights=data.batch["rollout_is_weights"].double(),
+    )
+    scale = float(expected.abs().max())
+    np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=0, atol=1e-5 * scale)
+    assert service.requests(transport=transport) == before + 1
+
+
 def test_outcome_estimators_sum_per_token_rewards_as_verls_own() -> None:
     rng = np.random.default_rng(44)
     case = padded_case(45, "grpo", layout="right", ids="uuid", group_size=(2, 6), empty_prob=0)

@@ -8,8 +8,8 @@
 - :func:`to_padded`: results as the (batch, max_len) right-padded arrays trainers use.
 
 Light on purpose: numpy, httpx, grpcio, protobuf and pyarrow; no torch. The two clients are
-imported on first use, so the service, which shares :mod:`advantage_client.flat` and
-:mod:`advantage_client.grpc_gen`, does not load httpx with them.
+imported on first use, so the service, which shares :mod:`advantage_contract.flat` and
+:mod:`advantage_contract.grpc_gen`, does not load httpx with them.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .errors import AdvantageError
+from advantage_contract.errors import AdvantageError
+
 from .padding import pad_arrays, result_rollouts, to_padded
 from .retry import RetryPolicy
 

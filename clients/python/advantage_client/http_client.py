@@ -10,20 +10,23 @@ from typing import Any, Literal
 import httpx
 import numpy as np
 
-from .errors import AdvantageError
-from .flat import check_top_level, flatten_groups, nest_rows, split_rows
-from .padded import (
+from advantage_contract import arrow as contract_arrow
+from advantage_contract.backend import check_contract
+from advantage_contract.errors import AdvantageError
+from advantage_contract.flat import check_top_level, flatten_groups, nest_rows, split_rows
+from advantage_contract.padded import (
     FlatRequest,
     PaddedResult,
     flat_request,
     result_from_flat,
 )
+
 from .retry import Retryable, RetryPolicy
 
 JSON = "application/json"
-ARROW = "application/vnd.apache.arrow.stream"
-REQUEST_METADATA = b"advantage.request"
-RESPONSE_METADATA = b"advantage.response"
+ARROW = contract_arrow.MEDIA_TYPE
+REQUEST_METADATA = contract_arrow.REQUEST_METADATA
+RESPONSE_METADATA = contract_arrow.RESPONSE_METADATA
 # Answers worth another try: overloaded or not ready (503; overloaded with Retry-After and the
 # body's retry_after_ms), and saturated (429 with Retry-After, from services before 503).
 RETRY_STATUSES = (429, 503)
@@ -39,71 +42,42 @@ def _json_default(value: Any) -> Any:
 
 def arrow_request_body(request: Mapping[str, Any]) -> bytes:
     """The JSON request as an Arrow IPC stream: one row per rollout, the options in the
-    schema metadata (the service's Arrow request format)."""
-    import pyarrow as pa
-
+    schema metadata (the contract's Arrow request)."""
     check_top_level(request)
     flat = flatten_groups(request.get("groups")).for_wire()
-    offsets = pa.array(flat.offsets.astype(np.int32), type=pa.int32())
-
-    def lists(values: np.ndarray, kind: pa.DataType) -> pa.Array:
-        return pa.ListArray.from_arrays(offsets, pa.array(values, type=kind))
-
-    tokens_type = pa.int32() if flat.tokens.dtype == np.int32 else pa.int64()
-    columns: dict[str, pa.Array] = {
-        "group_id": pa.array(flat.group_ids, type=pa.string()).take(pa.array(flat.group_index)),
-        "reward": pa.array(flat.rewards, type=pa.float64()),
-        "tokens": lists(flat.tokens, tokens_type),
-    }
-    if flat.prompt_keys is not None:
-        columns["prompt_key"] = pa.array(flat.prompt_keys, type=pa.string()).take(
-            pa.array(flat.group_index)
-        )
-    for name, values in flat.token_values().items():
-        columns[name] = lists(values, pa.float32())
-    for name, values in flat.teacher_logprobs.items():
-        columns[f"teacher.{name}"] = lists(values, pa.float32())
     options = {k: v for k, v in request.items() if k != "groups"}
-    table = pa.table(columns).replace_schema_metadata(
-        {REQUEST_METADATA: json.dumps(options, default=_json_default)}
+    return contract_arrow.stream_bytes(
+        contract_arrow.request_table(
+            group_ids=flat.group_ids,
+            group_index=flat.group_index,
+            offsets=flat.offsets,
+            tokens=flat.tokens,
+            rewards=flat.rewards,
+            per_token=flat.token_values(),
+            teacher_logprobs=flat.teacher_logprobs,
+            prompt_keys=flat.prompt_keys,
+            options_json=json.dumps(options, default=_json_default),
+        )
     )
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    return bytes(sink.getvalue().to_pybytes())
 
 
 def arrow_flat_body(req: FlatRequest) -> bytes:
     """A padded call's flat arrays as an Arrow IPC request, one row per rollout in the
     trainer's row order (the service numbers groups by first appearance)."""
-    import pyarrow as pa
-
     layout = req.layout
-    offsets = pa.array(layout.offsets.astype(np.int32), type=pa.int32())
-
-    def lists(values: np.ndarray, kind: pa.DataType) -> pa.Array:
-        return pa.ListArray.from_arrays(offsets, pa.array(values, type=kind))
-
-    group_ids = pa.array(layout.group_ids, type=pa.string())
-    tokens_type = pa.int32() if req.tokens.dtype == np.int32 else pa.int64()
-    columns: dict[str, pa.Array] = {
-        "group_id": group_ids.take(pa.array(layout.group_index)),
-        "reward": pa.array(layout.rewards, type=pa.float64()),
-        "tokens": lists(req.tokens, tokens_type),
-    }
-    if req.prompt_keys is not None:
-        columns["prompt_key"] = pa.array(req.row_prompt_keys(), type=pa.string())
-    for name, values in req.per_token.items():
-        columns[name] = lists(values, pa.float32())
-    for name, values in req.teacher_logprobs.items():
-        columns[f"teacher.{name}"] = lists(values, pa.float32())
-    table = pa.table(columns).replace_schema_metadata(
-        {REQUEST_METADATA: json.dumps(req.options, default=_json_default)}
+    return contract_arrow.stream_bytes(
+        contract_arrow.request_table(
+            group_ids=layout.group_ids,
+            group_index=layout.group_index,
+            offsets=layout.offsets,
+            tokens=req.tokens,
+            rewards=layout.rewards,
+            per_token=req.per_token,
+            teacher_logprobs=req.teacher_logprobs,
+            prompt_keys=req.prompt_keys,
+            options_json=json.dumps(req.options, default=_json_default),
+        )
     )
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    return bytes(sink.getvalue().to_pybytes())
 
 
 def arrow_flat_result(body: bytes, req: FlatRequest) -> PaddedResult:
@@ -330,6 +304,7 @@ class HttpClient:
         entropy: Any = None,
         sum_pi_squared: Any = None,
         is_weights: Any = None,
+        returns: Any = None,
         planning_mask: Any = None,
         diagnostics: Sequence[str] = (),
         ignore_token_ids: Sequence[int] | None = None,
@@ -343,7 +318,7 @@ class HttpClient:
         ``tokens``, ``mask`` and the per-token arrays (B, T) (numpy, torch, anything with
         ``__array__`` or DLPack); a rollout's tokens are where ``mask`` is true, in order;
         ``rewards`` (B,); ``group_ids`` (B,) strings or integers in any order. Returns
-        :class:`~advantage_client.padded.PaddedResult` of numpy arrays: ``advantages`` (B, T)
+        :class:`~advantage_contract.padded.PaddedResult` of numpy arrays: ``advantages`` (B, T)
         float32 with 0 off the mask, ``scalars`` (B,), ``diagnostics`` {name: (B, T)}. An
         estimator with no token-level term sends zeros for the token ids (``tokens`` may be
         None). ``prompt_keys`` (B,): per row, the key of its group's history (KTAE
@@ -361,6 +336,7 @@ class HttpClient:
             entropy=entropy,
             sum_pi_squared=sum_pi_squared,
             is_weights=is_weights,
+            returns=returns,
             planning_mask=planning_mask,
             teacher_logprobs=teacher_logprobs,
             diagnostics=diagnostics,
@@ -379,5 +355,8 @@ class HttpClient:
         return arrow_flat_result(response.content, req)
 
     def list_estimators(self) -> dict[str, Any]:
+        """The service's ``GET /v1/estimators`` (a warning when its contract version differs
+        from this client's)."""
         listing: dict[str, Any] = self._send("GET", "/v1/estimators").json()
+        check_contract(listing, f"the service at {self.http.base_url}")
         return listing

@@ -77,7 +77,7 @@ def scatter_to_mask(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Ragged 1-D arrays placed at the true positions of ``mask`` (B, T), row i's in order:
     ``(values, mask)``, one scatter (no per-row copy loop)."""
-    from .padded import as_numpy
+    from advantage_contract.padded import as_numpy
 
     m = as_numpy(mask, "mask")
     m = m if m.dtype == np.bool_ else m != 0

@@ -65,14 +65,56 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return torch.device(device)
 
 
-def whiten(values: torch.Tensor) -> torch.Tensor:
-    """(A - mean) / sqrt(var + 1e-8) over all values, var unbiased (0 for fewer than 2)."""
+def whiten(values: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """(A - mean) / sqrt(var + 1e-8) over all values, var unbiased (0 for fewer than 2).
+
+    ``counts`` (the values' shape, integers): each value stands for that many, as a rollout's
+    one advantage stands for each of its tokens; the statistics are those of the values so
+    repeated, without repeating them (none at all: the values as they are)."""
+    if counts is not None:
+        return _whiten_counted(values, counts)
     if values.numel() == 0:
         return values
     # Statistics in float64: a float32 sum over millions of tokens loses digits.
     wide = values.double()
     var = wide.var(unbiased=True) if values.numel() > 1 else wide.new_zeros(())
     return ((wide - wide.mean()) / torch.sqrt(var + WHITEN_EPS)).to(values.dtype)
+
+
+def _whiten_counted(values: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    n = int(counts.sum())
+    if n == 0:
+        return values
+    wide = values.double()
+    weights = counts.double()
+    mean = (wide * weights).sum() / n
+    var = (weights * (wide - mean) ** 2).sum() / (n - 1) if n > 1 else wide.new_zeros(())
+    return ((wide - mean) / torch.sqrt(var + WHITEN_EPS)).to(values.dtype)
+
+
+def clip(values: torch.Tensor, bound: float) -> torch.Tensor:
+    """``values`` clamped to [-bound, bound]."""
+    # A bound past the dtype's range clips nothing (and torch refuses to convert it).
+    bound = min(bound, torch.finfo(values.dtype).max)
+    return values.clamp(-bound, bound)
+
+
+def whiten_and_clip(
+    advantages: torch.Tensor,
+    spec: EstimatorSpec,
+    counts: torch.Tensor | None = None,
+    *,
+    clipped: bool = True,
+) -> torch.Tensor:
+    """The formula's whitening (``spec.whiten``) then clipping (``spec.clip``) of one request's
+    advantages: every estimator's, whether the pipeline computes them per token or the padded
+    API per row (``counts``: each row's tokens, see :func:`whiten`). ``clipped`` False: no
+    clipping (done already, while broadcasting)."""
+    if spec.whiten:
+        advantages = whiten(advantages, counts)
+    if clipped and spec.clip is not None:
+        advantages = clip(advantages, spec.clip)
+    return advantages
 
 
 def require_inputs(
@@ -172,12 +214,6 @@ def _tensor(value: torch.Tensor | Callable[[], torch.Tensor]) -> torch.Tensor:
     return value if isinstance(value, torch.Tensor) else value()
 
 
-def _clip(advantages: torch.Tensor, clip: float) -> torch.Tensor:
-    # A bound past float32's range clips nothing (and torch refuses to convert it).
-    bound = min(clip, torch.finfo(advantages.dtype).max)
-    return advantages.clamp(-bound, bound)
-
-
 def _fused_amplification(
     batch: RolloutBatch,
     spec: EstimatorSpec,
@@ -202,12 +238,12 @@ def _fused_amplification(
 
 
 def _broadcast_amplified(
-    batch: RolloutBatch, a: torch.Tensor, clip: float | None, fused: TermOutput
+    batch: RolloutBatch, a: torch.Tensor, bound: float | None, fused: TermOutput
 ) -> torch.Tensor:
     """a_i (float32 (B,)) clipped, broadcast over each rollout's tokens and amplified by
     ``fused``: float32 (N,), the bits of a broadcast, a clip and the amplification after."""
-    if clip is not None:
-        a = _clip(a, clip)
+    if bound is not None:
+        a = clip(a, bound)
     assert fused.amplification is not None
     from . import kernels  # (numba is imported when a compiled loop first runs)
 
@@ -293,15 +329,16 @@ def compute_batch(
             advantages.add_(out.bonus)
     produced.update({k: v for out in outputs.values() for k, v in out.diagnostics.items()})
     state = {name: out.state for name, out in outputs.items() if out.state is not None}
-    if spec.whiten:
-        # Over each request's tokens (a merged batch holds several).
-        spans = batch.spans()
-        if len(spans) == 1:
-            advantages = whiten(advantages)
-        else:
-            advantages = torch.cat([whiten(advantages[s.tokens]) for s in spans])
-    if spec.clip is not None and fused is None:
-        advantages = _clip(advantages, spec.clip)
+    # (a fused amplification clipped a_i already, while broadcasting it)
+    clipped = fused is None
+    # Whitening is over each request's tokens (a merged batch holds several).
+    spans = batch.spans() if spec.whiten else []
+    if len(spans) > 1:
+        advantages = torch.cat(
+            [whiten_and_clip(advantages[s.tokens], spec, clipped=clipped) for s in spans]
+        )
+    else:
+        advantages = whiten_and_clip(advantages, spec, clipped=clipped)
     # Amplifications of the combined advantage (HICRA): after whitening and clipping, so that
     # A_it + k |A_it| is exactly what the term's paper states of the advantage it is given.
     for out in outputs.values():

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
@@ -53,7 +53,7 @@ T = TypeVar("T")
 Decoder = Callable[[], ComputeRequest]
 Encoder = Callable[[ComputeRequest, AdvantageResult, dict[str, Any]], T]
 
-__all__ = ["UNKNOWN_ESTIMATOR", "Computed", "Engine", "check_finite"]
+__all__ = ["UNKNOWN_ESTIMATOR", "Computed", "ComputedHook", "Engine", "check_finite"]
 
 # Why the queue holds requests back while the statistics writes are behind (in the 503).
 WRITES_BEHIND = (
@@ -80,6 +80,15 @@ class Computed(Generic[T]):
     result: AdvantageResult
     summary: dict[str, Any]
     encoded: T | None = None
+    # True when ``encoded`` is the JSON response's bytes (the transport said so): a hook that
+    # wants the JSON answer takes these instead of writing it again.
+    encoded_json: bool = False
+
+
+# What the engine hands every computed request to, whatever its transport (the viewer keeps
+# requests through one): awaited after the request is computed and encoded, before the
+# transport answers. A hook must not raise; one that does is logged, never the request's error.
+ComputedHook = Callable[[Computed[Any]], Awaitable[None]]
 
 
 class Engine:
@@ -163,6 +172,7 @@ class Engine:
         # Set when the listeners close on shutdown: transports refuse new calls (UNAVAILABLE).
         self.closing = False
         self.writer.on_poisoned = self.metrics.stats_poisoned_total.inc
+        self._computed_hooks: list[ComputedHook] = []
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -253,6 +263,24 @@ class Engine:
             principal.authorize(namespace)
         return await self.store.token_stats(namespace, order, limit)
 
+    # ---- hooks --------------------------------------------------------------------------------
+
+    def add_computed_hook(self, hook: ComputedHook) -> None:
+        """Hand every request computed from now on to ``hook`` (see :data:`ComputedHook`)."""
+        self._computed_hooks.append(hook)
+
+    def remove_computed_hook(self, hook: ComputedHook) -> None:
+        """Stop handing computed requests to ``hook`` (a hook not added: nothing to do)."""
+        with contextlib.suppress(ValueError):
+            self._computed_hooks.remove(hook)
+
+    async def _run_computed_hooks(self, computed: Computed[Any]) -> None:
+        for hook in list(self._computed_hooks):
+            try:
+                await hook(computed)
+            except Exception:  # (a hook's failure is never the request's)
+                log.exception("a hook on computed request %r failed", computed.request.request_id)
+
     # ---- calls and admission --------------------------------------------------------------------
 
     def call(
@@ -339,9 +367,10 @@ class Engine:
         call: Call | None = None,
         tenant: Tenant | None = None,
         nbytes: int = 0,
+        encodes_json: bool = False,
     ) -> Computed[T]:
         """Decode (when given a decoder), authorise, check limits, queue, compute, record,
-        encode.
+        encode, then hand the computed request to the hooks (:meth:`add_computed_hook`).
 
         Takes a place in the queue for ``tenant`` (by default the principal's) and ``nbytes``
         (a message already received) unless the transport already holds one (``ticket``, from
@@ -351,7 +380,8 @@ class Engine:
         :class:`RequestError`: 422/413 for the request, 403, 503 :class:`~.errors.Overloaded`
         (queue full, or waited past ``ADV_QUEUE_TIMEOUT_SECONDS``), 504 past
         ``ADV_REQUEST_TIMEOUT_SECONDS``. The answer comes on time at the deadline; the place
-        stays taken until the decoding or encoding worker really finishes.
+        stays taken until the decoding or encoding worker really finishes. ``encodes_json``:
+        ``encode`` writes the JSON response's bytes (:attr:`Computed.encoded_json`).
         """
         own_call = call is None
         if call is None:
@@ -363,10 +393,16 @@ class Engine:
                     nbytes, tenant if tenant is not None else self.tenant(principal)
                 )
             try:
-                return await self._compute(request, encode, ticket, principal, call)
+                computed = await self._compute(request, encode, ticket, principal, call)
             finally:
                 if own_ticket:
                     ticket.release()
+        computed.encoded_json = encode is not None and encodes_json
+        # (After the call's accounting and the place in the queue, when the engine holds them:
+        # what a hook does is no part of the request's time.)
+        if self._computed_hooks:
+            await self._run_computed_hooks(computed)
+        return computed
 
     async def _compute(
         self,

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 import xxhash
+from advantage_contract.fields import TOKEN_FIELDS
 
 from ..batch import RolloutBatch
 from ..errors import RequestError, shown
@@ -99,19 +100,9 @@ class PendingWrites:
 
 
 # The batch's tensors a request's statistics and records are computed from, besides the
-# teacher conditions (hashed by name).
-_DIGESTED = (
-    "tokens",
-    "offsets",
-    "group_index",
-    "rewards",
-    "logprobs",
-    "entropy",
-    "sum_pi_squared",
-    "is_weights",
-    "returns",
-    "planning_mask",
-)
+# teacher conditions (hashed by name). (The order is part of the stored digests: a new
+# per-token field goes at the end of TOKEN_FIELDS.)
+_DIGESTED = ("tokens", "offsets", "group_index", "rewards", *TOKEN_FIELDS)
 
 
 def request_digest(req: ComputeRequest) -> str:

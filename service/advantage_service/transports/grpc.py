@@ -4,11 +4,12 @@ Wire messages in, :class:`ComputeRequest` to the engine, results back out; no ma
 Flat arrays travel as raw little-endian bytes with an explicit dtype and become the flat batch
 through ``np.frombuffer`` and :meth:`RolloutBatch.from_flat`, as the Arrow codec's buffers do.
 
-``StreamCompute`` assembles groups from rollouts that arrive one by one and computes each group
-as soon as its last rollout is in, as one engine request (so its numbers are those of the group
-computed alone). Per stream it bounds the incomplete groups and the tokens they hold, and the
-responses outstanding (computing or not yet written): when that many are out it stops reading,
-so gRPC flow control holds the client back instead of the server buffering without end.
+``StreamCompute`` reads rollouts that arrive one by one (:mod:`.grpc_stream`); the stream's
+group assembly (:mod:`..serving.stream_groups`) hands back each group as soon as its last
+rollout is in, computed as one engine request (so its numbers are those of the group computed
+alone). Per stream the incomplete groups and the tokens they hold are bounded, and so are the
+responses outstanding (computing or not yet written): when that many are out the stream stops
+reading, so gRPC flow control holds the client back instead of the server buffering without end.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from functools import partial
 from typing import Any
 
 import grpc
-from advantage_client.grpc_gen import advantage_pb2 as pb
-from advantage_client.grpc_gen import advantage_pb2_grpc as pb_grpc
+from advantage_contract.grpc_gen import advantage_pb2 as pb
+from advantage_contract.grpc_gen import advantage_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
@@ -33,6 +34,7 @@ from ..errors import Overloaded, RequestError
 from ..serving.accounting import Call
 from ..serving.auth import Principal
 from ..serving.engine import Engine
+from ..serving.stream_groups import StreamLimits
 from ..serving.tenancy import Refusal
 from .grpc_codec import (
     INTERNAL_MESSAGE,
@@ -46,7 +48,7 @@ from .grpc_codec import (
     estimators_message,
     lenient,
 )
-from .grpc_stream import StreamEnd, StreamLimits, StreamSession
+from .grpc_stream import StreamEnd, StreamSession
 from .grpc_wire import MessageLimits
 
 log = logging.getLogger("advantage_service.grpc")

@@ -10,9 +10,19 @@ from typing import Any
 
 import grpc
 import numpy as np
-from advantage_client.errors import AdvantageError
-from advantage_client.flat import check_prompt_key, prompt_ids
-from advantage_client.grpc_gen import advantage_pb2 as pb
+from advantage_contract.errors import AdvantageError
+from advantage_contract.fields import EXACT_INTEGER_LIMIT
+from advantage_contract.flat import check_prompt_key, prompt_ids
+from advantage_contract.grpc_gen import advantage_pb2 as pb
+from advantage_contract.grpc_wire import (
+    ERROR_CODE_KEY,
+    FIELD_KEY,
+    GROUP_ID_KEY,
+    RETRY_AFTER_KEY,
+    RETRY_AFTER_MS_KEY,
+    ROLLOUT_INDEX_KEY,
+    WIRE_DTYPES,
+)
 from google.protobuf.message import DecodeError
 
 from ..batch import TOKEN_INPUTS, RolloutBatch
@@ -33,27 +43,11 @@ from .openapi import EstimatorListing
 TRANSPORT = "grpc"
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AdvantageService"].full_name
 
-# Wire dtype -> numpy dtype of the raw bytes (little-endian whatever the host).
-WIRE_DTYPES: dict[int, np.dtype[Any]] = {
-    pb.DTYPE_INT32: np.dtype("<i4"),
-    pb.DTYPE_INT64: np.dtype("<i8"),
-    pb.DTYPE_FLOAT32: np.dtype("<f4"),
-    pb.DTYPE_FLOAT64: np.dtype("<f8"),
-}
-# Trailing metadata keys of an error (values of -bin keys are UTF-8 bytes).
-ERROR_CODE_KEY = "advantage-error-code"
-GROUP_ID_KEY = "advantage-group-id-bin"
-ROLLOUT_INDEX_KEY = "advantage-rollout-index"
-FIELD_KEY = "advantage-field-bin"
-RETRY_AFTER_KEY = "retry-after"
-RETRY_AFTER_MS_KEY = "retry-after-ms"
 INTERNAL_MESSAGE = "internal error; see the service log"
 # The longest status message sent, in UTF-8 bytes: grpc-message is percent-encoded (a byte
 # outside printable ASCII takes 3), and with the trailing metadata it must stay well under
 # the 8 KiB of headers a client accepts, or the client sees RESOURCE_EXHAUSTED instead.
 MAX_STATUS_BYTES = 1024
-# Integers a float64 (and so the batch's float rewards) holds exactly.
-EXACT_INTEGER_LIMIT = 2**53
 SHUTTING_DOWN = RequestError(
     "shutting_down", "the service is shutting down; retry on another replica", status=503
 )
@@ -227,7 +221,7 @@ def _prompt_ids(request: pb.ComputeRequest) -> list[str] | None:
         for gid, key in zip(group_ids, keys, strict=True):
             check_prompt_key(key, group_id=gid)
     except AdvantageError as exc:
-        raise LimitExceeded(exc.message, group_id=exc.group_id, field="prompt_keys") from exc
+        raise RequestError.from_contract(exc, field="prompt_keys") from exc  # (its proto name)
     return prompt_ids(group_ids, [key or None for key in keys])
 
 

@@ -24,11 +24,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from advantage_client.flat import (
+from advantage_contract.fields import (
     MAX_CONDITION_NAME_LENGTH,
     MAX_GROUP_ID_LENGTH,
     MAX_TEACHER_CONDITIONS,
+    TOKEN_FIELDS,
 )
+from advantage_contract.grpc_gen import advantage_pb2 as pb
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from ..errors import LimitExceeded, RequestError
@@ -42,23 +44,22 @@ from ..wire.request import (
 )
 from ..wire.text import invalid_utf8
 
-# Field numbers of advantage.v1 (proto/advantage/v1/advantage.proto).
-REQUEST_ID, OPTIONS, GROUP_IDS, TEACHER_LOGPROBS = 1, 2, 3, 9
+# Field numbers of advantage.v1, read off the generated descriptors (the .proto is their one
+# source): the request's layout tensors and the contract's per-token inputs.
+_REQUEST = pb.ComputeRequest.DESCRIPTOR.fields_by_name
+_OPTIONS = pb.ComputeOptions.DESCRIPTOR.fields_by_name
+REQUEST_ID, OPTIONS, GROUP_IDS, TEACHER_LOGPROBS, PROMPT_KEYS = (
+    _REQUEST[name].number
+    for name in ("request_id", "options", "group_ids", "teacher_logprobs", "prompt_keys")
+)
 TENSORS = {
-    4: "group_index",
-    5: "offsets",
-    6: "tokens",
-    7: "rewards",
-    8: "logprobs",
-    10: "entropy",
-    11: "sum_pi_squared",
-    12: "is_weights",
-    14: "returns",
-    15: "planning_mask",
+    _REQUEST[name].number: name
+    for name in ("group_index", "offsets", "tokens", "rewards", *TOKEN_FIELDS)
 }
-PER_TOKEN = ("logprobs", "entropy", "sum_pi_squared", "is_weights", "returns", "planning_mask")
-PROMPT_KEYS = 13
-NAMESPACE, PRESET, ESTIMATOR_JSON, IGNORE_TOKEN_IDS, RETURNS = 1, 2, 3, 4, 6
+NAMESPACE, PRESET, ESTIMATOR_JSON, IGNORE_TOKEN_IDS, RETURNS = (
+    _OPTIONS[name].number
+    for name in ("namespace", "preset", "estimator_json", "ignore_token_ids", "returns")
+)
 TENSOR_DTYPE, TENSOR_DATA = 1, 2
 MAP_KEY, MAP_VALUE = 1, 2
 # Bytes per value of each DType (advantage.v1.DType: INT32, INT64, FLOAT32, FLOAT64).
@@ -423,7 +424,7 @@ def _check_counts(data: bytes, request: _Request, limits: MessageLimits) -> None
             "(ADV_MAX_REQUEST_TOKENS): split the batch",
             field="tokens",
         )
-    per_token = [(name, count.get(name, 0)) for name in PER_TOKEN]
+    per_token = [(name, count.get(name, 0)) for name in TOKEN_FIELDS]
     per_token += [
         (f"teacher_logprobs.{key.decode(errors='replace')}", t.count())
         for key, t in request.teachers.items()

@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from functools import partial
 from typing import Annotated, Any, Literal
 
+from advantage_contract import arrow as contract_arrow
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
@@ -57,7 +58,7 @@ from .openapi import (
 log = logging.getLogger("advantage_service.http")
 
 JSON = "application/json"
-ARROW = arrow.MEDIA_TYPE
+ARROW = contract_arrow.MEDIA_TYPE
 # How much of a refused request's body is read and dropped before the connection closes.
 DISCARD_MAX_BYTES = 8 * 2**30
 DISCARD_MAX_SECONDS = 30.0
@@ -399,7 +400,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
             raise
         return ticket, body
 
-    app.state.viewer = viewer = mount_viewer(app, settings, engine, receive_body)
+    app.state.viewer = mount_viewer(app, settings, engine, receive_body)
 
     @app.get("/docs", include_in_schema=False)
     async def docs() -> Response:
@@ -503,10 +504,16 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
                 )
                 del body  # (the decoder holds it until it has decoded, then lets it go)
                 encode = arrow.encode_response if arrow_out else encode_json
+                # (The engine hands the computed request to the viewer's keeping hook.)
                 computed = await engine.compute(
-                    decode, transport, encode=encode, ticket=ticket, principal=principal, call=call
+                    decode,
+                    transport,
+                    encode=encode,
+                    ticket=ticket,
+                    principal=principal,
+                    call=call,
+                    encodes_json=not arrow_out,
                 )
-        await viewer.keep(computed, json_response=not arrow_out)
         if arrow_out:
             assert computed.encoded is not None
             return Response(memoryview(computed.encoded), media_type=ARROW)

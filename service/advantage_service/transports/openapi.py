@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+from advantage_contract import arrow as contract_arrow
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
@@ -16,10 +17,9 @@ from ..estimators.pipeline import all_diagnostics
 from ..estimators.spec import DEFAULT_PRESET, TOP_LEVEL_PARAMS
 from ..serving.compute import compute as compute_in_process
 from ..wire import jsonio
-from . import arrow
 
 JSON = "application/json"
-ARROW = arrow.MEDIA_TYPE
+ARROW = contract_arrow.MEDIA_TYPE
 REF = "#/components/schemas/{model}"
 
 
@@ -238,6 +238,10 @@ class TermInfo(BaseModel):
 
 
 class EstimatorListing(BaseModel):
+    contract: int = Field(
+        description="the contract version (fields, limits, methods) of this service; a client "
+        "of another version warns"
+    )
     default: str
     presets: dict[str, dict[str, Any]] = Field(description="preset name -> resolved estimator")
     outcomes: list[OutcomeInfo]

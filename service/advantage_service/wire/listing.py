@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from advantage_contract import CONTRACT_VERSION
+
 from ..estimators import OUTCOMES, TERMS, Param, presets, resolve_estimator
 from ..estimators.pipeline import all_diagnostics
 from ..estimators.spec import DEFAULT_PRESET, TOP_LEVEL_PARAMS
@@ -19,6 +21,7 @@ def estimator_listing() -> dict[str, Any]:
     """Every outcome, term, preset and parameter, from the registry (with the inputs each
     needs: its ``requires`` at its default parameters)."""
     return {
+        "contract": CONTRACT_VERSION,
         "default": DEFAULT_PRESET,
         "presets": {name: resolve_estimator(name).to_dict() for name in presets()},
         "outcomes": [

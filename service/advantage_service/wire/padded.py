@@ -1,6 +1,6 @@
 """``compute_padded``: advantages for a trainer's (B, T) padded batch, in-process.
 
-The same signature and result as the clients' ``compute_padded`` (``advantage_client.padded``
+The same signature and result as the clients' ``compute_padded`` (``advantage_contract.padded``
 holds the layout both share): a rollout's tokens are the positions where ``mask`` is true (left
 padding, right padding, holes), rows of one group need not be adjacent, and the answer is (B, T)
 with exact zeros off the mask. Given torch tensors it answers torch tensors on their device (and
@@ -27,30 +27,22 @@ from typing import Any
 
 import numpy as np
 import torch
-from advantage_client.errors import AdvantageError
-from advantage_client.flat import group_prompt_keys, prompt_ids
-from advantage_client.padded import PaddedLayout, PaddedResult, as_numpy, group_index_of
+from advantage_contract.errors import AdvantageError
+from advantage_contract.fields import TOKEN_FIELDS
+from advantage_contract.flat import group_prompt_keys, prompt_ids
+from advantage_contract.padded import PaddedLayout, PaddedResult, as_numpy, group_index_of
 
 from ..batch import RolloutBatch, fresh
 from ..errors import RequestError
 from ..estimators import OUTCOMES, compute_batch, resolve_estimator
-from ..estimators.pipeline import WHITEN_EPS, check_inputs
+from ..estimators.pipeline import check_inputs, whiten_and_clip
 
 __all__ = ["PaddedResult", "compute_padded"]
-
-PER_TOKEN_INPUTS = (
-    "logprobs",
-    "entropy",
-    "sum_pi_squared",
-    "is_weights",
-    "returns",
-    "planning_mask",
-)
 
 
 def _batch_inputs() -> frozenset[str]:
     """The per-token inputs this service version's batch carries."""
-    return frozenset(f.name for f in dataclasses.fields(RolloutBatch)) & frozenset(PER_TOKEN_INPUTS)
+    return frozenset(f.name for f in dataclasses.fields(RolloutBatch)) & frozenset(TOKEN_FIELDS)
 
 
 def _token_level(spec: Any) -> bool:
@@ -61,16 +53,6 @@ def _token_level(spec: Any) -> bool:
         bool(spec.terms)
         or bool(getattr(outcome, "per_token", False))
         or bool(outcome.requires(spec.outcome_params))
-    )
-
-
-def _request_error(exc: AdvantageError) -> RequestError:
-    return RequestError(
-        exc.code,
-        exc.message,
-        group_id=exc.group_id,
-        rollout_index=exc.rollout_index,
-        field=exc.field,
     )
 
 
@@ -251,22 +233,10 @@ def _outcome_only(
     scalars = OUTCOMES[spec.outcome].fn(batch, spec.outcome_params)
     if not isinstance(scalars, torch.Tensor):
         scalars = scalars.advantage  # (a_i, B: an outcome per token takes the flat path)
-    per_row = scalars.float()
-    num_tokens = int(padded.offsets[-1]) if spec.whiten else 0
-    if spec.whiten and num_tokens:
-        # Whitening over the request's tokens, with each row's value counted once per token.
-        wide = per_row.double()
-        weights = padded.lengths.double()
-        mean = (wide * weights).sum() / num_tokens
-        var = (
-            (weights * (wide - mean) ** 2).sum() / (num_tokens - 1)
-            if num_tokens > 1
-            else wide.new_zeros(())
-        )
-        per_row = ((wide - mean) / torch.sqrt(var + WHITEN_EPS)).float()
-    if spec.clip is not None:
-        bound = min(spec.clip, torch.finfo(torch.float32).max)
-        per_row = per_row.clamp(-bound, bound)
+    # The pipeline's whitening over the request's tokens (each row's value counted once per
+    # token: its length, a pass over the mask only when whitening asks for it), then clipping.
+    lengths = padded.lengths if spec.whiten else None
+    per_row = whiten_and_clip(scalars.float(), spec, lengths)
     return padded.broadcast(per_row), scalars.float()
 
 
@@ -352,7 +322,7 @@ def compute_padded(
             for name, values in (teacher_logprobs or {}).items()
         }
     except AdvantageError as exc:
-        raise _request_error(exc) from exc
+        raise RequestError.from_contract(exc) from exc
     logprobs_flat = inputs.pop("logprobs", None)
     # (the per-token inputs past logprobs, by the batch's own field names, once it has them)
     from_flat: Any = RolloutBatch.from_flat

@@ -2,7 +2,7 @@
 
 :func:`parse_options` checks the top-level fields; the rollouts become a batch by
 :func:`batch_from_groups` (JSON ``groups``, gRPC stream groups: the client package's one builder,
-``advantage_client.flat.flatten_groups``, numpy only) or by a transport's own decoder (Arrow
+``advantage_contract.flat.flatten_groups``, numpy only) or by a transport's own decoder (Arrow
 tables, gRPC tensors), and :meth:`RequestOptions.with_batch` joins the two.
 """
 
@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from advantage_client.errors import AdvantageError
-from advantage_client.flat import TOP_LEVEL_FIELDS, flatten_groups
+from advantage_contract.errors import AdvantageError
+from advantage_contract.flat import TOP_LEVEL_FIELDS, flatten_groups
 
 from ..batch import RolloutBatch
 from ..errors import LimitExceeded, RequestError, shown
@@ -31,7 +31,7 @@ DEFAULT_NAMESPACE = "default"
 MAX_REQUEST_ID_LENGTH = 256
 MAX_NAMESPACE_LENGTH = 128
 # (Group ids, 256, teacher condition names, 64, and 64 distinct conditions in a request:
-# advantage_client.flat's MAX_GROUP_ID_LENGTH, MAX_CONDITION_NAME_LENGTH and
+# advantage_contract.flat's MAX_GROUP_ID_LENGTH, MAX_CONDITION_NAME_LENGTH and
 # MAX_TEACHER_CONDITIONS, which the client's builder checks too.)
 MAX_NAME_LENGTH = 64  # estimator, preset, outcome, term and parameter names and string values
 MAX_RETURN_NAMES = 64  # entries of `return` (there are fewer diagnostics than that)
@@ -233,14 +233,7 @@ def batch_from_groups(groups: Any, vocab_size: int | None) -> RolloutBatch:
         # The builder's errors repeat the group id and an unknown field's name: a string that
         # is not text is what is named, first (a walk of the groups, on this error path only).
         check_tree(groups, "groups")
-        raise RequestError(
-            exc.code,
-            exc.message,
-            group_id=exc.group_id,
-            rollout_index=exc.rollout_index,
-            field=exc.field,
-            status=413 if exc.code == "limit_exceeded" else 422,
-        ) from exc
+        raise RequestError.from_contract(exc) from exc
     # The strings the batch keeps (ids, prompt keys, teacher condition names: echoed in the
     # answer, logged, kept as keys): one join where they are all text; the walk that names
     # the culprit only where one is not. (Every other string of the groups is one the builder

@@ -9,10 +9,11 @@ Each imports its trainer library only when used, so this package imports without
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from ..methods import INPUT_READERS, OUTCOMES, TERMS
+from advantage_contract.backend import Backend, inprocess
+from advantage_contract.methods import INPUT_READERS, OUTCOMES, TERMS
 
 # The methods and the inputs each reads come from the service's registry, generated into the
 # client package (methods.py), so a new method is added in one place.
@@ -29,46 +30,30 @@ def components(resolved: Mapping[str, Any]) -> set[str]:
 
 
 def inputs_read(resolved: Mapping[str, Any]) -> set[str]:
-    """The optional inputs an estimator object reads; all of them for a component this
-    client does not know (sending an input too many is only slower)."""
+    """The inputs an estimator object reads, from the methods table this client was released
+    with (without asking a service: :func:`.checks.inputs_read` reads a service's listing);
+    all of them for a component this client does not know (an input too many is only slower)."""
     parts = components(resolved)
     if parts - KNOWN_COMPONENTS:
         return set(INPUT_READERS)
     return {name for name, readers in INPUT_READERS.items() if parts & set(readers)}
 
 
-def backend(
-    transport: str, url: str | None, client_options: Mapping[str, Any]
-) -> tuple[Callable[..., Any], Callable[[], dict[str, Any]], Any]:
-    """(compute_padded, presets() -> {name: resolved estimator object}, the client or None)
-    of a transport: ``inprocess`` (the service library in this process, torch in and out),
-    ``http`` or ``grpc`` (a client of a running service at ``url``)."""
+def backend(transport: str, url: str | None, client_options: Mapping[str, Any]) -> Backend:
+    """The backend of a transport: ``inprocess`` (the service library in this process, torch in
+    and out, found through the contract's entry point: this package never imports the
+    service), ``http`` or ``grpc`` (a client of a running service at ``url``). Each has the same
+    ``compute_padded`` and ``list_estimators``."""
     if transport == "inprocess":
-        import advantage_service
-
-        def local_presets() -> dict[str, Any]:
-            return {
-                name: advantage_service.resolve_estimator(name).to_dict()
-                for name in advantage_service.presets()
-            }
-
-        return advantage_service.compute_padded, local_presets, None
+        return inprocess()
     if transport not in ("http", "grpc"):
         raise ValueError(f"transport must be 'inprocess', 'http' or 'grpc', got {transport!r}")
     if url is None:
         raise ValueError(f"transport {transport!r} needs url (the service's address)")
-    client: Any
     if transport == "http":
         from ..http_client import HttpClient
 
-        client = HttpClient(url, **client_options)
-    else:
-        from ..grpc_client import GrpcClient
+        return HttpClient(url, **client_options)
+    from ..grpc_client import GrpcClient
 
-        client = GrpcClient(url, **client_options)
-
-    def remote_presets() -> dict[str, Any]:
-        listing = client.list_estimators()["presets"]
-        return dict(listing) if isinstance(listing, Mapping) else {p: {} for p in listing}
-
-    return client.compute_padded, remote_presets, client
+    return GrpcClient(url, **client_options)

@@ -134,11 +134,10 @@ def resolve(listing: Mapping[str, Any], estimator: Any) -> dict[str, Any]:
     return resolved
 
 
-def required_inputs(listing: Mapping[str, Any], resolved: Mapping[str, Any]) -> set[str]:
-    """The inputs the resolved estimator cannot do without, by ``compute_padded`` keyword:
-    ``logprobs``, ``entropy``, ``sum_pi_squared``, ``teacher_logprobs.<condition>``. A
-    teacher's condition follows the term's parameters (CSCR's ``positive``/``negative``,
-    OPSD's ``teacher``), the rest is the listing's ``inputs`` of each part."""
+def _parts(
+    listing: Mapping[str, Any], resolved: Mapping[str, Any]
+) -> list[tuple[Mapping[str, Any], Mapping[str, Any]]]:
+    """(the listing's entry, the estimator's parameters) of the outcome and each enabled term."""
     outcomes = {o["name"]: o for o in listing.get("outcomes", ())}
     terms = {t["name"]: t for t in listing.get("terms", ())}
     outcome = resolved.get("outcome") or {}
@@ -149,8 +148,16 @@ def required_inputs(listing: Mapping[str, Any], resolved: Mapping[str, Any]) -> 
     for term_name, params in resolved.items():
         if term_name in terms and params:
             parts.append((terms[term_name], params))
+    return parts
+
+
+def required_inputs(listing: Mapping[str, Any], resolved: Mapping[str, Any]) -> set[str]:
+    """The inputs the resolved estimator cannot do without, by ``compute_padded`` keyword:
+    ``logprobs``, ``entropy``, ``sum_pi_squared``, ``teacher_logprobs.<condition>``. A
+    teacher's condition follows the term's parameters (CSCR's ``positive``/``negative``,
+    OPSD's ``teacher``), the rest is the listing's ``inputs`` of each part."""
     needed: set[str] = set()
-    for part, params in parts:
+    for part, params in _parts(listing, resolved):
         for field in part.get("inputs", ()):
             if field.startswith("teacher_logprobs."):
                 condition = field.split(".", 1)[1]
@@ -162,6 +169,22 @@ def required_inputs(listing: Mapping[str, Any], resolved: Mapping[str, Any]) -> 
                 field = f"teacher_logprobs.{condition}"
             needed.add(field)
     return needed
+
+
+def optional_inputs(listing: Mapping[str, Any], resolved: Mapping[str, Any]) -> set[str]:
+    """The inputs the resolved estimator reads when given and does without otherwise (OTB's
+    ``is_weights`` and ``returns``, ...), by ``compute_padded`` keyword: a trainer that has
+    one sends it, or its answer would differ from the trainer's own estimator's."""
+    return {
+        field for part, _ in _parts(listing, resolved) for field in part.get("optional_inputs", ())
+    }
+
+
+def inputs_read(listing: Mapping[str, Any], resolved: Mapping[str, Any]) -> set[str]:
+    """Every input the resolved estimator reads, required or optional, by ``compute_padded``
+    keyword (``teacher_logprobs`` for any teacher condition)."""
+    both = required_inputs(listing, resolved) | optional_inputs(listing, resolved)
+    return {field.split(".", 1)[0] for field in both}
 
 
 def is_token_level(listing: Mapping[str, Any], resolved: Mapping[str, Any]) -> bool:

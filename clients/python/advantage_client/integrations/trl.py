@@ -49,7 +49,8 @@ import numpy as np
 import torch
 from trl import GRPOTrainer
 
-from ..errors import AdvantageError
+from advantage_contract.errors import AdvantageError
+
 from . import backend, checks, fallback
 
 log = logging.getLogger(__name__)
@@ -67,16 +68,6 @@ def prompt_key(token_ids: Any) -> str:
     every process and run)."""
     ids = np.ascontiguousarray(np.asarray(token_ids, dtype=np.int64).reshape(-1))
     return hashlib.blake2b(ids.tobytes(), digest_size=12).hexdigest()
-
-
-def estimator_listing(transport: str, client: Any) -> dict[str, Any]:
-    """What the service lists at ``GET /v1/estimators``: the registry in-process, else asked."""
-    if transport == "inprocess":
-        from advantage_service.wire.listing import estimator_listing as local_listing
-
-        return local_listing()
-    listing: dict[str, Any] = client.list_estimators()
-    return listing
 
 
 def _config_value(args: tuple[Any, ...], kwargs: Mapping[str, Any], name: str, default: Any) -> Any:
@@ -133,16 +124,6 @@ class AdvantageGRPOTrainer(GRPOTrainer):
             raise ValueError(
                 f"advantage_fallback must be None or 'local', got {advantage_fallback!r}"
             )
-        if transport == "inprocess":
-            try:
-                import advantage_service  # noqa: F401
-            except ModuleNotFoundError as exc:
-                raise ModuleNotFoundError(
-                    "advantage_transport='inprocess' runs the service library in this process "
-                    "and needs the advantage-service package (pip install advantage-service, or "
-                    "pip install -e . in its repository); to call a running service instead, "
-                    "pass advantage_url='http://host:8000'"
-                ) from exc
         options = dict(advantage_options or {})
         self._call_options = {
             "ignore_token_ids": options.pop("ignore_token_ids", None),
@@ -151,14 +132,19 @@ class AdvantageGRPOTrainer(GRPOTrainer):
         prefix = options.pop("request_id", None)
         self._request_prefix = str(prefix) if prefix is not None else uuid.uuid4().hex
         self.advantage_transport = transport
-        self._compute_padded, _, self.advantage_client = backend(transport, advantage_url, options)
+        try:
+            self.advantage_backend = backend(transport, advantage_url, options)
+        except ModuleNotFoundError as exc:
+            raise ModuleNotFoundError(
+                f"advantage_transport='inprocess': {exc}; to call a running service instead, "
+                "pass advantage_url='http://host:8000'"
+            ) from exc
+        self._compute_padded: Any = self.advantage_backend.compute_padded
 
         # Everything about the estimator that can fail is checked here, before the model loads.
         self._fallback = advantage_fallback
         try:
-            self._listing: dict[str, Any] | None = estimator_listing(
-                transport, self.advantage_client
-            )
+            self._listing: dict[str, Any] | None = self.advantage_backend.list_estimators()
         except AdvantageError as exc:
             if advantage_fallback is None or exc.code not in UNREACHABLE:
                 raise
@@ -185,6 +171,8 @@ class AdvantageGRPOTrainer(GRPOTrainer):
         self._needed = (
             checks.required_inputs(self._listing, self._resolved) if self._listing else set()
         )
+        # (required or optional: an optional input TRL has is sent, e.g. OTB's is_weights)
+        self._reads = checks.inputs_read(self._listing, self._resolved) if self._listing else set()
         self._check_inputs()
         self._rewards_per_func: torch.Tensor | None = None
         self._calls_at: dict[tuple[str, int], int] = {}
@@ -205,11 +193,7 @@ class AdvantageGRPOTrainer(GRPOTrainer):
             return {"outcome": {"name": name}, "whiten": False, "clip": None}
         try:
             resolved = checks.resolve(self._listing, estimator)
-            if self.advantage_transport == "inprocess":
-                from advantage_service import resolve_estimator
-
-                resolve_estimator(estimator)  # (the registry's own checks, e.g. a term's)
-        except Exception as exc:  # the service's RequestError or the listing's check
+        except Exception as exc:  # the listing's check
             raise ValueError(f"advantage_estimator {estimator!r}: {exc}") from exc
         return resolved
 
@@ -401,14 +385,21 @@ class AdvantageGRPOTrainer(GRPOTrainer):
         """(this process's per-token inputs by keyword, its teacher log-probs by condition):
         only those the estimator needs."""
         per_token: dict[str, torch.Tensor] = {}
-        want = {n for n in self._needed if n in ("logprobs", "entropy", "sum_pi_squared")}
+        want = {n for n in self._reads if n in ("logprobs", "entropy", "sum_pi_squared")}
         if "logprobs" in want and output.get("old_per_token_logps") is not None:
             per_token["logprobs"] = output["old_per_token_logps"]
             want.discard("logprobs")
+        if not self._extra_forward:  # (an optional input costs a forward pass: opted into)
+            want &= self._needed
         if want:
             ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
             attention = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
             per_token.update(self._policy_forward(ids, attention, output["completion_ids"], want))
+        ratio = output.get("importance_sampling_ratio")
+        if "is_weights" in self._reads and ratio is not None:
+            # TRL's vLLM importance-sampling correction (pi_old / pi_rollout, truncated or
+            # masked as configured): (B, T) per token, (B, 1) per sequence.
+            per_token["is_weights"] = ratio.expand_as(output["completion_mask"]).float()
         conditions = {n.split(".", 1)[1] for n in self._needed if n.startswith("teacher_logprobs.")}
         teachers = self._teacher_logprobs(inputs, output, conditions) if conditions else {}
         return per_token, teachers

@@ -22,33 +22,13 @@ import numpy as np
 
 from . import flat as _flat
 from .errors import AdvantageError
+from .fields import TOKEN_FIELDS
+from .methods import OUTCOME_ONLY_PRESETS
 
-# The per-token inputs of compute_padded, by keyword (their names on both wires too).
-PER_TOKEN_INPUTS = (
-    "logprobs",
-    "entropy",
-    "sum_pi_squared",
-    "is_weights",
-    "returns",
-    "planning_mask",
-)
-# Those this client version's wire encoders carry (a client before the per-token inputs of
-# the forking/OTB work carried logprobs only).
-WIRE_TOKEN_INPUTS: tuple[str, ...] = tuple(getattr(_flat, "TOKEN_FIELDS", ("logprobs",)))
+# The per-token inputs of compute_padded, by keyword (their names on every wire too).
+PER_TOKEN_INPUTS = TOKEN_FIELDS
 # Outcome baselines: an estimator that is one of these (and has no term) needs no token ids.
-OUTCOME_PRESETS = frozenset(
-    (
-        "grpo",
-        "dr_grpo",
-        "rloo",
-        "reinforce",
-        "reinforce_pp_baseline",
-        "opo",
-        "gpg",
-        "grpo_passk",
-        "maxrl",
-    )
-)
+OUTCOME_PRESETS = frozenset(OUTCOME_ONLY_PRESETS)
 ESTIMATOR_TOP_LEVEL = frozenset(("outcome", "whiten", "clip"))
 
 
@@ -307,12 +287,6 @@ class FlatRequest:
     # Per group (layout.group_ids order): the key of its history, None for none; None: no keys.
     prompt_keys: list[str | None] | None = None
 
-    def row_prompt_keys(self) -> list[str | None] | None:
-        """Per row, its group's prompt key (the Arrow column), or None without keys."""
-        if self.prompt_keys is None:
-            return None
-        return [self.prompt_keys[int(g)] for g in self.layout.group_index]
-
 
 def group_keys(layout: PaddedLayout, prompt_keys: Any) -> list[str | None] | None:
     """``prompt_keys`` (B,) per row (strings; None for a row without one) as one key per group
@@ -376,7 +350,7 @@ def flat_request(
         "returns": returns,
         "planning_mask": planning_mask,
     }
-    unsupported_inputs(per_token, WIRE_TOKEN_INPUTS, client)
+    unsupported_inputs(per_token, TOKEN_FIELDS, client)
     layout = PaddedLayout.from_padded(mask, rewards, group_ids)
     token_ids = needs_token_ids(estimator)
     flat_tokens, inputs, teachers = padded_inputs(

@@ -1,6 +1,7 @@
 """Generated from the service's estimator registry by
 clients/python/generate_methods.py; do not edit. The methods the service had when this client
-was released, and the optional inputs each reads (``teacher_logprobs``: any teacher condition).
+was released, the optional inputs each reads (``teacher_logprobs``: any teacher condition), and
+the presets that need no token ids.
 """
 
 OUTCOMES: tuple[str, ...] = (
@@ -29,3 +30,16 @@ INPUT_READERS: dict[str, tuple[str, ...]] = {
     "sum_pi_squared": ("otb",),
     "teacher_logprobs": ("cscr", "opsd"),
 }
+# Presets that are an outcome of one number per rollout and no term: a padded call of
+# one of these needs no token ids.
+OUTCOME_ONLY_PRESETS: tuple[str, ...] = (
+    "grpo",
+    "dr_grpo",
+    "rloo",
+    "reinforce",
+    "reinforce_pp_baseline",
+    "opo",
+    "gpg",
+    "grpo_passk",
+    "maxrl",
+)

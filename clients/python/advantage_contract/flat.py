@@ -23,21 +23,19 @@ from typing import Any, TypeGuard
 import numpy as np
 
 from .errors import AdvantageError
-
-TOP_LEVEL_FIELDS = (
-    "request_id",
-    "namespace",
-    "estimator",
-    "ignore_token_ids",
-    "vocab_size",
-    "return",
-    "groups",
+from .fields import (
+    EXACT_INTEGER_LIMIT,
+    FLOAT32_MAX,
+    INT32_MAX,
+    INT32_MIN,
+    MAX_CONDITION_NAME_LENGTH,
+    MAX_GROUP_ID_LENGTH,
+    MAX_TEACHER_CONDITIONS,
+    ROLLOUT_FIELDS,
+    TOKEN_FIELDS,
+    TOKEN_ID_LIMIT,
+    TOP_LEVEL_FIELDS,
 )
-# Optional per-token values of a rollout, one per token, beside the teachers' log-probabilities
-# (the service's batch carries each as a float32 (N,) array).
-TOKEN_FIELDS = ("logprobs", "entropy", "sum_pi_squared", "is_weights", "returns", "planning_mask")
-ROLLOUT_FIELDS = ("tokens", "reward", *TOKEN_FIELDS, "teacher_logprobs")
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 
 @dataclass
@@ -101,20 +99,6 @@ class FlatGroups:
                 for name, values in self.teacher_logprobs.items()
             },
         )
-
-
-# The longest identifiers a request may carry (they are logged, stored as Redis keys and echoed
-# back): group ids and teacher condition names.
-MAX_GROUP_ID_LENGTH = 256
-FLOAT32_MAX = float(np.finfo(np.float32).max)
-# Integers a float64 holds exactly: a larger integer reward would be silently rounded (JSON
-# carries it exactly), so it is refused on every transport.
-EXACT_INTEGER_LIMIT = 2**53
-# Token ids at or above this cannot be a vocabulary's (the batch holds them as int32).
-TOKEN_ID_LIMIT = 2**31
-MAX_CONDITION_NAME_LENGTH = 64
-# Distinct teacher_logprobs conditions in a request (every rollout gives the same ones).
-MAX_TEACHER_CONDITIONS = 64
 
 
 def prompt_ids(group_ids: Sequence[str], keys: Sequence[str | None] | None) -> list[str] | None:

@@ -1,0 +1,358 @@
+"""The gRPC messages of ``advantage.v1.AdvantageService`` to and from numpy arrays and the
+HTTP API's dicts, and the service's errors (status, details, trailing metadata) as
+:class:`AdvantageError`.
+
+No channel and no calls here: :mod:`advantage_client.grpc_client` sends what this module
+builds, and :mod:`advantage_client.grpc_stream` keeps the stream's rollouts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+
+from advantage_contract.errors import AdvantageError
+from advantage_contract.flat import (
+    TOKEN_FIELDS,
+    check_top_level,
+    flatten_groups,
+    is_number,
+    narrow_tokens,
+    nest_rows,
+    split_rows,
+    token_array,
+)
+from advantage_contract.grpc_gen import advantage_pb2 as pb
+from advantage_contract.grpc_wire import (
+    DTYPE_OF,
+    ERROR_CODE_KEY,
+    FIELD_KEY,
+    GROUP_ID_KEY,
+    RETRY_AFTER_KEY,
+    RETRY_AFTER_MS_KEY,
+    ROLLOUT_INDEX_KEY,
+    WIRE_DTYPES,
+)
+from advantage_contract.padded import FlatRequest, PaddedResult, result_from_flat
+
+STREAM_ROLLOUT_FIELDS = (
+    "group_id",
+    "group_size",
+    "rollout_id",
+    "tokens",
+    "reward",
+    *TOKEN_FIELDS,
+    "teacher_logprobs",
+    "prompt_key",
+)
+
+
+def to_tensor(values: np.ndarray) -> pb.Tensor:
+    """A 1-D array as raw little-endian bytes with its dtype."""
+    array = np.asarray(values)
+    dtype = array.dtype.newbyteorder("=")
+    if dtype not in DTYPE_OF:
+        dtype = np.dtype(np.int64 if array.dtype.kind in "iub" else np.float64)
+    wire = DTYPE_OF[dtype]
+    data = np.ascontiguousarray(array, dtype=WIRE_DTYPES[wire]).tobytes()
+    return pb.Tensor(dtype=wire, data=data)
+
+
+def from_tensor(tensor: pb.Tensor) -> np.ndarray:
+    """A wire tensor as a native numpy array (a view of the message's bytes, read-only)."""
+    array = np.frombuffer(tensor.data, dtype=WIRE_DTYPES[tensor.dtype])
+    return array.astype(array.dtype.newbyteorder("="), copy=False)
+
+
+def options_message(
+    *,
+    namespace: str | None = None,
+    estimator: Any = None,
+    ignore_token_ids: Sequence[int] | None = None,
+    vocab_size: int | None = None,
+    returns: Sequence[str] | None = None,
+) -> pb.ComputeOptions:
+    """The JSON request's options: ``estimator`` a preset name or an estimator object."""
+    options = pb.ComputeOptions(namespace=namespace or "")
+    if isinstance(estimator, str):
+        options.preset = estimator
+    elif estimator is not None:
+        options.estimator_json = json.dumps(estimator)
+    if ignore_token_ids:
+        options.ignore_token_ids.extend(int(t) for t in ignore_token_ids)
+    if vocab_size is not None:
+        options.vocab_size = int(vocab_size)
+    if returns:
+        options.returns.extend(returns)
+    return options
+
+
+def compute_request_message(request: Mapping[str, Any]) -> pb.ComputeRequest:
+    """The HTTP JSON request (lists or numpy arrays inside) as a ``ComputeRequest``."""
+    check_top_level(request)
+    flat = flatten_groups(request.get("groups")).for_wire()
+    message = pb.ComputeRequest(
+        request_id=request.get("request_id") or "",
+        options=options_message(
+            namespace=request.get("namespace"),
+            estimator=request.get("estimator"),
+            ignore_token_ids=request.get("ignore_token_ids"),
+            vocab_size=request.get("vocab_size"),
+            returns=request.get("return"),
+        ),
+        group_ids=flat.group_ids,
+        group_index=to_tensor(flat.group_index),
+        offsets=to_tensor(flat.offsets),
+        tokens=to_tensor(flat.tokens),
+        rewards=to_tensor(flat.rewards),
+    )
+    if flat.prompt_keys is not None:
+        message.prompt_keys.extend(key or "" for key in flat.prompt_keys)
+    for name, values in flat.token_values().items():
+        getattr(message, name).CopyFrom(to_tensor(values))
+    for name, values in flat.teacher_logprobs.items():
+        message.teacher_logprobs[name].CopyFrom(to_tensor(values))
+    return message
+
+
+def flat_request_message(req: FlatRequest) -> pb.ComputeRequest:
+    """A padded call's flat arrays as a ``ComputeRequest`` (raw tensors, trainer's row order)."""
+    layout, options = req.layout, req.options
+    message = pb.ComputeRequest(
+        request_id=options.get("request_id") or "",
+        options=options_message(
+            namespace=options.get("namespace"),
+            estimator=options.get("estimator"),
+            ignore_token_ids=options.get("ignore_token_ids"),
+            returns=options.get("return"),
+        ),
+        group_ids=layout.group_ids,
+        group_index=to_tensor(layout.group_index),
+        offsets=to_tensor(layout.offsets),
+        tokens=to_tensor(req.tokens),
+        rewards=to_tensor(layout.rewards),
+    )
+    if req.prompt_keys is not None:
+        message.prompt_keys.extend(key or "" for key in req.prompt_keys)
+    for name, values in req.per_token.items():
+        getattr(message, name).CopyFrom(to_tensor(values))
+    for name, values in req.teacher_logprobs.items():
+        message.teacher_logprobs[name].CopyFrom(to_tensor(values))
+    return message
+
+
+def flat_response_result(response: pb.ComputeResponse, req: FlatRequest) -> PaddedResult:
+    """A ``ComputeResponse`` (flat, request order) scattered back into the padded layout."""
+    return result_from_flat(
+        req.layout,
+        from_tensor(response.advantages),
+        from_tensor(response.scalars),
+        {name: from_tensor(values) for name, values in response.diagnostics.items()},
+        req.token_ids,
+        summary_dict(response.summary),
+    )
+
+
+def summary_dict(summary: pb.Summary) -> dict[str, Any]:
+    out = {
+        "tokens": summary.tokens,
+        "rollouts": summary.rollouts,
+        "groups": summary.groups,
+        "zero_signal_groups": summary.zero_signal_groups,
+        "device": summary.device,
+        "compute_ms": summary.compute_ms,
+        "history": summary.history,
+        # (0 from a server of an earlier release, which never merged: one request each)
+        "batch_requests": summary.batch_requests or 1,
+        # (unset: nothing recorded, or a server of an earlier release)
+        "recorded": summary.recorded if summary.HasField("recorded") else None,
+    }
+    if summary.group_history:
+        # (per group, what its history read gave; the JSON answer has it on each group)
+        out["group_history"] = list(summary.group_history)
+    return out
+
+
+def compute_response_dict(response: pb.ComputeResponse) -> dict[str, Any]:
+    """The response as the HTTP JSON response, with numpy float32 arrays for lists."""
+    offsets = from_tensor(response.offsets)
+    columns: dict[str, Sequence[Any]] = {
+        "advantages": split_rows(from_tensor(response.advantages), offsets)
+    }
+    if response.HasField("scalars"):
+        columns["scalar"] = from_tensor(response.scalars).tolist()
+    for name, values in response.diagnostics.items():
+        columns[name] = split_rows(from_tensor(values), offsets)
+    rows = [
+        dict(zip(columns, values, strict=True)) for values in zip(*columns.values(), strict=True)
+    ]
+    groups = nest_rows(list(response.group_ids), from_tensor(response.group_index), rows)
+    summary = summary_dict(response.summary)
+    per_group = summary.pop("group_history", None)
+    if per_group is not None:
+        for group, history in zip(groups, per_group, strict=True):
+            group["history"] = history
+    return {
+        "request_id": response.request_id,
+        "namespace": response.namespace,
+        "estimator": json.loads(response.estimator_json),
+        "groups": groups,
+        "summary": summary,
+    }
+
+
+def rollout_message(rollout: Mapping[str, Any]) -> pb.Rollout:
+    """A stream rollout dict (``group_id``, ``group_size``, optional ``rollout_id``,
+    ``tokens``, ``reward``, optional ``logprobs``, ``entropy``, ``sum_pi_squared``,
+    ``is_weights``, ``teacher_logprobs`` and ``prompt_key``) as a ``Rollout``."""
+    if not isinstance(rollout, Mapping):
+        raise AdvantageError("invalid_type", "a rollout must be a dict", field="rollouts")
+    gid = rollout.get("group_id")
+    where: dict[str, Any] = {"group_id": gid if isinstance(gid, str) else None}
+    extra = set(rollout) - set(STREAM_ROLLOUT_FIELDS)
+    if extra:
+        raise AdvantageError(
+            "unknown_field",
+            f"rollout has unknown fields {sorted(extra)}; known: {list(STREAM_ROLLOUT_FIELDS)}",
+            field=sorted(extra)[0],
+            **where,
+        )
+    if not isinstance(gid, str):
+        raise AdvantageError(
+            "invalid_type", f"group_id must be a string, got {gid!r}", field="group_id"
+        )
+    size = rollout.get("group_size")
+    if not isinstance(size, int | np.integer) or isinstance(size, bool) or size < 1:
+        raise AdvantageError(
+            "invalid_type",
+            f"group_size must be a positive integer, got {size!r}",
+            field="group_size",
+            **where,
+        )
+    if "tokens" not in rollout:
+        raise AdvantageError("missing_input", "tokens is required", field="tokens", **where)
+    reward = rollout.get("reward")
+    if not is_number(reward):
+        raise AdvantageError(
+            "invalid_type", f"reward must be a number, got {reward!r}", field="reward", **where
+        )
+    rid = rollout.get("rollout_id")
+    key = rollout.get("prompt_key")
+    if key is not None and not isinstance(key, str):
+        raise AdvantageError(
+            "invalid_type",
+            f"prompt_key must be a string, got {key!r:.80}",
+            field="prompt_key",
+            **where,
+        )
+    message = pb.Rollout(
+        group_id=gid,
+        group_size=int(size),
+        rollout_id="" if rid is None else str(rid),
+        tokens=to_tensor(narrow_tokens(token_array(rollout["tokens"], field="tokens", **where))),
+        reward=float(reward),
+        prompt_key=key or "",
+    )
+    for name in TOKEN_FIELDS:
+        if rollout.get(name) is not None:
+            values = np.asarray(rollout[name], dtype=np.float32)
+            getattr(message, name).CopyFrom(to_tensor(values))
+    teacher = rollout.get("teacher_logprobs") or {}
+    if not isinstance(teacher, Mapping):
+        raise AdvantageError(
+            "invalid_type",
+            "teacher_logprobs must map condition names to lists",
+            field="teacher_logprobs",
+            **where,
+        )
+    for name, values in teacher.items():
+        message.teacher_logprobs[str(name)].CopyFrom(
+            to_tensor(np.asarray(values, dtype=np.float32))
+        )
+    return message
+
+
+def error_dict(error: pb.Error) -> dict[str, Any]:
+    return {
+        "code": error.code,
+        "message": error.message,
+        "group_id": error.group_id or None,
+        "rollout_index": error.rollout_index if error.HasField("rollout_index") else None,
+        "field": error.field or None,
+    }
+
+
+def stream_result_dict(response: pb.StreamResponse) -> dict[str, Any]:
+    """A group result ``{"id", "rollouts": [{"rollout_id", "rollout_index", "advantages",
+    ...}], "summary"}`` or a group error ``{"id", "error": {...}, "rollout_ids": [...]}``."""
+    if response.WhichOneof("kind") == "error":
+        err = response.error
+        return {
+            "id": err.group_id,
+            "error": error_dict(err.error),
+            "rollout_ids": list(err.rollout_ids),
+        }
+    result = response.result
+    rollouts = []
+    for r in result.rollouts:
+        item: dict[str, Any] = {
+            "rollout_id": r.rollout_id or None,
+            "rollout_index": r.rollout_index,
+            "advantages": from_tensor(r.advantages),
+        }
+        if r.HasField("scalar"):
+            item["scalar"] = r.scalar
+        for name, values in r.diagnostics.items():
+            item[name] = from_tensor(values)
+        rollouts.append(item)
+    return {
+        "id": result.group_id,
+        "rollouts": rollouts,
+        "request_id": result.request_id,
+        "summary": summary_dict(result.summary),
+    }
+
+
+def _metadata(exc: grpc.Call) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in exc.trailing_metadata() or ():
+        key, value = item
+        out[key] = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+    return out
+
+
+def _whole(value: Any) -> int | None:
+    """A metadata value that is a whole non-negative number, else None."""
+    text = str(value).strip() if value is not None else ""
+    return int(text) if text.isdigit() else None
+
+
+def error_from_rpc(exc: grpc.RpcError) -> AdvantageError:
+    """The service's error (status details + trailing metadata) as an AdvantageError, with its
+    retry hints: ``retry-after`` (seconds) and ``retry-after-ms``."""
+    call: Any = exc
+    code = call.code()
+    meta = _metadata(call) if hasattr(call, "trailing_metadata") else {}
+    index = meta.get(ROLLOUT_INDEX_KEY)
+    retry_after = _whole(meta.get(RETRY_AFTER_KEY))
+    return AdvantageError(
+        meta.get(ERROR_CODE_KEY) or code.name.lower(),
+        call.details() or code.name,
+        group_id=meta.get(GROUP_ID_KEY),
+        rollout_index=int(index) if index is not None else None,
+        field=meta.get(FIELD_KEY),
+        grpc_code=code.name,
+        retry_after=float(retry_after) if retry_after is not None else None,
+        retry_after_ms=_whole(meta.get(RETRY_AFTER_MS_KEY)),
+    )
+
+
+def is_retryable(error: AdvantageError) -> bool:
+    """UNAVAILABLE (overloaded, no server yet, a restart), and overload under any status:
+    ``overloaded``, or ``saturated`` (RESOURCE_EXHAUSTED, HTTP's 429, from services before
+    UNAVAILABLE)."""
+    return error.grpc_code == "UNAVAILABLE" or error.code in ("overloaded", "saturated")

@@ -1,0 +1,95 @@
+"""What every backend of the padded API implements, and how the in-process one is found.
+
+A backend is anything with :meth:`Backend.compute_padded` and :meth:`Backend.list_estimators`:
+``HttpClient`` and ``GrpcClient`` (a running service) and the service library in the trainer's
+own process. The integrations call one backend whatever the transport.
+
+The in-process backend lives in the service package, which this distribution never imports:
+the service declares it as the entry point ``inprocess`` of the group
+``advantage_contract.backends`` (its ``pyproject.toml``), and :func:`inprocess` loads it. So a
+trainer environment with ``advantage-service`` installed computes in-process, and one without
+it gets an error saying what to install.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from importlib.metadata import entry_points
+from typing import Any, Protocol, runtime_checkable
+
+from . import CONTRACT_VERSION
+from .padded import PaddedResult
+
+ENTRY_POINT_GROUP = "advantage_contract.backends"
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """The padded API, the same on every transport (names, order and defaults: a test compares
+    each implementation's signature with this one)."""
+
+    def compute_padded(
+        self,
+        tokens: Any,
+        mask: Any,
+        rewards: Any,
+        group_ids: Any,
+        *,
+        estimator: Any = "grpo",
+        logprobs: Any = None,
+        teacher_logprobs: Mapping[str, Any] | None = None,
+        entropy: Any = None,
+        sum_pi_squared: Any = None,
+        is_weights: Any = None,
+        returns: Any = None,
+        planning_mask: Any = None,
+        diagnostics: Sequence[str] = (),
+        ignore_token_ids: Sequence[int] | None = None,
+        namespace: str | None = None,
+        request_id: str | None = None,
+        prompt_keys: Any = None,
+    ) -> PaddedResult:
+        """Per-token advantages of a padded (B, T) batch: see ``HttpClient.compute_padded``."""
+        ...
+
+    def list_estimators(self) -> dict[str, Any]:
+        """The service's estimator listing (``GET /v1/estimators``)."""
+        ...
+
+
+def inprocess() -> Backend:
+    """The service library computing in this process (torch in, torch out), found through the
+    entry point the service package declares."""
+    why = (
+        "transport 'inprocess' computes with the service library in this process, which is not "
+        "installed here: `pip install advantage-service` (or use transport 'http' or 'grpc' "
+        "with a running service's url)"
+    )
+    for entry in entry_points(group=ENTRY_POINT_GROUP, name="inprocess"):
+        try:
+            backend: Backend = entry.load()()
+        except ModuleNotFoundError as exc:  # (declared by an uninstalled or broken service)
+            raise ModuleNotFoundError(f"{why}: {exc}") from exc
+        return backend
+    raise ModuleNotFoundError(why)
+
+
+def check_contract(listing: Mapping[str, Any], where: str) -> bool:
+    """Warn when ``listing`` (an estimator listing) comes from a service of another contract
+    version than this client's; True when they agree."""
+    theirs = listing.get("contract")
+    if theirs == CONTRACT_VERSION:
+        return True
+    warnings.warn(
+        f"{where} speaks contract version {theirs if theirs is not None else '1 (unlisted)'}, "
+        f"this client version {CONTRACT_VERSION}: fields, limits or methods may differ "
+        "(upgrade the older side; what one side lacks is refused by name, not dropped)",
+        ContractMismatch,
+        stacklevel=3,
+    )
+    return False
+
+
+class ContractMismatch(UserWarning):
+    """A client and a service of different contract versions."""
