@@ -328,6 +328,33 @@ async def test_replicas_appending_and_compacting_concurrently_lose_no_counts(
     assert deltas < 3 and leftovers == []
 
 
+class BusyLoopConnection(redis.asyncio.Connection):
+    """Connects while the event loop is busy elsewhere for longer than the connect timeout
+    (other requests' work on a loaded machine): the loop blocks inside the connect's window."""
+
+    def _connection_arguments(self) -> Any:
+        time.sleep(0.8)
+        return super()._connection_arguments()
+
+
+async def test_a_write_whose_connect_a_busy_event_loop_holds_up_still_counts(
+    redis_server: RedisServer,
+) -> None:
+    # Writes run after the response: a 0.5 s connect budget (the reads') lost their counts.
+    store = RedisStatsStore(
+        redis_server.url, connect_timeout=0.5, connection_class=BusyLoopConnection
+    )
+    update = token_updates(57, 1)[0]
+    reader = RedisStatsStore(redis_server.url)
+    try:
+        assert await store.record(NS, None, update)
+        stats = await reader.token_stats(NS, "key", 10**6)
+    finally:
+        await store.close()
+        await reader.close()
+    assert_token_stats_are_the_sum(stats, [update.tokens])
+
+
 async def test_a_compactor_that_dies_holding_the_lock_leaves_its_deltas_to_the_next(
     redis_server: RedisServer,
 ) -> None:

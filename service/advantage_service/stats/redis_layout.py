@@ -74,10 +74,10 @@ class FirstContact:
         self._make_cluster = cluster
         self.chosen: Layout | None = None
 
-    async def choose(self) -> Layout:
+    async def choose(self, *, write: bool = False) -> Layout:
         """The layout; asks the node once (raises when it does not answer)."""
         if self.chosen is None:
-            if await self.one.node.runs_cluster():
+            if await self.one.node.runs_cluster(write=write):
                 log.info("stats store: the Redis node runs in cluster mode: the cluster layout")
                 self.chosen = self._make_cluster()
             else:
@@ -104,7 +104,7 @@ class FirstContact:
         if self.chosen is None:
             # (a write reports for itself: asking is an attempt of its own)
             try:
-                await self.context.call("record", self.choose)
+                await self.context.call("record", lambda: self.choose(write=True))
             except Unavailable:
                 return [LOST] * len(requests)
         assert self.chosen is not None

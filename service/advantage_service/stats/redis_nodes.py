@@ -205,7 +205,11 @@ class OneNode:
         # restarted Redis) for the commands redis-py sends itself (INFO, PING).
         kwargs.setdefault("retry", Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
         self.reader = redis.Redis.from_url(url, socket_timeout=socket_timeout, **kwargs)
-        self.writer = redis.Redis.from_url(url, socket_timeout=write_timeout, **kwargs)
+        # A write runs after its response, so it may wait for a connection as long as for its
+        # reply: a connect held up by a busy event loop (many requests' work on a loaded
+        # machine) would otherwise lose an answered request's statistics.
+        write_kwargs = {**kwargs, "socket_connect_timeout": max(connect_timeout, write_timeout)}
+        self.writer = redis.Redis.from_url(url, socket_timeout=write_timeout, **write_kwargs)
         self.count = count
 
     async def run(self, parts: Sequence[Part], *, read: bool = False) -> None:
@@ -218,10 +222,11 @@ class OneNode:
             part.result = replies[start : start + len(part.commands)]
             start += len(part.commands)
 
-    async def runs_cluster(self) -> bool:
-        """Whether the node runs in cluster mode (raises when it does not answer)."""
+    async def runs_cluster(self, *, write: bool = False) -> bool:
+        """Whether the node runs in cluster mode (raises when it does not answer); a write asks
+        over the write pool, with its budget."""
         try:
-            info = await self.reader.info("cluster")
+            info = await (self.writer if write else self.reader).info("cluster")
         except ResponseError:  # (INFO not allowed, as on some managed Redis: one Redis)
             info = {}
         return str(info.get("cluster_enabled", 0)) == "1"
