@@ -145,9 +145,12 @@ def gtpo_advantage(
 ) -> TokenShaping:
     """GTPO's shaped token rewards and advantages (the module's formulas).
 
-    entropy: H_it (nats), (N,). The token passes are float32; sums over keys and classes, and
-    the class statistics, float64. A class whose answer float32 cannot give (nearly flat shaped
-    rewards, outcome terms b_i that differ: rewards other than 0/1) is computed again in
+    entropy: H_it (nats), (N,). The token passes are float32 (v = H or 1/H, A = P_k v + shift);
+    the per-position sums S and Q and factors F, the sums over classes, the class statistics
+    and P_k = F_k scale, float64 (a float32 F, alike over a long run of positions, biased a
+    class's sum of squares by more than its tiny spread). A class whose answer float32 cannot
+    give (nearly flat shaped rewards: ``gtpo_statistics.WIDE_BELOW``; outcome terms b_i that
+    differ: rewards other than 0/1) is computed again in
     float64, and only its tokens take that answer, so that a request's answer does not depend on
     the requests merged with it.
     """
@@ -227,7 +230,8 @@ def _gtpo_compiled(
     first_wrong = int(longest[:g].sum())
 
     h = entropy.float().contiguous().numpy()
-    total, squares, alive, factor = kernels.scratch_tables(num_keys, 4)
+    total, squares, factor = kernels.scratch_tables(num_keys, 3, np.float64)
+    alive, per_key = kernels.scratch_tables(num_keys, 2)
     negative = kernels.gtpo_position_sums(h, offsets, start, busy, wrong, total, squares, alive)
     status = kernels.gtpo_factor(total, alive, first_wrong, alpha2, factor)
     if status:  # an entropy of 0 where the keyed path's shares decide
@@ -237,6 +241,7 @@ def _gtpo_compiled(
     scale, shift, wide = class_statistics_numpy(lengths, cg, contrast, y2, b, alpha2, epsilon, None)
     if wide.any():
         return None
+    kernels.gtpo_per_key(factor, scale, longest, per_key)
     out = np.empty(batch.num_tokens, dtype=np.float32)
     sums = kernels.gtpo_write(
         h,
@@ -245,8 +250,8 @@ def _gtpo_compiled(
         busy,
         wrong,
         negative,
-        factor,
-        scale.astype(np.float32)[cg],
+        per_key,
+        scale[cg],
         shift.astype(np.float32),
         out,
     )
@@ -271,7 +276,7 @@ def _gtpo(
     alive = layout.alive(batch.lengths)
     key = token_keys(batch, layout)
     v, total = token_shares(entropy, layout, alive, key, dtype)
-    squares = torch.zeros_like(total).index_add_(0, key, v * v)
+    squares = torch.zeros_like(total).index_add_(0, key, v.double().square())
     factor = key_factor(alive, total, layout.first_wrong, alpha2)
     b = outcome_rewards(batch, classes, alpha1)
     y = None
@@ -280,11 +285,11 @@ def _gtpo(
     rollout_y = batch.rollout_sums(y) if dtype == torch.float64 and y is not None else None
     y2 = layout.square_sums(factor, squares)
     norm = normalise(batch, classes, y2, b, alpha2, epsilon, rollout_y)
-    scale_of_key = layout.per_key(norm.scale.to(dtype))
+    scale_of_key = layout.per_key(norm.scale)
     per_key = factor.mul(scale_of_key)
     # (a factor may be infinite where its class is left out: a group without contrast)
     per_key.masked_fill_(scale_of_key == 0, 0.0)
-    advantage = per_key.index_select(0, key).mul_(v)
+    advantage = per_key.to(dtype).index_select(0, key).mul_(v)
     advantage += batch.per_token(norm.shift.to(dtype))  # (the compiled loop's float32 addition)
     reward = y.double() + batch.per_token_wide(b) if with_reward and y is not None else None
     of_token = layout.of_key().index_select(0, key)

@@ -144,18 +144,19 @@ def token_shares(
     first_wrong, num_keys = layout.first_wrong, layout.num_keys
     v = torch.reciprocal(h)
     torch.where(key >= first_wrong, v, h, out=v)
-    total = torch.zeros(num_keys, dtype=dtype, device=v.device).index_add_(0, key, v)
+    total = torch.zeros(num_keys, dtype=torch.float64, device=v.device)
+    total.index_add_(0, key, v if dtype == torch.float64 else v.double())
     flat = total[:first_wrong] == 0
     if bool(flat.any()):  # every O+ token at the position has H = 0: equal shares
         every = torch.zeros(num_keys, dtype=torch.bool, device=v.device)
         every[:first_wrong] = flat
         v.masked_fill_(every.index_select(0, key), 1.0)
-        total = torch.where(every, alive.to(dtype), total)
+        total = torch.where(every, alive.double(), total)
     if bool(torch.isinf(total[first_wrong:]).any()):  # some O- token has H = 0: they share
         certain = torch.isinf(total)
         zero = torch.isinf(v).to(dtype)
-        zeros = torch.zeros(num_keys, dtype=dtype, device=v.device)
-        zeros.index_add_(0, key, zero)
+        zeros = torch.zeros(num_keys, dtype=torch.float64, device=v.device)
+        zeros.index_add_(0, key, zero.double())
         v = torch.where(certain.index_select(0, key), zero, v)
         total = torch.where(certain, zeros, total)
     return v, total

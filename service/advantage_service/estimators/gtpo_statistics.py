@@ -15,6 +15,13 @@ import torch
 from ..batch import RolloutBatch
 from .gtpo_shaping import Classes
 
+# A class whose std is at most this share of its entropy part's root mean square goes to the
+# float64 pass. Why this value: A = (y - mean) / std, so the float32 token pass (v = H or 1/H
+# rounded, A = (F scale) v + shift) errs by a few float32 ulps of y / std, about 2e-7 rms / std
+# in absolute terms, where the answer must stay within 1e-5 of the float64 computation (of the
+# group's largest |A|, at least 1): rms / std <= 50 keeps it there with room.
+WIDE_BELOW = 2e-2
+
 
 class Normalisation(NamedTuple):
     """A_it = F[key_it] ``scale``_c v_it + ``shift``_i: ``scale`` 1 / (std + eps) of each class
@@ -45,9 +52,9 @@ def normalise(
 
     A class of one rollout has r~ = b + alpha2 on every token (its share is 1 at each position):
     its std is 0 and so is its advantage, set here exactly (float32 rounding of y would
-    otherwise be divided by eps). A class whose std is under 1e-3 of its entropy part's root
-    mean square in a float32 pass (shares all alike but for rounding, which the division by
-    std + eps would amplify) is ``wide``, as are classes whose Q overflowed float32.
+    otherwise be divided by eps). A class whose std is at most :data:`WIDE_BELOW` of its entropy
+    part's root mean square (shares nearly alike: the float32 token pass's rounding, divided by
+    std + eps, would show) is ``wide``, as are classes whose sum of squares overflowed.
 
     Every array here has a value per rollout or per class group: on the CPU numpy's (a call
     costs a microsecond; torch's several), elsewhere torch's."""
@@ -193,6 +200,6 @@ def _class_statistics(
     scale = xp.where(usable, 1.0 / xp.where(usable, denominator, 1.0), 0.0)
     rms = xp.sqrt(y2 / n1)
     wide = usable & (
-        ((std <= 1e-3 * rms) & (rms > 0)) | ~xp.isfinite(y2) | (varying & (rollout_y is None))
+        ((std <= WIDE_BELOW * rms) & (rms > 0)) | ~xp.isfinite(y2) | (varying & (rollout_y is None))
     )
     return scale, d * scale[cg], wide

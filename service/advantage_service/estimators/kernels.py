@@ -129,9 +129,10 @@ def gtpo_position_sums(
     squares: np.ndarray,
     alive: np.ndarray,
 ) -> bool:
-    """GTPO's per-key sums over the rollouts marked ``busy``, in batch order, into float32 (K,)
-    tables (zeroed here): ``total`` S of v (H for a correct rollout, 1/H for a wrong one),
-    ``squares`` Q of v^2 and ``alive`` the rollouts that reach the key (d_t or h_t). Returns
+    """GTPO's per-key sums over the rollouts marked ``busy``, in batch order, into (K,) tables
+    (zeroed here): ``total`` S of v (H for a correct rollout, 1/H for a wrong one) and
+    ``squares`` Q of v^2, float64 (v is float32, its square exact in float64), and ``alive``
+    the rollouts that reach the key (d_t or h_t), float32. Returns
     whether an entropy below 0 was read (taken as 0: a trainer's rounding; where none is, -0.0
     stays -0.0 as in torch, whose clamp runs only then). Rollout i's token t has key start_i +
     t."""
@@ -156,7 +157,7 @@ def gtpo_position_sums(
             for t in range(n):
                 x = h[t]
                 low |= x < zero
-                v = one / (zero if x < zero else x)
+                v = np.float64(one / (zero if x < zero else x))
                 ts[t] += v
                 qs[t] += v * v
                 d[t] += one
@@ -164,7 +165,7 @@ def gtpo_position_sums(
             for t in range(n):
                 x = h[t]
                 low |= x < zero
-                v = zero if x < zero else x
+                v = np.float64(zero if x < zero else x)
                 ts[t] += v
                 qs[t] += v * v
                 d[t] += one
@@ -176,11 +177,11 @@ def gtpo_position_sums(
 def gtpo_factor(
     total: np.ndarray, alive: np.ndarray, first_wrong: int, alpha2: float, factor: np.ndarray
 ) -> int:
-    """Into ``factor`` (K,), F_k = +-alpha2 d_k / S_k (O- negative) in float32, as
-    ``key_factor``'s float32 operations (keys no rollout reaches get 0). Returns 1 where an O+
+    """Into ``factor`` (K,), F_k = +-alpha2 d_k / S_k (O- negative) in float64, as
+    ``key_factor``'s operations (keys no rollout reaches get 0). Returns 1 where an O+
     key that a rollout reaches has S = 0 (every entropy there 0), 2 where an O- key has S
     infinite (an entropy of 0), 0 if neither (those are the keyed path's to compute)."""
-    zero = np.float32(0.0)
+    zero = 0.0
     # (each loop from 0 over slices: see the module's notes)
     plus_total, minus_total = total[:first_wrong], total[first_wrong:]
     plus_alive, minus_alive = alive[:first_wrong], alive[first_wrong:]
@@ -191,12 +192,11 @@ def gtpo_factor(
     if flat:
         return 1
     certain = False
-    inf = np.float32(np.inf)  # (a float64 inf would widen every comparison)
     for k in range(minus_total.shape[0]):
-        certain |= (minus_alive[k] > zero) & ~(np.abs(minus_total[k]) < inf)
+        certain |= (minus_alive[k] > zero) & ~(np.abs(minus_total[k]) < np.inf)
     if certain:
         return 2
-    k2 = np.float32(alpha2)
+    k2 = np.float64(alpha2)
     for k in range(plus_total.shape[0]):
         f = plus_alive[k] * k2 / plus_total[k]
         plus_factor[k] = f if plus_alive[k] > zero else zero
@@ -210,8 +210,8 @@ def gtpo_factor(
 def _square_sum(factor: np.ndarray, squares: np.ndarray) -> float:
     total = 0.0
     for k in range(factor.shape[0]):
-        f = np.float64(factor[k])
-        total += f * f * np.float64(squares[k])
+        f = factor[k]
+        total += f * f * squares[k]
     return total
 
 
@@ -229,6 +229,27 @@ def class_square_sums(factor: np.ndarray, squares: np.ndarray, longest: np.ndarr
 
 
 @_compiled
+def gtpo_per_key(
+    factor: np.ndarray, scale: np.ndarray, longest: np.ndarray, out: np.ndarray
+) -> None:
+    """Into ``out`` float32 (K,), F_k scale_c of each key's class group c (``longest[c]``
+    consecutive keys each, in order): the float64 product rounded once, 0 where scale_c is 0
+    (F_k may be infinite there), as the keyed path's ``per_key``."""
+    k = 0
+    for c in range(longest.shape[0]):
+        end = k + longest[c]
+        sc = scale[c]
+        f = factor[k:end]
+        p = out[k:end]
+        if sc == 0.0:
+            p[:] = np.float32(0.0)
+        else:
+            for j in range(f.shape[0]):
+                p[j] = np.float32(f[j] * sc)
+        k = end
+
+
+@_compiled
 def gtpo_write(
     entropy: np.ndarray,
     offsets: np.ndarray,
@@ -236,13 +257,14 @@ def gtpo_write(
     busy: np.ndarray,
     wrong: np.ndarray,
     negative: bool,
-    factor: np.ndarray,
+    per_key: np.ndarray,
     scale: np.ndarray,
     shift: np.ndarray,
     out: np.ndarray,
 ) -> np.ndarray:
-    """GTPO's answer, A_it = (F_k scale_i) v_it + shift_i in float32 (0 on rollouts not
-    ``busy``; F_k scale_i is 0 where scale_i is 0), written into ``out`` (N,); returns each
+    """GTPO's answer, A_it = P_k v_it + shift_i in float32 (0 on rollouts not ``busy``; P_k =
+    F_k scale_i: :func:`gtpo_per_key`; shift_i alone where scale_i is 0), written into ``out``
+    (N,); returns each
     rollout's float64 sum of its A_it (:func:`sum_float64`, while its slice is in cache).
     ``negative``: some entropy is below 0 (each such is taken as 0)."""
     sums = np.zeros(start.shape[0], np.float64)
@@ -255,30 +277,29 @@ def gtpo_write(
         if not busy[i]:
             a[:] = zero
             continue
-        sc = scale[i]
         sh = shift[i]
-        if sc == zero:
+        if scale[i] == 0.0:
             a[:] = zero + sh
             sums[i] = sum_float64(a)
             continue
         s = start[i]
         h = entropy[o : o + n]
-        f = factor[s : s + n]
+        f = per_key[s : s + n]
         if wrong[i]:
             if negative:
                 for t in range(n):
                     x = h[t]
-                    a[t] = (f[t] * sc) * (one / (zero if x < zero else x)) + sh
+                    a[t] = f[t] * (one / (zero if x < zero else x)) + sh
             else:
                 for t in range(n):
-                    a[t] = (f[t] * sc) * (one / h[t]) + sh
+                    a[t] = f[t] * (one / h[t]) + sh
         elif negative:
             for t in range(n):
                 x = h[t]
-                a[t] = (f[t] * sc) * (zero if x < zero else x) + sh
+                a[t] = f[t] * (zero if x < zero else x) + sh
         else:
             for t in range(n):
-                a[t] = (f[t] * sc) * h[t] + sh
+                a[t] = f[t] * h[t] + sh
         sums[i] = sum_float64(a)
     return sums
 
@@ -290,17 +311,20 @@ SCRATCH_LIMIT = 1 << 22
 _scratch = threading.local()
 
 
-def scratch_tables(n: int, count: int) -> list[np.ndarray]:
-    """``count`` float32 (n,) tables for one computation on this thread: reused between calls
-    (not zeroed: the loops that take them say what they write), fresh past
-    :data:`SCRATCH_LIMIT`. Valid until this thread's next call; never returned to a caller."""
+def scratch_tables(n: int, count: int, dtype: Any = np.float32) -> list[np.ndarray]:
+    """``count`` (n,) tables of ``dtype`` for one computation on this thread: reused between
+    calls (not zeroed: the loops that take them say what they write), fresh past
+    :data:`SCRATCH_LIMIT`. Valid until this thread's next call for the same dtype; never
+    returned to a caller."""
     if n > SCRATCH_LIMIT:
-        return [np.empty(n, np.float32) for _ in range(count)]
-    held = getattr(_scratch, "tables", None)
+        return [np.empty(n, dtype) for _ in range(count)]
+    kept: dict[Any, np.ndarray] = _scratch.__dict__.setdefault("tables", {})
+    key = np.dtype(dtype)
+    held = kept.get(key)
     if held is None or held.shape[0] < count or held.shape[1] < n:
         size = max(n, 0 if held is None else held.shape[1])
-        held = np.empty((max(count, 0 if held is None else held.shape[0]), size), np.float32)
-        _scratch.tables = held
+        held = np.empty((max(count, 0 if held is None else held.shape[0]), size), key)
+        kept[key] = held
     return [held[i, :n] for i in range(count)]
 
 
@@ -316,9 +340,12 @@ def compile_all() -> None:
     amplify(np.zeros(2, np.float32), f32, 0.5)
     start = np.array([0, 0], np.int64)
     ones = np.ones(2, np.float32)
-    total, squares, alive, factor = scratch_tables(1, 4)
+    total, squares, factor = scratch_tables(1, 3, np.float64)
+    alive, per_key = scratch_tables(1, 2)
     gtpo_position_sums(ones, offsets, start, flags, flags, total, squares, alive)
     gtpo_factor(total, alive, 1, 0.1, factor)
-    class_square_sums(factor, squares, np.array([1, 0], np.int64))
+    longest = np.array([1, 0], np.int64)
+    class_square_sums(factor, squares, longest)
+    gtpo_per_key(factor, np.ones(2), longest, per_key)
     out = np.zeros(2, np.float32)
-    gtpo_write(ones, offsets, start, flags, flags, False, factor, ones, ones, out)
+    gtpo_write(ones, offsets, start, flags, flags, False, per_key, np.ones(2), ones, out)
