@@ -19,6 +19,7 @@ import httpx
 import numpy as np
 import pytest
 from http_support import Server
+from stats.cluster_load import stats_outcomes
 from stats.redis_support import RedisServer
 
 pytestmark = pytest.mark.integration
@@ -92,14 +93,6 @@ def settled(server: Server, namespace: str) -> int:
     return last
 
 
-def outcomes(server: Server) -> dict[str, float]:
-    return {
-        dict(labels)["outcome"]: value
-        for (name, labels), value in server.metrics().items()
-        if name == "advantage_stats_requests_total" and value  # (the outcomes that happened)
-    }
-
-
 @pytest.mark.parametrize("store", ["memory", "redis"])
 def test_every_answer_recorded_true_is_counted_under_concurrent_clients(
     server_factory: Callable[..., Server], tmp_path: Any, store: str
@@ -128,7 +121,7 @@ def test_every_answer_recorded_true_is_counted_under_concurrent_clients(
         assert settled(server, namespace) == answered, tally.recorded
         # ... and, the store up all along, every answer said so.
         assert tally.recorded == {True: answered}, tally.recorded
-        assert outcomes(server) == {"counted": float(answered)}
+        assert stats_outcomes(server) == {"counted": float(answered)}
     finally:
         if redis is not None:
             redis.stop()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -100,6 +100,24 @@ def engine_with(
     return engine, counting
 
 
+def run_engine(
+    scenario: Callable[[Engine, Counting], Awaitable[None]],
+    store: StatsStore,
+    metrics: Metrics | None = None,
+    **overrides: Any,
+) -> None:
+    """Run ``scenario`` on an engine over ``store`` (:func:`engine_with`), closed after."""
+
+    async def main() -> None:
+        engine, counting = engine_with(store, metrics, **overrides)
+        try:
+            await scenario(engine, counting)
+        finally:
+            engine.close()
+
+    asyncio.run(main())
+
+
 def outcomes(engine: Engine) -> dict[str, float]:
     """advantage_stats_requests_total by outcome, the outcomes that happened (every outcome is
     exported from the start, at 0)."""
@@ -133,92 +151,83 @@ async def compute(engine: Engine, seed: int, **options: Any) -> Computed[Any]:
 
 
 def test_with_the_writes_held_back_requests_wait_then_get_503_never_recorded_false() -> None:
-    async def scenario() -> None:
-        store = HeldStore()
-        engine, counting = engine_with(
-            store, max_inflight=1, stats_max_backlog=2, queue_timeout_seconds=0.6, max_queue=5
-        )
-        try:
-            # Two answers fill the backlog (the first one's write is held in the store).
-            first = [await compute(engine, seed) for seed in (1, 2)]
-            assert [c.summary["recorded"] for c in first] == [True, True]
-            assert engine.writer.backlog == 2 and counting.started == 2
+    store = HeldStore()
 
-            # Behind: the next requests wait in the queue (no computation starts), then 503.
-            started = time.monotonic()
-            waiting = [asyncio.ensure_future(compute(engine, seed)) for seed in range(3, 8)]
-            await asyncio.sleep(0.1)
-            # The queue is full (ADV_MAX_QUEUE 5: all waiting), so one more is refused at once.
-            with pytest.raises(Overloaded):
-                await compute(engine, 99)
-            outcomes_ = await asyncio.gather(*waiting, return_exceptions=True)
-            waited = time.monotonic() - started
-            assert all(isinstance(o, Overloaded) for o in outcomes_), outcomes_
-            refused = [o for o in outcomes_ if isinstance(o, Overloaded)]
-            assert all(o.retry_after_ms > 0 for o in refused)
-            assert "statistics writes" in str(refused[0])
-            assert waited >= 0.55, "they waited for the writer before the 503"
-            assert counting.started == 2, "no computation started while the writes were behind"
-            assert outcomes(engine).get("refused", 0) == 0
+    async def scenario(engine: Engine, counting: Counting) -> None:
+        # Two answers fill the backlog (the first one's write is held in the store).
+        first = [await compute(engine, seed) for seed in (1, 2)]
+        assert [c.summary["recorded"] for c in first] == [True, True]
+        assert engine.writer.backlog == 2 and counting.started == 2
 
-            # The store catches up: both accepted requests are counted, and requests are
-            # computed and recorded again.
-            store.release.set()
-            assert await engine.settle_writes(10) == 0
-            assert await rollouts_counted(store) == 2 * ROLLOUTS
-            again = await compute(engine, 8)
-            assert again.summary["recorded"] is True
-            assert await engine.settle_writes(10) == 0
-            assert await rollouts_counted(store) == 3 * ROLLOUTS
-            assert outcomes(engine) == {"counted": 3.0}
-        finally:
-            engine.close()
+        # Behind: the next requests wait in the queue (no computation starts), then 503.
+        started = time.monotonic()
+        waiting = [asyncio.ensure_future(compute(engine, seed)) for seed in range(3, 8)]
+        await asyncio.sleep(0.1)
+        # The queue is full (ADV_MAX_QUEUE 5: all waiting), so one more is refused at once.
+        with pytest.raises(Overloaded):
+            await compute(engine, 99)
+        outcomes_ = await asyncio.gather(*waiting, return_exceptions=True)
+        waited = time.monotonic() - started
+        assert all(isinstance(o, Overloaded) for o in outcomes_), outcomes_
+        refused = [o for o in outcomes_ if isinstance(o, Overloaded)]
+        assert all(o.retry_after_ms > 0 for o in refused)
+        assert "statistics writes" in str(refused[0])
+        assert waited >= 0.55, "they waited for the writer before the 503"
+        assert counting.started == 2, "no computation started while the writes were behind"
+        assert outcomes(engine).get("refused", 0) == 0
 
-    asyncio.run(scenario())
+        # The store catches up: both accepted requests are counted, and requests are
+        # computed and recorded again.
+        store.release.set()
+        assert await engine.settle_writes(10) == 0
+        assert await rollouts_counted(store) == 2 * ROLLOUTS
+        again = await compute(engine, 8)
+        assert again.summary["recorded"] is True
+        assert await engine.settle_writes(10) == 0
+        assert await rollouts_counted(store) == 3 * ROLLOUTS
+        assert outcomes(engine) == {"counted": 3.0}
+
+    run_engine(
+        scenario, store, max_inflight=1, stats_max_backlog=2, queue_timeout_seconds=0.6, max_queue=5
+    )
 
 
 def test_requests_answered_while_a_write_is_held_are_coalesced_into_one_round() -> None:
-    async def scenario() -> None:
-        store = HeldStore()
-        engine, _ = engine_with(store, stats_max_backlog=64)
-        try:
-            answers = [await compute(engine, seed, request_id=f"r{seed}") for seed in range(6)]
-            assert all(a.summary["recorded"] for a in answers)
-            store.release.set()
-            assert await engine.settle_writes(10) == 0
-            # The first write held the rest back: they went to the store as one write.
-            assert store.writes == [["r0"], [f"r{seed}" for seed in range(1, 6)]]
-            assert await rollouts_counted(store) == 6 * ROLLOUTS
-        finally:
-            engine.close()
+    store = HeldStore()
 
-    asyncio.run(scenario())
+    async def scenario(engine: Engine, _: Counting) -> None:
+        answers = [await compute(engine, seed, request_id=f"r{seed}") for seed in range(6)]
+        assert all(a.summary["recorded"] for a in answers)
+        store.release.set()
+        assert await engine.settle_writes(10) == 0
+        # The first write held the rest back: they went to the store as one write.
+        assert store.writes == [["r0"], [f"r{seed}" for seed in range(1, 6)]]
+        assert await rollouts_counted(store) == 6 * ROLLOUTS
+
+    run_engine(scenario, store, stats_max_backlog=64)
 
 
 def test_a_request_id_is_counted_once_inside_a_coalesced_round_and_across_rounds() -> None:
-    async def scenario() -> None:
-        store = HeldStore()
-        engine, _ = engine_with(store, stats_max_backlog=64)
-        try:
-            await compute(engine, 0, request_id="early")  # its write is held: round one
-            # Round two: "early" resent (counted in round one), "twice" twice, "once" (a
-            # resend is the same request again: the same body).
-            for seed, rid in [(1, "twice"), (0, "early"), (1, "twice"), (4, "once")]:
-                assert (await compute(engine, seed, request_id=rid)).summary["recorded"]
-            # And one without an id: no idempotency asked for, always counted.
-            await compute(engine, 5)
-            store.release.set()
-            assert await engine.settle_writes(10) == 0
-            # early (round one), twice, once and the one without an id.
-            assert await rollouts_counted(store) == 4 * ROLLOUTS
-            assert outcomes(engine) == {"counted": 4.0, "duplicate": 2.0}
-            # Round two was written once more without "early", which the store refused.
-            assert store.writes[1] == ["twice", "early", "once"]
-            assert store.writes[2] == ["twice", "once"]
-        finally:
-            engine.close()
+    store = HeldStore()
 
-    asyncio.run(scenario())
+    async def scenario(engine: Engine, _: Counting) -> None:
+        await compute(engine, 0, request_id="early")  # its write is held: round one
+        # Round two: "early" resent (counted in round one), "twice" twice, "once" (a
+        # resend is the same request again: the same body).
+        for seed, rid in [(1, "twice"), (0, "early"), (1, "twice"), (4, "once")]:
+            assert (await compute(engine, seed, request_id=rid)).summary["recorded"]
+        # And one without an id: no idempotency asked for, always counted.
+        await compute(engine, 5)
+        store.release.set()
+        assert await engine.settle_writes(10) == 0
+        # early (round one), twice, once and the one without an id.
+        assert await rollouts_counted(store) == 4 * ROLLOUTS
+        assert outcomes(engine) == {"counted": 4.0, "duplicate": 2.0}
+        # Round two was written once more without "early", which the store refused.
+        assert store.writes[1] == ["twice", "early", "once"]
+        assert store.writes[2] == ["twice", "once"]
+
+    run_engine(scenario, store, stats_max_backlog=64)
 
 
 def test_two_bodies_under_one_request_id_at_once_count_one_and_flag_the_other() -> None:
@@ -227,37 +236,34 @@ def test_two_bodies_under_one_request_id_at_once_count_one_and_flag_the_other() 
     first body's digest, or both are in one round) and counted ``conflict``, not counted; once
     the first is written, another body under its id is refused (409)."""
 
-    async def scenario() -> None:
-        store = HeldStore()
-        engine, _ = engine_with(store, stats_max_backlog=64)
-        try:
-            await compute(engine, 0, request_id="raced")  # its write is held: round one
-            # Round two: another body under "raced" (claimed in round one, not yet written),
-            # and two bodies under "pair", neither written before.
-            for seed, rid in [(1, "raced"), (2, "pair"), (3, "pair")]:
-                assert (await compute(engine, seed, request_id=rid)).summary["recorded"]
-            store.release.set()
-            assert await engine.settle_writes(10) == 0
-            assert outcomes(engine) == {"counted": 2.0, "conflict": 2.0}
-            assert await rollouts_counted(store) == 2 * ROLLOUTS
-            # Written now: another body under either id is refused before it is answered.
-            for seed, rid in [(4, "raced"), (5, "pair")]:
-                with pytest.raises(RequestError) as info:
-                    await compute(engine, seed, request_id=rid)
-                assert (info.value.status, info.value.code, info.value.field) == (
-                    409,
-                    "conflict",
-                    "request_id",
-                )
-            # The same bodies again are retries: answered, not counted again.
-            assert (await compute(engine, 0, request_id="raced")).summary["recorded"]
-            assert (await compute(engine, 2, request_id="pair")).summary["recorded"]
-            assert await engine.settle_writes(10) == 0
-            assert outcomes(engine) == {"counted": 2.0, "conflict": 2.0, "duplicate": 2.0}
-        finally:
-            engine.close()
+    store = HeldStore()
 
-    asyncio.run(scenario())
+    async def scenario(engine: Engine, _: Counting) -> None:
+        await compute(engine, 0, request_id="raced")  # its write is held: round one
+        # Round two: another body under "raced" (claimed in round one, not yet written),
+        # and two bodies under "pair", neither written before.
+        for seed, rid in [(1, "raced"), (2, "pair"), (3, "pair")]:
+            assert (await compute(engine, seed, request_id=rid)).summary["recorded"]
+        store.release.set()
+        assert await engine.settle_writes(10) == 0
+        assert outcomes(engine) == {"counted": 2.0, "conflict": 2.0}
+        assert await rollouts_counted(store) == 2 * ROLLOUTS
+        # Written now: another body under either id is refused before it is answered.
+        for seed, rid in [(4, "raced"), (5, "pair")]:
+            with pytest.raises(RequestError) as info:
+                await compute(engine, seed, request_id=rid)
+            assert (info.value.status, info.value.code, info.value.field) == (
+                409,
+                "conflict",
+                "request_id",
+            )
+        # The same bodies again are retries: answered, not counted again.
+        assert (await compute(engine, 0, request_id="raced")).summary["recorded"]
+        assert (await compute(engine, 2, request_id="pair")).summary["recorded"]
+        assert await engine.settle_writes(10) == 0
+        assert outcomes(engine) == {"counted": 2.0, "conflict": 2.0, "duplicate": 2.0}
+
+    run_engine(scenario, store, stats_max_backlog=64)
 
 
 def test_an_unreachable_redis_answers_recorded_false_and_counts_it() -> None:
@@ -287,32 +293,25 @@ def test_an_unreachable_redis_answers_recorded_false_and_counts_it() -> None:
 
 
 def test_statistics_lost_after_the_answer_are_counted_lost() -> None:
-    async def scenario() -> None:
-        engine, _ = engine_with(VanishingStore())
-        try:
-            assert (await compute(engine, 1)).summary["recorded"] is True
-            assert await engine.settle_writes(10) == 0
-            assert outcomes(engine) == {"lost": 1.0}
-        finally:
-            engine.close()
+    async def scenario(engine: Engine, _: Counting) -> None:
+        assert (await compute(engine, 1)).summary["recorded"] is True
+        assert await engine.settle_writes(10) == 0
+        assert outcomes(engine) == {"lost": 1.0}
 
-    asyncio.run(scenario())
+    run_engine(scenario, VanishingStore())
 
 
 def test_shutting_down_answers_recorded_false_and_counts_what_it_could_not_write() -> None:
-    async def scenario() -> None:
-        store = HeldStore()
-        engine, _ = engine_with(store)
-        try:
-            assert (await compute(engine, 1)).summary["recorded"] is True
-            await engine.writer.flush(timeout=0.2)  # the held write never finishes
-            late = await compute(engine, 2)
-            assert late.summary["recorded"] is False
-            assert outcomes(engine) == {"lost": 1.0, "refused": 1.0}
-        finally:
-            engine.close()
+    store = HeldStore()
 
-    asyncio.run(scenario())
+    async def scenario(engine: Engine, _: Counting) -> None:
+        assert (await compute(engine, 1)).summary["recorded"] is True
+        await engine.writer.flush(timeout=0.2)  # the held write never finishes
+        late = await compute(engine, 2)
+        assert late.summary["recorded"] is False
+        assert outcomes(engine) == {"lost": 1.0, "refused": 1.0}
+
+    run_engine(scenario, store)
 
 
 def test_the_in_process_api_records_nothing() -> None:

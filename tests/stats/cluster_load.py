@@ -1,5 +1,6 @@
 """Load for the cluster tests: client threads sending KTAE requests with history and request
-ids to a service, recording every answer (status, history per group, recorded, 503s retried)."""
+ids to a service, recording every answer (status, history per group, recorded, 503s retried);
+and what a service process counted of its statistics writes."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -122,4 +123,19 @@ def send(client: httpx.Client, body: dict[str, Any], attempts: int = 20) -> Answ
     return Answer(body["request_id"], 503, retried_503=retried)
 
 
-__all__ = ["REQUEST_ROLLOUTS", "Answer", "Load", "prompts", "request", "send"]
+class Scraped(Protocol):
+    """A service process whose metrics a test reads: ((name, labels), value)."""
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]: ...
+
+
+def stats_outcomes(service: Scraped) -> dict[str, float]:
+    """``advantage_stats_requests_total`` by outcome, the outcomes that happened."""
+    return {
+        dict(labels)["outcome"]: value
+        for (name, labels), value in service.metrics().items()
+        if name == "advantage_stats_requests_total" and value
+    }
+
+
+__all__ = ["REQUEST_ROLLOUTS", "Answer", "Load", "prompts", "request", "send", "stats_outcomes"]

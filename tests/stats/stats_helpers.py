@@ -5,6 +5,7 @@ against."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,8 +17,9 @@ from advantage_service.estimators import AdvantageResult
 from advantage_service.estimators.ktae_history import SPACE, HistoryPrior
 from advantage_service.estimators.state import Compression, WriteOptions
 from advantage_service.serving.compute import compute_request
-from advantage_service.serving.term_state import StateSession
+from advantage_service.serving.term_state import PendingWrites, StateSession
 from advantage_service.stats import StatsStore, StatsUpdate, TokenStatsUpdate
+from advantage_service.stats.base import RecordKey, RequestWrite
 from advantage_service.wire.request import ComputeRequest, parse_request
 
 
@@ -65,6 +67,20 @@ class _Unreachable:
         return False
 
 
+def write_options(store: StatsStore) -> WriteOptions:
+    """How the records of a test's requests are written (the store fixture's compression)."""
+    return WriteOptions(getattr(store, "test_compression", "none"))
+
+
+async def writes_of(store: StatsStore, body: dict[str, Any]) -> PendingWrites:
+    """What one request writes after reading ``store`` now (not written)."""
+    req = parse_request(body)
+    session = StateSession(store, req, torch.device("cpu"), write_options(store))
+    result = await asyncio.to_thread(compute_request, req, "cpu", session.context)
+    assert await session.settle() in ("empty", "applied")
+    return session.writes(result)
+
+
 async def update_of(store: StatsStore, body: dict[str, Any], *, read: bool = True) -> StatsUpdate:
     """What a request would write (not written): after a successful read of ``store``, or after
     a read that failed (``read=False``)."""
@@ -83,6 +99,29 @@ async def read_history(
     could not be read)."""
     records = await store.read_records(namespace, [(SPACE, p) for p in prompts])
     return None if records is None else HistoryPrior.decode(records, torch.device("cpu"))
+
+
+# fold(keys, keep): the records of ``keys`` folded from the requests at positions ``keep``.
+Fold = Callable[[frozenset[RecordKey], tuple[int, ...]], dict[RecordKey, bytes]]
+
+
+async def record_folded(
+    store: StatsStore,
+    namespace: str,
+    requests: Sequence[RequestWrite],
+    update: StatsUpdate,
+    fold: Fold | None = None,
+) -> list[str]:
+    """Hand ``update`` to the store as the service's writer does: the records it asks for
+    folded again by ``fold`` (None: it must ask for none), until it is done; the outcomes."""
+    recording = await store.record_requests(namespace, requests, update)
+    while recording.again:
+        assert fold is not None, f"the store asked for records again: {recording.again}"
+        records: dict[RecordKey, bytes] = {}
+        for ask in recording.again:
+            records.update(fold(ask.keys, ask.keep))
+        await recording.send(records)
+    return list(recording.outcomes)
 
 
 def assert_same_stored(first: HistoryPrior, second: HistoryPrior) -> None:
@@ -138,6 +177,28 @@ def table_scores(result: AdvantageResult) -> dict[tuple[int, int], float]:
             tables.group.tolist(), tables.token.tolist(), score.tolist(), strict=True
         )
     }
+
+
+KTAE_HISTORY = {"outcome": "grpo", "ktae": {"history": "prompt"}, "cscr": {}}
+
+
+def history_body(namespace: str, seed: int, prompts: list[str], **extra: Any) -> dict[str, Any]:
+    """A KTAE request with history (and CSCR) over ``prompts``, random groups of ``seed``."""
+    rng = np.random.default_rng(seed)
+    return {
+        "namespace": namespace,
+        "estimator": KTAE_HISTORY,
+        "groups": random_groups(rng, prompts, teacher=True),
+        **extra,
+    }
+
+
+def small_tokens(seed: int) -> TokenStatsUpdate:
+    """A small statistics update of 2 rollouts over a few token ids of ``seed``."""
+    rng = np.random.default_rng(seed)
+    ids = np.unique(rng.integers(0, 50, size=10)).astype(np.int64)
+    ones, zeros = np.ones(ids.size, np.int64), np.zeros(ids.size)
+    return TokenStatsUpdate(2, ids, ones, ones, 2 * ones, zeros, 0 * ones, zeros, 0 * ones)
 
 
 def random_groups(

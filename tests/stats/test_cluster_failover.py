@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cluster_load import NAMESPACE, REQUEST_ROLLOUTS, Load, prompts, send
+from cluster_load import NAMESPACE, REQUEST_ROLLOUTS, Load, prompts, send, stats_outcomes
 from process_support import ServiceProcess, launch_service, poll
 from redis.crc import key_slot
 from redis_cluster_support import REDIS_CLI, LocalCluster
@@ -44,19 +44,11 @@ def service(directory: Path, url: str) -> ServiceProcess:
     return process
 
 
-def outcomes(process: ServiceProcess) -> dict[str, float]:
-    return {
-        dict(labels)["outcome"]: value
-        for (name, labels), value in process.metrics().items()
-        if name == "advantage_stats_requests_total" and value  # (the outcomes that happened)
-    }
-
-
 def settled(process: ServiceProcess, answered: int) -> dict[str, float]:
     """Wait until the statistics of ``answered`` requests are written (or given up)."""
 
     def done() -> dict[str, float] | None:
-        got = outcomes(process)
+        got = stats_outcomes(process)
         return got if sum(got.values()) >= answered else None
 
     result: dict[str, float] = poll(done, 60, f"the statistics of {answered} requests")

@@ -9,11 +9,9 @@ import asyncio
 import itertools
 import json
 import time
-from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pytest
 import redis
@@ -23,12 +21,11 @@ from advantage_service.config import Settings
 from advantage_service.estimators.ktae_history import SPACE
 from advantage_service.estimators.state import WriteOptions
 from advantage_service.observability.metrics import Metrics
-from advantage_service.serving.compute import compute_request
 from advantage_service.serving.engine import Engine
-from advantage_service.serving.term_state import PendingWrites, StateSession, fold_records
+from advantage_service.serving.term_state import PendingWrites, fold_records
 from advantage_service.stats import RedisStatsStore, StatsUpdate
 from advantage_service.stats.base import COUNTED, DUPLICATE, LOST, RecordKey, RequestWrite
-from advantage_service.stats.blobs import TokenStatsUpdate, merge_token_stats
+from advantage_service.stats.blobs import merge_token_stats
 from advantage_service.stats.redis_cluster import ClusterLayout, Part, _script_reply
 from advantage_service.transports.arrow import RESPONSE_METADATA, encode_response
 from advantage_service.transports.grpc_codec import encode_compute_response
@@ -36,24 +33,23 @@ from advantage_service.wire.request import parse_request
 from advantage_service.wire.response import build_response
 from redis_cluster_support import LocalCluster
 from redis_support import RedisServer
-from stats_helpers import assert_token_stats_are_the_sum, random_groups
+from stats_helpers import (
+    assert_token_stats_are_the_sum,
+    history_body,
+    record_folded,
+    small_tokens,
+    writes_of,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration]
 
 NS = "run{7}/cluster"
-KTAE = {"outcome": "grpo", "ktae": {"history": "prompt"}, "cscr": {}}
 EVERYTHING = 10**6
 RETURN = {"return": ["ktae_score"]}
 
 
 def body(seed: int, prompts: list[str], **extra: Any) -> dict[str, Any]:
-    rng = np.random.default_rng(seed)
-    return {
-        "namespace": NS,
-        "estimator": KTAE,
-        "groups": random_groups(rng, prompts, teacher=True),
-        **extra,
-    }
+    return history_body(NS, seed, prompts, **extra)
 
 
 def layout(store: RedisStatsStore) -> ClusterLayout:
@@ -61,25 +57,16 @@ def layout(store: RedisStatsStore) -> ClusterLayout:
     return store.cluster
 
 
-async def writes_of(store: RedisStatsStore, request: dict[str, Any]) -> PendingWrites:
-    """What ``request`` writes after reading ``store`` now (not written)."""
-    req = parse_request(request)
-    session = StateSession(store, req, torch.device("cpu"))
-    result = await asyncio.to_thread(compute_request, req, "cpu", session.context)
-    assert await session.settle() in ("empty", "applied")
-    return session.writes(result)
-
-
 async def write(store: RedisStatsStore, writes: list[PendingWrites]) -> list[str]:
     """``writes`` in one round, handed over as the service's writer does: the outcomes."""
     requests = [RequestWrite(w.request_id, tuple(w.records), w.tokens) for w in writes]
 
-    async def refold(keys: Collection[RecordKey], keep: Sequence[int]) -> Any:
-        return fold_records([writes[i] for i in keep], WriteOptions(), set(keys))
+    def fold(keys: frozenset[RecordKey], keep: tuple[int, ...]) -> dict[RecordKey, bytes]:
+        return fold_records([writes[i] for i in keep], WriteOptions(), keys)
 
     records = fold_records(writes, WriteOptions())
     update = StatsUpdate(records, merge_token_stats([w.tokens for w in writes]))
-    return list(await store.record_requests(NS, requests, update, refold))
+    return await record_folded(store, NS, requests, update, fold)
 
 
 def keys_per_master(cluster: LocalCluster, pattern: str) -> dict[int, int]:
@@ -100,14 +87,6 @@ async def statistics(store: RedisStatsStore) -> dict[str, Any]:
     stats = await store.token_stats(NS, "occurrences", EVERYTHING)
     assert stats is not None
     return stats
-
-
-def tokens(seed: int) -> TokenStatsUpdate:
-    """A small statistics update of 2 rollouts."""
-    rng = np.random.default_rng(seed)
-    ids = np.unique(rng.integers(0, 50, size=10)).astype(np.int64)
-    ones, zeros = np.ones(ids.size, np.int64), np.zeros(ids.size)
-    return TokenStatsUpdate(2, ids, ones, ones, 2 * ones, zeros, 0 * ones, zeros, 0 * ones)
 
 
 async def test_the_store_finds_the_cluster_from_one_nodes_url_and_one_redis_stays_as_it_was(
@@ -139,16 +118,12 @@ async def test_one_namespace_spreads_over_every_master(redis_cluster: LocalClust
     """3000 prompts of one run: every master holds its share of the records (within 20% of
     their mean), and the statistics buckets are spread over the masters too."""
     store = RedisStatsStore(redis_cluster.url, buckets=16)
-
-    async def nothing(keys: Collection[RecordKey], keep: Sequence[int]) -> Any:
-        return {}
-
     try:
         for start in range(0, 3000, 100):
             records = {(SPACE, f"prompt-{i}"): b"r" * 16 for i in range(start, start + 100)}
-            request = RequestWrite(f"req-{start}", tuple(records), tokens(start))
+            request = RequestWrite(f"req-{start}", tuple(records), small_tokens(start))
             update = StatsUpdate(records, request.tokens)
-            assert await store.record_requests(NS, [request], update, nothing) == [COUNTED]
+            assert await record_folded(store, NS, [request], update) == [COUNTED]
         assert (await statistics(store))["rollouts_counted"] == 60
     finally:
         await store.close()

@@ -4,19 +4,20 @@ exactly what writing the requests one by one leaves, and count each request id o
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from advantage_service.estimators.ktae_history import SPACE
-from advantage_service.estimators.state import WriteOptions
-from advantage_service.serving.compute import compute_request
-from advantage_service.serving.term_state import PendingWrites, StateSession, fold_writes
+from advantage_service.serving.term_state import PendingWrites, fold_writes
 from advantage_service.stats import StatsStore
-from advantage_service.wire.request import parse_request
-from stats_helpers import assert_token_stats_are_the_sum, random_groups, update_of
+from stats_helpers import (
+    assert_token_stats_are_the_sum,
+    random_groups,
+    update_of,
+    write_options,
+    writes_of,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -25,10 +26,6 @@ PROMPTS = ["a", "b", "c", "d"]
 # and one that is not (its float32 rounding must come out the same).
 VISITS = [(["a", "b"], 0.5), (["b", "c"], 0.5), (["a", "b"], 0.3), (["c"], 0.25), (["a"], 0.5)]
 VISITS += [(["b", "c", "d"], 0.5), (["a", "d"], 0.3)]
-
-
-def options(store: StatsStore) -> WriteOptions:
-    return WriteOptions(getattr(store, "test_compression", "none"))
 
 
 def bodies(namespace: str) -> list[dict[str, Any]]:
@@ -43,21 +40,15 @@ def bodies(namespace: str) -> list[dict[str, Any]]:
     ]
 
 
-async def writes_of(store: StatsStore, body: dict[str, Any]) -> PendingWrites:
-    """What one request writes after reading ``store`` now (not written)."""
-    req = parse_request(body)
-    session = StateSession(store, req, torch.device("cpu"), options(store))
-    result = await asyncio.to_thread(compute_request, req, "cpu", session.context)
-    assert await session.settle() in ("empty", "applied")
-    return session.writes(result)
-
-
 async def one_by_one(store: StatsStore, namespace: str) -> list[PendingWrites]:
     """The visits written one after the other (each reads what the one before wrote)."""
     done = []
     for body in bodies(namespace):
         writes = await writes_of(store, body)
-        assert await store.record_many(namespace, [], fold_writes([writes], options(store))) == []
+        assert (
+            await store.record_many(namespace, [], fold_writes([writes], write_options(store)))
+            == []
+        )
         done.append(writes)
     return done
 
@@ -93,7 +84,7 @@ async def test_one_round_of_the_same_writes_leaves_what_one_by_one_writes_leave(
     store: StatsStore,
 ) -> None:
     written = await one_by_one(store, "one")
-    assert await store.record_many("round", [], fold_writes(written, options(store))) == []
+    assert await store.record_many("round", [], fold_writes(written, write_options(store))) == []
     assert await records(store, "round") == await records(store, "one")
     assert_same_statistics(await tokens(store, "one"), await tokens(store, "round"))
 
@@ -103,7 +94,9 @@ async def test_visits_of_one_prompt_in_one_round_fold_in_their_order(store: Stat
     every prompt's record is the one their one-by-one visits leave, no visit lost."""
     await one_by_one(store, "one")
     together = [await writes_of(store, body) for body in bodies("together")]  # none written yet
-    assert await store.record_many("together", [], fold_writes(together, options(store))) == []
+    assert (
+        await store.record_many("together", [], fold_writes(together, write_options(store))) == []
+    )
     assert await records(store, "together") == await records(store, "one")
     # (the scores differ: each request was computed with the history it read)
     assert_same_statistics(
@@ -115,7 +108,7 @@ async def test_the_order_of_the_visits_matters_and_is_kept(store: StatsStore) ->
     """Decay makes the fold order-dependent: reversed, the records differ."""
     await one_by_one(store, "one")
     together = [await writes_of(store, body) for body in bodies("reversed")]
-    update = fold_writes(list(reversed(together)), options(store))
+    update = fold_writes(list(reversed(together)), write_options(store))
     assert await store.record_many("reversed", [], update) == []
     assert await records(store, "reversed") != await records(store, "one")
 

@@ -7,15 +7,12 @@ cannot see (neither was written yet)."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
-from typing import Any
-
-import numpy as np
 import pytest
 from advantage_service.estimators.ktae_history import SPACE
 from advantage_service.stats import StatsStore, StatsUpdate
 from advantage_service.stats.base import CONFLICT, COUNTED, DUPLICATE, RecordKey, RequestWrite
-from advantage_service.stats.blobs import TokenStatsUpdate
+from advantage_service.stats.blobs import merge_token_stats
+from stats_helpers import record_folded, small_tokens
 
 pytestmark = pytest.mark.anyio
 
@@ -23,25 +20,15 @@ NS = "claims"
 FIRST, SECOND = "1" * 32, "2" * 32
 
 
-def tokens(seed: int) -> TokenStatsUpdate:
-    rng = np.random.default_rng(seed)
-    ids = np.unique(rng.integers(0, 50, size=10)).astype(np.int64)
-    ones, zeros = np.ones(ids.size, np.int64), np.zeros(ids.size)
-    return TokenStatsUpdate(2, ids, ones, ones, 2 * ones, zeros, 0 * ones, zeros, 0 * ones)
-
-
 async def write(
     store: StatsStore, request_id: str, digest: str | None, seed: int, prompts: list[str]
 ) -> str:
     """One request's write (records under ``prompts``, 2 rollouts): its outcome."""
     records = {(SPACE, p): f"{p}:{seed}".encode() for p in prompts}
-    request = RequestWrite(request_id, tuple(records), tokens(seed), digest)
+    request = RequestWrite(request_id, tuple(records), small_tokens(seed), digest)
 
-    async def refold(keys: Collection[RecordKey], keep: Sequence[int]) -> Any:
-        return {k: records[k] for k in keys} if keep else {}
-
-    update = StatsUpdate(records, request.tokens)
-    (outcome,) = await store.record_requests(NS, [request], update, refold)
+    # (a write of one request is never written again without it: nothing to fold)
+    (outcome,) = await record_folded(store, NS, [request], StatsUpdate(records, request.tokens))
     return outcome
 
 
@@ -72,8 +59,28 @@ async def test_a_claim_tells_a_retry_from_another_request_under_the_same_id(
 async def test_a_claim_without_a_digest_takes_any_request_for_a_retry(store: StatsStore) -> None:
     """A claim made without a digest (as an earlier release made every claim) proves nothing:
     a request of any digest is a duplicate, and the check before the answer finds nothing."""
-    assert await store.record_many(NS, ["old"], StatsUpdate({}, tokens(1))) == []
+    assert await store.record_many(NS, ["old"], StatsUpdate({}, small_tokens(1))) == []
     read = await store.read_partly(NS, [], "old")
     assert read is not None and read.claimed_digest is None
     assert await write(store, "old", SECOND, 2, ["a"]) == DUPLICATE
     assert await rollouts(store) == 2
+
+
+async def test_a_round_counts_a_request_without_an_id_beside_a_resent_one(
+    store: StatsStore,
+) -> None:
+    """The claims a write finds are told by request id: a request without one, ahead of a
+    resent request in the same round, is counted, and only the resent one is a duplicate."""
+    assert await write(store, "seen", FIRST, 1, ["a"]) == COUNTED
+    records = {(SPACE, "b"): b"b:2", (SPACE, "a"): b"a:1"}
+    fresh = RequestWrite(None, ((SPACE, "b"),), small_tokens(2))
+    resent = RequestWrite("seen", ((SPACE, "a"),), small_tokens(1), FIRST)
+    update = StatsUpdate(records, merge_token_stats([fresh.tokens, resent.tokens]))
+
+    def fold(keys: frozenset[RecordKey], keep: tuple[int, ...]) -> dict[RecordKey, bytes]:
+        assert keep == (0,), "folded again without the resent request"
+        return {key: records[key] for key in keys}
+
+    assert await record_folded(store, NS, [fresh, resent], update, fold) == [COUNTED, DUPLICATE]
+    assert await rollouts(store) == 4
+    assert await store.read_records(NS, [(SPACE, "a"), (SPACE, "b")]) == [b"a:1", b"b:2"]

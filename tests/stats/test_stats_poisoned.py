@@ -24,7 +24,7 @@ Real stores: the in-memory store, a real redis-server, a real 3-master Redis Clu
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -41,7 +41,7 @@ from advantage_service.stats.base import COUNTED, POISONED, RecordKey, RequestWr
 from advantage_service.wire.request import ComputeRequest, parse_request
 from redis_cluster_support import LocalCluster
 from redis_support import RedisServer
-from stats_helpers import assert_token_stats_are_the_sum, random_groups
+from stats_helpers import assert_token_stats_are_the_sum, random_groups, record_folded
 
 pytestmark = pytest.mark.anyio
 
@@ -238,10 +238,10 @@ async def test_a_store_handed_a_request_it_cannot_encode_splits_the_write_around
     round_ = [*expected[:3], replace(bad, request_id=BAD_ID), *expected[3:]]
     requests = [RequestWrite(w.request_id, tuple(w.records), w.tokens, w.digest) for w in round_]
 
-    async def refold(keys: Collection[RecordKey], keep: Sequence[int]) -> dict[RecordKey, bytes]:
-        return fold_records([round_[i] for i in keep], WriteOptions(), set(keys))
+    def fold(keys: frozenset[RecordKey], keep: tuple[int, ...]) -> dict[RecordKey, bytes]:
+        return fold_records([round_[i] for i in keep], WriteOptions(), keys)
 
     update = fold_writes(round_, WriteOptions())
-    outcomes = await store.record_requests(NS, requests, update, refold)
+    outcomes = await record_folded(store, NS, requests, update, fold)
     assert outcomes == [COUNTED] * 3 + [POISONED] + [COUNTED] * 3
     await assert_only_the_good_are_counted(store, good, expected)

@@ -20,6 +20,7 @@ from redis_support import RedisServer
 from stats_helpers import (
     assert_same_stored,
     assert_token_stats_are_the_sum,
+    history_body,
     random_groups,
     read_history,
     serve,
@@ -32,13 +33,7 @@ NS = "ns:with{odd}chars"
 
 
 def body(seed: int, prompts: list[str], **extra: Any) -> dict[str, Any]:
-    rng = np.random.default_rng(seed)
-    return {
-        "namespace": NS,
-        "estimator": {"outcome": "grpo", "ktae": {"history": "prompt"}, "cscr": {}},
-        "groups": random_groups(rng, prompts, teacher=True),
-        **extra,
-    }
+    return history_body(NS, seed, prompts, **extra)
 
 
 class CountingConnection(redis.asyncio.Connection):

@@ -17,8 +17,10 @@ accepted request waiting, builds each one's writes, folds them per namespace (``
 each record key written once, its visits folded in the order the requests were answered, the
 statistics summed) and hands each namespace's update to the store in one call
 (``StatsStore.record_requests``) that claims every request id of the round with it, so a resent
-request id is counted once: the store folds again, without the requests counted before, what
-they would have changed (the whole update on one Redis, the parts they touch on a cluster).
+request id is counted once: where the store applied nothing for requests counted before (the
+whole update on one Redis, the parts they touch on a cluster), it names the records to fold
+again without them (``stats.base.FoldAgain``); the writer folds them here (the store keeps
+bytes, it never folds) and sends them, until the store is done.
 The busier the service, the more requests a round holds and the less each one costs.
 
 One bad request never costs the others of its round their statistics. Each request's writes are
@@ -26,10 +28,10 @@ built and checked on their own before they are folded (a key or request id that 
 Unicode text, which no store can take; writes that cannot be built); a fold that fails is
 redone without the requests whose records do not fold alone; and a write the store refuses as a
 whole, applying nothing of it (``stats.base.Refused``: a record it cannot take), is split by
-the store until the requests it refuses are alone. Such a request is *poisoned*: counted
-``lost`` (it was answered ``recorded: true``) and in ``advantage_stats_poisoned_total``, and
-logged with its request id (escaped: the log line cannot fail on what the id holds); every
-other request of the round is counted once.
+the store, its halves folded again here, until the requests it refuses are alone. Such a
+request is *poisoned*: counted ``lost`` (it was answered ``recorded: true``) and in
+``advantage_stats_poisoned_total``, and logged with its request id (escaped: the log line
+cannot fail on what the id holds); every other request of the round is counted once.
 
 A request whose id was counted before for another body (its digest differs: the service checks
 before answering, so this is the race of two bodies sent at once under one id, or a claim made
@@ -43,7 +45,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from ..estimators import AdvantageResult
@@ -55,6 +57,7 @@ from ..stats.base import (
     DUPLICATE,
     LOST,
     POISONED,
+    FoldAgain,
     RecordKey,
     RequestWrite,
     unstorable,
@@ -298,22 +301,22 @@ class StatsWriter:
     async def _commit(
         self, store: StatsStore, writes: list[PendingWrites], update: StatsUpdate
     ) -> None:
-        """Hand one namespace's folded ``update`` to the store, with each request's share of it
-        and the means to fold it again for some of the requests."""
+        """Hand one namespace's folded ``update`` to the store, with each request's share of it;
+        fold again the records it asks for, until it is done."""
         loop = asyncio.get_running_loop()
         namespace = writes[0].namespace
         requests = [
             RequestWrite(w.request_id, tuple(w.records), w.tokens, w.digest) for w in writes
         ]
-
-        async def refold(keys: Collection[RecordKey], keep: Sequence[int]) -> Records:
-            chosen = [writes[i] for i in keep]
-            return await loop.run_in_executor(
-                self._executor, fold_records, chosen, self.options, set(keys)
-            )
-
         try:
-            outcomes = await store.record_requests(namespace, requests, update, refold)
+            recording = await store.record_requests(namespace, requests, update)
+            while recording.again:
+                again = list(recording.again)
+                records = await loop.run_in_executor(
+                    self._executor, self._fold_again, writes, again
+                )
+                await recording.send(records)
+            outcomes = recording.outcomes
         except Exception:  # (a store fault, not an outage: counted, the service goes on)
             log.exception("statistics write of %d requests failed", len(writes))
             self._error("record")
@@ -325,6 +328,14 @@ class StatsWriter:
                 self._conflict(write.request_id)
         for outcome in (COUNTED, DUPLICATE, LOST):
             self._outcome(outcome, sum(1 for o in outcomes if o == outcome))
+
+    def _fold_again(self, writes: list[PendingWrites], again: list[FoldAgain]) -> Records:
+        """The records a write asks for again (on the worker thread)."""
+        records: Records = {}
+        for ask in again:
+            chosen = [writes[i] for i in ask.keep]
+            records.update(fold_records(chosen, self.options, ask.keys))
+        return records
 
     async def settle(self, timeout: float | None = None) -> int:
         """Wait (up to ``timeout`` s) until every accepted request is written; the number of

@@ -187,8 +187,8 @@ def fold_records(
     options: WriteOptions,
     keys: Collection[RecordKey] | None = None,
 ) -> dict[RecordKey, bytes]:
-    """The records of :func:`fold_writes`, only those of ``keys`` when given (a store folds
-    again the keys of one part of a write without the requests counted before)."""
+    """The records of :func:`fold_writes`, only those of ``keys`` when given (the keys of one
+    part of a write that a store asks for again, without the requests counted before)."""
     visits: dict[RecordKey, list[Any]] = {}
     for write in writes:
         for key, visit in write.records.items():

@@ -38,18 +38,21 @@ taken for a retry. :meth:`StatsStore.read_partly` reads a request id's claim alo
 records, so that the service can refuse a conflicting request before it answers.
 
 The service's writer coalesces the writes of many requests into one update per namespace
-(:meth:`StatsStore.record_requests`), so each request is still counted exactly once:
+(:meth:`StatsStore.record_requests`), so each request is still counted exactly once. The store
+keeps bytes and never folds: where it applied nothing for some requests, it names the records
+to fold again without them (:class:`FoldAgain`), the writer folds them and sends them
+(:class:`Recording`), and the store writes on (:mod:`.write_groups`):
 
 - a store that applies a write whole (in memory, one Redis: :meth:`StatsStore.record_many`)
   claims every request id of the update together with it, or none of them and nothing at all
-  when one was already claimed; :func:`record_whole` then leaves those requests out, folds the
-  rest again and writes them;
+  when one was already claimed; the write goes on without those requests, their records
+  folded again;
 - a store that writes in parts (a Redis Cluster: one part per hash slot) claims and applies each
   part atomically on its own: a request id is counted once *per part*. A part where one of its
-  ids was counted before applies nothing and is folded again without those requests; the
-  other parts apply, so a resend completes the parts an earlier write left missing and repeats
-  none. A request's statistics are written only once every part of its records is, and it is
-  ``counted`` by the write whose statistics part claimed it.
+  ids was counted before applies nothing and goes again without those requests, folded again;
+  the other parts apply, so a resend completes the parts an earlier write left missing and
+  repeats none. A request's statistics are written only once every part of its records is, and
+  it is ``counted`` by the write whose statistics part claimed it.
 
 Poisoned writes
 ---------------
@@ -57,8 +60,8 @@ A request whose write the store cannot take (a key or request id that is not val
 a record larger than the store holds, a staged record the Redis commit script finds missing)
 must cost no other request its statistics. Such a write is refused whole, with nothing applied
 (:class:`Refused`; the Redis scripts check everything that can fail before their first write),
-and the store writes the requests again in halves, each half folded again on top of what was
-written before it, until the requests it refuses are alone: those are ``poisoned`` (not
+and the write goes again in halves, each half's records folded again on top of what was
+written before it, until the requests the store refuses are alone: those are ``poisoned`` (not
 counted), every other one is counted once. A failure that may have applied part of a write
 (Redis unreachable mid-write) is never split: its requests are ``lost``, as before.
 
@@ -69,13 +72,13 @@ The order of calls per request (read, compute, answer, then write) has one owner
 from __future__ import annotations
 
 import itertools
-from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal, Protocol
 
 import numpy as np
 
-from .blobs import TokenStatsUpdate, merge_token_stats
+from .blobs import TokenStatsUpdate
 
 ORDERS = ("key", "sensitivity", "occurrences")
 # degraded: a Redis Cluster of which some masters answer and some do not (their slots' history
@@ -147,10 +150,33 @@ class Claims:
         return bool(self.duplicates or self.conflicts)
 
 
-# refold(keys, keep): the records of ``keys`` folded again from the visits of the requests of
-# the write at positions ``keep`` (ascending: the order they were answered in); a key none of
-# them wrote is left out.
-Refold = Callable[[Collection[RecordKey], Sequence[int]], Awaitable[dict[RecordKey, bytes]]]
+@dataclass(frozen=True)
+class FoldAgain:
+    """Records a write needs folded again (:attr:`Recording.again`): those of ``keys`` from the
+    visits of the requests of the write at positions ``keep`` (ascending: the order they were
+    answered in); a key none of them wrote is left out."""
+
+    keys: frozenset[RecordKey]
+    keep: tuple[int, ...]
+
+
+class Recording(Protocol):
+    """A write of several requests under way (:meth:`StatsStore.record_requests`)."""
+
+    @property
+    def again(self) -> Sequence[FoldAgain]:
+        """The records to fold again and :meth:`send` before the write can go on; empty once
+        it is over (:attr:`outcomes` final)."""
+        ...
+
+    @property
+    def outcomes(self) -> list[Outcome]:
+        """What became of each request (final once :attr:`again` is empty)."""
+        ...
+
+    async def send(self, records: Mapping[RecordKey, bytes]) -> None:
+        """Write on with ``records``, those :attr:`again` asked for, folded."""
+        ...
 
 
 def digests_differ(stored: str | None, digest: str | None) -> bool:
@@ -283,17 +309,14 @@ class StatsStore(Protocol):
         ...
 
     async def record_requests(
-        self,
-        namespace: str,
-        requests: Sequence[RequestWrite],
-        update: StatsUpdate,
-        refold: Refold,
-    ) -> list[Outcome]:
+        self, namespace: str, requests: Sequence[RequestWrite], update: StatsUpdate
+    ) -> Recording:
         """Write ``update``, the folded writes of ``requests`` (in that order), each request
-        counted once under its id: what became of each request (see the module's docstring).
-        ``refold`` folds the records again for some of the requests (without those counted
-        before, or those a refused write is split into). Requests the store cannot take are
-        ``poisoned`` alone; no exception for them."""
+        counted once under its id (see the module's docstring). Where the store applied nothing
+        for some of the requests (claimed before, or a write it refused whole), the write asks
+        for the records folded again without them (:attr:`Recording.again`) and goes on once
+        they are sent; then :attr:`Recording.outcomes` says what became of each request.
+        Requests the store cannot take are ``poisoned`` alone; no exception for them."""
         ...
 
     @property
@@ -313,83 +336,43 @@ class StatsStore(Protocol):
     async def close(self) -> None: ...
 
 
-class WholeWrites(Protocol):
-    async def commit(
-        self, namespace: str, requests: Sequence[RequestWrite], update: StatsUpdate
-    ) -> Claims | None:
-        """Apply ``update`` (the folded writes of ``requests``) and claim every request id,
-        atomically: empty :class:`Claims` when applied; the requests found claimed before
-        (nothing applied); None when the store is unreachable. Raises :class:`Refused`
-        (nothing applied) for a write it cannot take."""
-        ...
+def requests_together(request_ids: Sequence[str], update: StatsUpdate) -> list[RequestWrite]:
+    """The requests of :meth:`StatsStore.record_many`, which go together or not at all: one per
+    id (one without an id when none is given), each writing the whole ``update``."""
+    keys = tuple(update.records)
+    ids = list(dict.fromkeys(request_ids))
+    return [RequestWrite(rid, keys, update.tokens) for rid in ids] or [
+        RequestWrite(None, keys, update.tokens)
+    ]
 
 
-async def record_whole(
-    store: WholeWrites,
-    namespace: str,
-    requests: Sequence[RequestWrite],
-    update: StatsUpdate,
-    refold: Refold | None,
-) -> list[Outcome]:
-    """:meth:`StatsStore.record_requests` for a store that applies a write whole.
+def claimed_together(
+    requests: Sequence[RequestWrite], outcomes: Sequence[Outcome]
+) -> list[str] | None:
+    """:meth:`StatsStore.record_many`'s answer from what became of its requests (written
+    together): the ids claimed before; None when the store was not reached; raises
+    :class:`Refused` when it refused the write."""
+    if POISONED in outcomes:
+        raise Refused("the store refused the write")
+    claimed = [
+        rid
+        for r, outcome in zip(requests, outcomes, strict=True)
+        if outcome in (DUPLICATE, CONFLICT) and (rid := r.request_id) is not None
+    ]
+    if claimed:
+        return claimed
+    return None if LOST in outcomes else []
 
-    The update with every request id; again without the requests whose ids were counted before
-    (folded again), until it is written (each try leaves one out at least). A write the store
-    refuses (:class:`Refused`: nothing applied) is written again in two halves, the first
-    before the second, each folded again on top of the requests written before it (so that a
-    prompt visited in both halves ends with every visit, in order); a request refused alone is
-    ``poisoned``. k refused requests among n cost about 2 k log2(n) more writes.
 
-    ``refold`` None: the requests go together or not at all (:meth:`StatsStore.record_many`),
-    one write: refused, they are all ``poisoned``; finding some of their ids claimed, it applies
-    nothing, and the others stay ``lost`` (not written)."""
-    outcomes: list[Outcome] = [LOST] * len(requests)
-    written: list[int] = []  # positions applied so far, in the order they were written
-
-    async def folded(part: list[int]) -> StatsUpdate:
-        assert refold is not None
-        keys = {key for i in part for key in requests[i].keys}
-        records = await refold(keys, sorted({*written, *part}))
-        return StatsUpdate(records, merge_token_stats([requests[i].tokens for i in part]))
-
-    async def write(left: list[int], update: StatsUpdate) -> bool:
-        """Write the requests at ``left``; False when the store turned out unreachable."""
-        while True:
-            try:
-                claims = await store.commit(namespace, [requests[i] for i in left], update)
-            except Refused:
-                if len(left) == 1 or refold is None:
-                    for i in left:
-                        outcomes[i] = POISONED
-                    return True
-                half = len(left) // 2
-                for part in (left[:half], left[half:]):
-                    if not await write(part, await folded(part)):
-                        return False
-                return True
-            if claims is None:
-                return False
-            if not claims:
-                for i in left:
-                    outcomes[i] = COUNTED
-                written.extend(left)
-                return True
-            before = {left[p] for p in claims.duplicates if 0 <= p < len(left)}
-            other = {left[p] for p in claims.conflicts if 0 <= p < len(left)}
-            for i in before:
-                outcomes[i] = DUPLICATE
-            for i in other:
-                outcomes[i] = CONFLICT
-            rest = [i for i in left if i not in before and i not in other]
-            if not rest or len(rest) == len(left) or refold is None:
-                # (nothing left to write, a store that answers positions it was not given, or
-                # requests that go together)
-                return True
-            left = rest
-            update = await folded(left)
-
-    await write(list(range(len(requests))), update)
-    return outcomes
+async def record_alone(
+    store: StatsStore, namespace: str, request_id: str | None, update: StatsUpdate
+) -> bool:
+    """:meth:`StatsStore.record` through :meth:`StatsStore.record_many`."""
+    ids = [] if request_id is None else [request_id]
+    try:
+        return await store.record_many(namespace, ids, update) == []
+    except Refused:
+        return False
 
 
 __all__ = [
@@ -400,22 +383,24 @@ __all__ = [
     "ORDERS",
     "POISONED",
     "Claims",
+    "FoldAgain",
     "OnDuration",
     "OnError",
     "OnUp",
     "Outcome",
     "Read",
     "RecordKey",
-    "Refold",
+    "Recording",
     "Refused",
     "RequestWrite",
     "StatsStore",
     "StatsUpdate",
     "StoreStatus",
-    "WholeWrites",
     "check_order",
+    "claimed_together",
     "digests_differ",
-    "record_whole",
+    "record_alone",
+    "requests_together",
     "token_stats_response",
     "unstorable",
 ]

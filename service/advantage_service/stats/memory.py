@@ -31,21 +31,23 @@ from typing import Any
 
 from .base import (
     Claims,
-    Outcome,
     Read,
+    Recording,
     RecordKey,
-    Refold,
     Refused,
     RequestWrite,
     StatsUpdate,
     StoreStatus,
     check_order,
+    claimed_together,
     digests_differ,
-    record_whole,
+    record_alone,
+    requests_together,
     token_stats_response,
     unstorable,
 )
 from .blobs import TokenStatsUpdate, empty_token_stats, merge_token_stats, token_columns
+from .write_groups import record_whole
 
 DEFAULT_TTL_SECONDS = 7 * 24 * 3600
 DEFAULT_MAX_RECORD_BYTES = 512 * 2**20
@@ -146,21 +148,14 @@ class MemoryStatsStore:
         return True
 
     async def record(self, namespace: str, request_id: str | None, update: StatsUpdate) -> bool:
-        ids = [] if request_id is None else [request_id]
-        try:
-            return await self.record_many(namespace, ids, update) == []
-        except Refused:
-            return False
+        return await record_alone(self, namespace, request_id, update)
 
     async def record_many(
         self, namespace: str, request_ids: Sequence[str], update: StatsUpdate
     ) -> list[str] | None:
-        ids = list(dict.fromkeys(request_ids))
-        requests = [RequestWrite(rid, (), empty_token_stats()) for rid in ids]
-        claims = await self.commit(namespace, requests, update)
-        if claims is None:
-            return None
-        return [ids[p] for p in sorted({*claims.duplicates, *claims.conflicts})]
+        requests = requests_together(request_ids, update)
+        write = await record_whole(self, namespace, requests, update, together=True)
+        return claimed_together(requests, write.outcomes)
 
     async def commit(
         self, namespace: str, requests: Sequence[RequestWrite], update: StatsUpdate
@@ -212,13 +207,9 @@ class MemoryStatsStore:
                 )
 
     async def record_requests(
-        self,
-        namespace: str,
-        requests: Sequence[RequestWrite],
-        update: StatsUpdate,
-        refold: Refold,
-    ) -> list[Outcome]:
-        return await record_whole(self, namespace, requests, update, refold)
+        self, namespace: str, requests: Sequence[RequestWrite], update: StatsUpdate
+    ) -> Recording:
+        return await record_whole(self, namespace, requests, update)
 
     # ---- entries and their fair eviction -----------------------------------------------------
 

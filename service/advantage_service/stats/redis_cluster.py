@@ -28,40 +28,28 @@ from __future__ import annotations
 
 import functools
 import zlib
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import quote
 
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
-from redis.exceptions import (
-    RedisClusterException,
-    RedisError,
-)
 
-from .base import (
-    CONFLICT,
-    LOST,
-    POISONED,
-    Outcome,
-    Read,
-    RecordKey,
-    Refold,
-    RequestWrite,
-    StatsUpdate,
-)
-from .redis_cluster_write import ClusterWrite, Records
+from .base import LOST, Read, Recording, RecordKey, RequestWrite, StatsUpdate
+from .redis_cluster_write import ClusterWrite
 from .redis_commit import SlotKeys, script_reply
 from .redis_common import (
     Backoff,
     Commands,
     DeltaKeys,
+    Execute,
     PartlyUnavailable,
     RedisContext,
     command,
     stored_digest,
 )
-from .redis_nodes import ClusterNodes, Part, failed, replies_of
+from .redis_nodes import ClusterNodes, Connection, Part, failed, replies_of
+from .write_groups import Finished
 
 DEFAULT_BUCKETS = 16
 
@@ -101,28 +89,10 @@ class ClusterLayout:
     """The stats store's layout on a Redis Cluster (reachability and settings are ``context``'s,
     shared with the store)."""
 
-    def __init__(
-        self,
-        context: RedisContext,
-        url: str,
-        *,
-        socket_timeout: float,
-        write_timeout: float,
-        connect_timeout: float,
-        buckets: int,
-        **redis_kwargs: Any,
-    ) -> None:
+    def __init__(self, context: RedisContext, connection: Connection, buckets: int) -> None:
         self.context = context
         self.buckets = max(1, int(buckets))
-        self.nodes = ClusterNodes(
-            url,
-            socket_timeout=socket_timeout,
-            write_timeout=write_timeout,
-            connect_timeout=connect_timeout,
-            backoff=context.backoff,
-            count=context.count_round_trip,
-            **redis_kwargs,
-        )
+        self.nodes = ClusterNodes(connection, context.backoff, context.count_round_trip)
 
     # ---- keys --------------------------------------------------------------------------------
 
@@ -238,51 +208,27 @@ class ClusterLayout:
         namespace: str,
         requests: Sequence[RequestWrite],
         update: StatsUpdate,
-        refold: Refold | None,
-    ) -> list[Outcome]:
+        *,
+        together: bool = False,
+    ) -> Recording:
         """Write the records part by part (one per slot), then the statistics of the requests
         whose every part is written (one part per bucket): see :mod:`.redis_store` and
-        :class:`.redis_cluster_write.ClusterWrite`. A part refused as a whole (nothing applied)
-        is written again in halves of its requests (:func:`.base.record_whole`'s rule, within
-        its slot): the requests refused alone are ``poisoned``, their statistics not written.
-        ``refold`` None (requests that go together or not at all): one request at most."""
-        if refold is None:
-            if len(requests) > 1:
-                raise ValueError(
-                    "on a Redis Cluster a write counts each request in parts: record_many "
-                    "takes one request id at most, write several with record_requests"
-                )
-            refold = _as_given(update)
-        context = self.context
-        if context.skipping("record"):
-            return [LOST] * len(requests)
-        write = context.new_id()
-        lock = context.new_id()
-        outcomes: list[Outcome] = [LOST] * len(requests)
-        steps = ClusterWrite(self, namespace, requests, write)
-        with context.timed("record"):
-            try:
-                done = await steps.write_records(update, refold)
-                for i in done.poisoned:
-                    outcomes[i] = POISONED
-                for i in done.conflicts:
-                    outcomes[i] = CONFLICT
-                left_out = done.failed | done.poisoned | done.conflicts
-                written = [i for i in range(len(requests)) if i not in left_out]
-                compact = await steps.write_statistics(written, lock, outcomes)
-            except (TimeoutError, RedisError, RedisClusterException, OSError) as exc:
-                # (the cluster could not be reached at all: the store's backoff)
-                context.unreachable("record", exc)
-                return outcomes
-        context.mark(True)
-        if done.failed or LOST in outcomes or POISONED in outcomes:
-            context.count_error("record")
-        for bucket in compact:
-            slot = self.bucket_slot(namespace, bucket)
-            await context.compact_deltas(
-                functools.partial(self.run_one, slot), self.delta_keys(namespace, bucket), lock
+        :class:`.redis_cluster_write.ClusterWrite`. ``together`` (requests that go together or
+        not at all): one request at most."""
+        if together and len(requests) > 1:
+            raise ValueError(
+                "on a Redis Cluster a write counts each request in parts: record_many "
+                "takes one request id at most, write several with record_requests"
             )
-        return outcomes
+        if self.context.skipping("record"):
+            return Finished([LOST] * len(requests))
+        write = ClusterWrite(self, namespace, requests, update, together=together)
+        await write.send()
+        return write
+
+    def execute_in(self, slot: int) -> Execute:
+        """Send commands to the master of ``slot`` (:meth:`run_one`)."""
+        return functools.partial(self.run_one, slot)
 
     # ---- reading the statistics -------------------------------------------------------------
 
@@ -308,16 +254,6 @@ class ClusterLayout:
                 raise PartlyUnavailable(f"slot {part.slot}: {current} {deltas}")
             out += [current, *deltas]
         return out
-
-
-def _as_given(update: StatsUpdate) -> Refold:
-    """The refold of one request's write: its records as they are (none once it is left
-    out)."""
-
-    async def refold(keys: Collection[RecordKey], keep: Sequence[int]) -> Records:
-        return {k: update.records[k] for k in keys} if keep else {}
-
-    return refold
 
 
 __all__ = ["DEFAULT_BUCKETS", "ClusterLayout", "slot_tags"]

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .base import RecordKey
+from .base import Claims, RecordKey, RequestWrite
 from .redis_common import (
     ANONYMOUS_CLAIM_TTL,
     DeltaKeys,
@@ -237,4 +237,23 @@ def script_reply(part: Part) -> list[Any] | None:
     return None
 
 
-__all__ = ["COMMIT", "LUA_CLAIMS", "SlotKeys", "commit_part", "refused_whole", "script_reply"]
+def claims_found(reply: list[Any], requests: Sequence[RequestWrite]) -> Claims | None:
+    """The requests (positions in ``requests``) a commit script's reply found claimed before;
+    None when it names none of them. (The script counts only the requests with an id: its
+    positions are among those.)"""
+    with_id = [p for p, r in enumerate(requests) if r.request_id is not None]
+    found = [int(p) for p in reply[3:]]
+    before = tuple(with_id[p - 1] for p in found if 0 < p <= len(with_id))
+    other = tuple(with_id[-p - 1] for p in found if 0 < -p <= len(with_id))
+    return Claims(before, other) if before or other else None
+
+
+__all__ = [
+    "COMMIT",
+    "LUA_CLAIMS",
+    "SlotKeys",
+    "claims_found",
+    "commit_part",
+    "refused_whole",
+    "script_reply",
+]

@@ -1,5 +1,6 @@
 """What the Redis stats store shares between one Redis and a Redis Cluster: its settings and
-reachability (:class:`RedisContext`: the backoff after a failure, the callbacks), RESP commands
+reachability (:class:`Reachability`, within :class:`RedisContext`: the backoff after a
+failure, the callbacks; the viewer's keep uses it too), RESP commands
 as socket buffers, and the compaction of statistics deltas (its script and its rounds). The
 layouts are in :mod:`.redis_single` (one Redis) and :mod:`.redis_cluster` (a cluster), chosen
 by :mod:`.redis_layout`."""
@@ -121,62 +122,30 @@ class DeltaKeys:
     stage: str
 
 
-class RedisContext:
-    """The settings and the reachability the store and its layout share (see
-    :class:`.RedisStatsStore`): each layout is handed this one object, and reports through it
-    what reached Redis and what did not."""
+class Reachability:
+    """Whether a Redis answers, as of the last operations: the backoff after a failure (no
+    attempt for its interval) and the callbacks. The stats store's (:class:`RedisContext`) and
+    the viewer's keep use this one rule. ``name`` names the user in log lines; ``up``: as
+    assumed before the first operation (a change of it is logged, the first failure included
+    when True)."""
 
     def __init__(
         self,
         *,
-        prefix: str,
-        ttl_seconds: int,
+        name: str,
         backoff_initial: float,
         backoff_max: float,
-        compact_after: int,
-        lock_ms: int,
-        on_error: OnError | None,
-        on_duration: OnDuration | None,
-        on_up: OnUp | None,
-        on_round_trip: Callable[[], None] | None,
-        merge: Callable[[list[bytes | None]], bytes] | None,
-        new_id: Callable[[], str] | None,
-        staged: Staged | None = None,
+        on_error: OnError | None = None,
+        on_duration: OnDuration | None = None,
+        on_up: OnUp | None = None,
+        up: bool = False,
     ) -> None:
-        # merge and new_id are seams for the race tests: a compaction that merges slowly, a
-        # write pipeline resent with the same claim. staged is one for the tests of a write the
-        # commit script refuses: a record it leaves unstaged is missing at the commit, as one
-        # whose SET Redis refused or evicted would be.
-        self.merge = merge if merge is not None else merge_records
-        self.new_id = new_id if new_id is not None else (lambda: uuid.uuid4().hex)
-        self.staged = staged
-        self.prefix = prefix
-        self.ttl_seconds = int(ttl_seconds)
-        self.compact_after = max(1, int(compact_after))
-        self.lock_ms = int(lock_ms)
+        self.name = name
         self.backoff = Backoff(backoff_initial, backoff_max)
-        self.up = False
+        self.up = up
         self._on_error = on_error
         self._on_duration = on_duration
         self._on_up = on_up
-        self._on_round_trip = on_round_trip
-        # Pipelines sent to Redis nodes (one per node an operation touches).
-        self.round_trips = 0
-
-    def count_round_trip(self) -> None:
-        self.round_trips += 1
-        if self._on_round_trip is not None:
-            self._on_round_trip()
-
-    def staged_in(self, namespace: str) -> Callable[[RecordKey], bool] | None:
-        """The ``staged`` seam for one namespace's records."""
-        return None if self.staged is None else functools.partial(self.staged, namespace)
-
-    @property
-    def stage_ms(self) -> bytes:
-        return b"%d" % min(STAGE_MS, 1000 * self.ttl_seconds)
-
-    # ---- reachability ------------------------------------------------------------------------
 
     def mark(self, up: bool) -> None:
         """Redis answered (``up``) or could not be reached: the backoff, and ``on_up`` when
@@ -188,7 +157,7 @@ class RedisContext:
         if up != self.up:
             self.up = up
             if up:
-                log.info("stats store: Redis reachable")
+                log.info("%s: Redis reachable", self.name)
             if self._on_up is not None:
                 self._on_up(up)
 
@@ -200,9 +169,9 @@ class RedisContext:
         return False
 
     def unreachable(self, op: str, exc: BaseException) -> None:
-        """``op`` did not reach Redis: counted, and the store's backoff starts."""
+        """``op`` did not reach Redis: counted, and the backoff starts."""
         if self.up:
-            log.warning("stats store: Redis unreachable (%s: %s)", op, exc)
+            log.warning("%s: Redis unreachable (%s: %s)", self.name, op, exc)
         self.mark(False)
         self.count_error(op)
 
@@ -236,7 +205,7 @@ class RedisContext:
                 # allowed" once maxmemory is reached and nothing more can be evicted), but Redis
                 # is up, so there is no backoff: reads (never refused for memory) go on. The
                 # same for a cluster of which only some masters answered.
-                log.warning("stats store: Redis refused %s: %s", op, exc)
+                log.warning("%s: Redis refused %s: %s", self.name, op, exc)
                 self.mark(True)
                 self.count_error(op)
                 raise Unavailable(op) from exc
@@ -245,6 +214,65 @@ class RedisContext:
                 raise Unavailable(op) from exc
         self.mark(True)
         return result
+
+
+class RedisContext(Reachability):
+    """The settings and the reachability the store and its layout share (see
+    :class:`.RedisStatsStore`): each layout is handed this one object, and reports through it
+    what reached Redis and what did not."""
+
+    def __init__(
+        self,
+        *,
+        prefix: str,
+        ttl_seconds: int,
+        backoff_initial: float,
+        backoff_max: float,
+        compact_after: int,
+        lock_ms: int,
+        on_error: OnError | None,
+        on_duration: OnDuration | None,
+        on_up: OnUp | None,
+        on_round_trip: Callable[[], None] | None,
+        merge: Callable[[list[bytes | None]], bytes] | None,
+        new_id: Callable[[], str] | None,
+        staged: Staged | None = None,
+    ) -> None:
+        super().__init__(
+            name="stats store",
+            backoff_initial=backoff_initial,
+            backoff_max=backoff_max,
+            on_error=on_error,
+            on_duration=on_duration,
+            on_up=on_up,
+        )
+        # merge and new_id are seams for the race tests: a compaction that merges slowly, a
+        # write pipeline resent with the same claim. staged is one for the tests of a write the
+        # commit script refuses: a record it leaves unstaged is missing at the commit, as one
+        # whose SET Redis refused or evicted would be.
+        self.merge = merge if merge is not None else merge_records
+        self.new_id = new_id if new_id is not None else (lambda: uuid.uuid4().hex)
+        self.staged = staged
+        self.prefix = prefix
+        self.ttl_seconds = int(ttl_seconds)
+        self.compact_after = max(1, int(compact_after))
+        self.lock_ms = int(lock_ms)
+        self._on_round_trip = on_round_trip
+        # Pipelines sent to Redis nodes (one per node an operation touches).
+        self.round_trips = 0
+
+    def count_round_trip(self) -> None:
+        self.round_trips += 1
+        if self._on_round_trip is not None:
+            self._on_round_trip()
+
+    def staged_in(self, namespace: str) -> Callable[[RecordKey], bool] | None:
+        """The ``staged`` seam for one namespace's records."""
+        return None if self.staged is None else functools.partial(self.staged, namespace)
+
+    @property
+    def stage_ms(self) -> bytes:
+        return b"%d" % min(STAGE_MS, 1000 * self.ttl_seconds)
 
     # ---- compaction --------------------------------------------------------------------------
 
@@ -337,6 +365,7 @@ __all__ = [
     "Backoff",
     "DeltaKeys",
     "PartlyUnavailable",
+    "Reachability",
     "RedisContext",
     "Staged",
     "Unavailable",

@@ -16,9 +16,10 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from .base import LOST, Outcome, Read, RecordKey, Refold, RequestWrite, StatsUpdate
+from .base import LOST, Read, Recording, RecordKey, RequestWrite, StatsUpdate
 from .redis_common import RedisContext, Unavailable
 from .redis_single import SingleLayout
+from .write_groups import Finished
 
 log = logging.getLogger("advantage_service.stats.redis_store")
 
@@ -46,10 +47,11 @@ class Layout(Protocol):
         namespace: str,
         requests: Sequence[RequestWrite],
         update: StatsUpdate,
-        refold: Refold | None,
-    ) -> list[Outcome]:
+        *,
+        together: bool = False,
+    ) -> Recording:
         """:meth:`.base.StatsStore.record_requests` (reachability reported to the context);
-        ``refold`` None: the requests go together or not at all (:meth:`.RedisStatsStore.
+        ``together``: the requests go together or not at all (:meth:`.RedisStatsStore.
         record_many`), none is written again without the others."""
         ...
 
@@ -99,16 +101,17 @@ class FirstContact:
         namespace: str,
         requests: Sequence[RequestWrite],
         update: StatsUpdate,
-        refold: Refold | None,
-    ) -> list[Outcome]:
+        *,
+        together: bool = False,
+    ) -> Recording:
         if self.chosen is None:
             # (a write reports for itself: asking is an attempt of its own)
             try:
                 await self.context.call("record", lambda: self.choose(write=True))
             except Unavailable:
-                return [LOST] * len(requests)
+                return Finished([LOST] * len(requests))
         assert self.chosen is not None
-        return await self.chosen.record_requests(namespace, requests, update, refold)
+        return await self.chosen.record_requests(namespace, requests, update, together=together)
 
     async def statistics_records(self, namespace: str) -> list[bytes | None]:
         return await (await self.choose()).statistics_records(namespace)

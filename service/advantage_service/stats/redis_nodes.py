@@ -1,6 +1,7 @@
 """How commands reach Redis: one send path over a node's pooled connections, and the two ways of
 choosing the node, :class:`OneNode` (one Redis) and :class:`ClusterNodes` (the master of each
-slot of a Redis Cluster). The stats store and the viewer's keep both send through these.
+slot of a Redis Cluster), both made from one :class:`Connection`. The stats store and the viewer's
+keep both send through these.
 
 Commands go as :class:`Part` s: the commands of one hash slot, each given its replies (an error
 reply in place) or the failure of its node. The rules, the same for every node:
@@ -20,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import redis.asyncio as redis
@@ -178,29 +179,36 @@ async def run_scripts(nodes: Nodes, parts: Sequence[Part]) -> None:
         await nodes.run(unknown)
 
 
-def options(connect_timeout: float, redis_kwargs: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "socket_connect_timeout": connect_timeout,
-        "decode_responses": False,
-        "socket_read_size": READ_SIZE,
-        **redis_kwargs,
-    }
+@dataclass(frozen=True)
+class Connection:
+    """How to reach a Redis (one node, or a Redis Cluster from one node's URL): the timeout of
+    every socket operation of reads and pings (``socket_timeout``), of writes, which run after
+    the response and may carry megabytes (``write_timeout``), of a connect; the rest of the
+    options go to redis-py's ``from_url``. The stats store and the viewer's keep share it."""
+
+    url: str
+    socket_timeout: float
+    write_timeout: float
+    connect_timeout: float
+    redis_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def options(self) -> dict[str, Any]:
+        return {
+            "socket_connect_timeout": self.connect_timeout,
+            "decode_responses": False,
+            "socket_read_size": READ_SIZE,
+            **self.redis_kwargs,
+        }
 
 
 class OneNode:
-    """One Redis: reads and writes over separate pools (a read waits behind no write)."""
+    """One Redis: reads and writes over separate pools (a read waits behind no write).
+    ``count`` is called per pipeline sent."""
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        socket_timeout: float,
-        write_timeout: float,
-        connect_timeout: float,
-        count: Callable[[], None] | None = None,
-        **redis_kwargs: Any,
-    ) -> None:
-        kwargs = options(connect_timeout, redis_kwargs)
+    def __init__(self, connection: Connection, count: Callable[[], None] | None = None) -> None:
+        url, connect_timeout = connection.url, connection.connect_timeout
+        socket_timeout, write_timeout = connection.socket_timeout, connection.write_timeout
+        kwargs = connection.options()
         # One immediate retry on a broken connection (a pooled socket that died with a
         # restarted Redis) for the commands redis-py sends itself (INFO, PING).
         kwargs.setdefault("retry", Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
@@ -250,26 +258,18 @@ class ClusterNodes:
     node is failing and on a ``MOVED`` reply, so the sender follows a failover."""
 
     def __init__(
-        self,
-        url: str,
-        *,
-        socket_timeout: float,
-        write_timeout: float,
-        connect_timeout: float,
-        backoff: Backoff,
-        count: Callable[[], None] | None = None,
-        **redis_kwargs: Any,
+        self, connection: Connection, backoff: Backoff, count: Callable[[], None] | None = None
     ) -> None:
-        self.read_timeout = socket_timeout
+        self.read_timeout = connection.socket_timeout
         self.backoff = backoff
         self.count = count
         # Sends use the write timeout (writes carry megabytes); reads pass the read timeout.
         self.client = RedisCluster.from_url(
-            url,
-            socket_timeout=write_timeout,
+            connection.url,
+            socket_timeout=connection.write_timeout,
             # The other masters go on serving while one shard has none.
             require_full_coverage=False,
-            **options(connect_timeout, redis_kwargs),
+            **connection.options(),
         )
         self.nodes: dict[str, Backoff] = {}
         self._refresh_at = 0.0
@@ -404,6 +404,7 @@ def _redirect(result: list[Any] | BaseException | None) -> AskError | None:
 
 __all__ = [
     "ClusterNodes",
+    "Connection",
     "NodeFailed",
     "Nodes",
     "OneNode",

@@ -12,19 +12,9 @@ from urllib.parse import quote
 
 from redis.exceptions import ResponseError
 
-from .base import (
-    Claims,
-    Outcome,
-    Read,
-    RecordKey,
-    Refold,
-    Refused,
-    RequestWrite,
-    StatsUpdate,
-    record_whole,
-)
+from .base import Claims, Read, RecordKey, Refused, RequestWrite, StatsUpdate
 from .blobs import encode_token_stats
-from .redis_commit import SlotKeys, commit_part
+from .redis_commit import SlotKeys, claims_found, commit_part
 from .redis_common import (
     Commands,
     RedisContext,
@@ -33,7 +23,8 @@ from .redis_common import (
     is_refusal,
     stored_digest,
 )
-from .redis_nodes import OneNode, Part, replies_of
+from .redis_nodes import Connection, OneNode, Part, replies_of
+from .write_groups import GroupWrite, record_whole
 
 log = logging.getLogger("advantage_service.stats.redis_store")
 
@@ -52,25 +43,9 @@ class SingleLayout:
     # (one Redis answers as a whole, or not at all)
     degraded = False
 
-    def __init__(
-        self,
-        context: RedisContext,
-        url: str,
-        *,
-        socket_timeout: float,
-        write_timeout: float,
-        connect_timeout: float,
-        **redis_kwargs: Any,
-    ) -> None:
+    def __init__(self, context: RedisContext, connection: Connection) -> None:
         self.context = context
-        self.node = OneNode(
-            url,
-            socket_timeout=socket_timeout,
-            write_timeout=write_timeout,
-            connect_timeout=connect_timeout,
-            count=context.count_round_trip,
-            **redis_kwargs,
-        )
+        self.node = OneNode(connection, context.count_round_trip)
 
     def keys(self, namespace: str) -> SlotKeys:
         return namespace_keys(self.context.prefix, namespace)
@@ -112,12 +87,12 @@ class SingleLayout:
         namespace: str,
         requests: Sequence[RequestWrite],
         update: StatsUpdate,
-        refold: Refold | None,
-    ) -> list[Outcome]:
+        *,
+        together: bool = False,
+    ) -> GroupWrite:
         """Whole writes (:meth:`commit`), written again without the requests counted before
-        and split when refused (:func:`.base.record_whole`; ``refold`` None: together or not
-        at all)."""
-        return await record_whole(self, namespace, requests, update, refold)
+        and split when refused (:func:`.write_groups.record_whole`)."""
+        return await record_whole(self, namespace, requests, update, together=together)
 
     async def commit(
         self, namespace: str, requests: Sequence[RequestWrite], update: StatsUpdate
@@ -155,15 +130,9 @@ class SingleLayout:
             )
             context.count_error("record")
             raise Refused(str(reply))
-        counted, _pending, compact, *claimed = reply
-        if compact:
+        if reply[2]:
             await self.compact(namespace, lock)
-        if counted:
-            return Claims()
-        positions = [int(p) for p in claimed]
-        return Claims(
-            tuple(p - 1 for p in positions if p > 0), tuple(-p - 1 for p in positions if p < 0)
-        )
+        return Claims() if reply[0] else claims_found(reply, requests)
 
     def _writes(
         self, namespace: str, requests: Sequence[RequestWrite], update: StatsUpdate, lock: str

@@ -32,14 +32,15 @@ expire ``ttl_seconds`` after its last write.
 
 Round trips: a request that reads records makes exactly two, one pipeline of ``GET`` (one per
 key) to read and one to write; a request without reads one (the write). Under load the service's
-writer coalesces the writes of many requests of a namespace into one (:meth:`record_many`): one
-write round trip for all of them. The write pipeline stages the new records and the statistics
-delta, then one script checks the claims of every request id of the write and, only if none was
-claimed before, claims them all (``SET EX``) and moves the staged records into place, so a
-duplicate request counts nothing (a write with one answers which ids were claimed, and applies
-nothing), a request whose writes never reached Redis is not marked as counted, and a pipeline
-resent after a broken connection (same claim) applies nothing twice. Redis work per write is
-the transfer of the records plus O(prompts + request ids) key operations.
+writer coalesces the writes of many requests of a namespace into one (:meth:`record_requests`):
+one write round trip for all of them (one more, with the records folded again by the writer,
+when it finds a request counted before). The write pipeline stages the new records and the
+statistics delta, then one script checks the claims of every request id of the write and, only
+if none was claimed before, claims them all (``SET EX``) and moves the staged records into
+place, so a duplicate request counts nothing (a write with one answers which ids were claimed,
+and applies nothing), a request whose writes never reached Redis is not marked as counted, and a
+pipeline resent after a broken connection (same claim) applies nothing twice. Redis work per
+write is the transfer of the records plus O(prompts + request ids) key operations.
 
 Compaction: the write script answers the number of pending deltas, and when there are
 ``compact_after`` or more it also tries the namespace's lock, so exactly one replica compacts
@@ -84,9 +85,11 @@ above without a script that spans slots:
   records, then one script that, atomically on that slot, finds the part's own write key (a
   resent part: applied before, nothing to do), else checks the claims *in this slot* of every
   request id that wrote into the part and, only if none was claimed, claims them all and moves
-  the records into place. A part where some ids were counted before applies nothing; the store
-  folds its records again without those requests (``refold``: the term's fold of the other
-  visits) and sends it again (same write id). Parts of other slots apply meanwhile. So a
+  the records into place. A part where some ids were counted before applies nothing; the write
+  asks the service for its records folded again without those requests (the store keeps bytes:
+  the service's writer folds the other visits, :class:`~.base.FoldAgain`) and sends it again
+  (same write id): one more round trip, on this path only. Parts of other slots apply
+  meanwhile. So a
   request id is counted once in each slot it touches, whoever writes it: a resend (to any
   replica, at any time within the TTL) applies only the parts an earlier write left missing
   (a master that was down) and repeats none, and two replicas writing the same request at once
@@ -125,22 +128,20 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .base import (
-    CONFLICT,
-    DUPLICATE,
     LOST,
-    POISONED,
     OnDuration,
     OnError,
     OnUp,
-    Outcome,
     Read,
+    Recording,
     RecordKey,
-    Refold,
-    Refused,
     RequestWrite,
     StatsUpdate,
     StoreStatus,
     check_order,
+    claimed_together,
+    record_alone,
+    requests_together,
     token_stats_response,
 )
 from .blobs import token_columns
@@ -157,7 +158,9 @@ from .redis_common import (
     merge_tables,
 )
 from .redis_layout import FirstContact, Layout
+from .redis_nodes import Connection
 from .redis_single import SingleLayout, namespace_keys
+from .write_groups import Finished
 
 DEFAULT_PREFIX = "adv"
 
@@ -226,31 +229,15 @@ class RedisStatsStore:
             staged=staged,
         )
 
-        def on_one() -> SingleLayout:
-            return SingleLayout(
-                self.context,
-                url,
-                socket_timeout=socket_timeout,
-                write_timeout=write_timeout,
-                connect_timeout=connect_timeout,
-                **redis_kwargs,
-            )
+        connection = Connection(url, socket_timeout, write_timeout, connect_timeout, redis_kwargs)
 
         def on_cluster() -> ClusterLayout:
-            return ClusterLayout(
-                self.context,
-                url,
-                socket_timeout=socket_timeout,
-                write_timeout=write_timeout,
-                connect_timeout=connect_timeout,
-                buckets=buckets,
-                **redis_kwargs,
-            )
+            return ClusterLayout(self.context, connection, buckets)
 
         # The one place the layout is chosen: every operation goes to it.
         self._layout: Layout
         # (one Redis's layout also asks the node which layout: none when told it is a cluster)
-        self._one = None if cluster else on_one()
+        self._one = None if cluster else SingleLayout(self.context, connection)
         if self._one is None:
             self._layout = on_cluster()
         elif cluster is None:
@@ -347,46 +334,23 @@ class RedisStatsStore:
     # ---- writes ------------------------------------------------------------------------------
 
     async def record(self, namespace: str, request_id: str | None, update: StatsUpdate) -> bool:
-        ids = [] if request_id is None else [request_id]
-        try:
-            return await self.record_many(namespace, ids, update) == []
-        except Refused:
-            return False
+        return await record_alone(self, namespace, request_id, update)
 
     async def record_many(
         self, namespace: str, request_ids: Sequence[str], update: StatsUpdate
     ) -> list[str] | None:
-        """:meth:`record_requests` of requests that go together or not at all: one per id
-        (one without an id when none is given), each writing the whole ``update``."""
-        ids = list(dict.fromkeys(request_ids))
         if self.context.skipping("record"):
             return None
-        keys = tuple(update.records)
-        requests = [RequestWrite(rid, keys, update.tokens) for rid in ids] or [
-            RequestWrite(None, keys, update.tokens)
-        ]
-        outcomes = await self._layout.record_requests(namespace, requests, update, None)
-        if POISONED in outcomes:
-            raise Refused("the store refused the write")
-        claimed = [
-            rid
-            for r, outcome in zip(requests, outcomes, strict=True)
-            if outcome in (DUPLICATE, CONFLICT) and (rid := r.request_id) is not None
-        ]
-        if claimed:
-            return claimed
-        return None if LOST in outcomes else []
+        requests = requests_together(request_ids, update)
+        write = await self._layout.record_requests(namespace, requests, update, together=True)
+        return claimed_together(requests, write.outcomes)
 
     async def record_requests(
-        self,
-        namespace: str,
-        requests: Sequence[RequestWrite],
-        update: StatsUpdate,
-        refold: Refold,
-    ) -> list[Outcome]:
+        self, namespace: str, requests: Sequence[RequestWrite], update: StatsUpdate
+    ) -> Recording:
         if self.context.skipping("record"):
-            return [LOST] * len(requests)
-        return await self._layout.record_requests(namespace, requests, update, refold)
+            return Finished([LOST] * len(requests))
+        return await self._layout.record_requests(namespace, requests, update)
 
     # ---- reading the statistics -------------------------------------------------------------
 

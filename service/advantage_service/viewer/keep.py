@@ -19,7 +19,8 @@ viewer's route answers.
   pipeline and hides what is past the TTL. Best effort: a failed write is counted
   (``advantage_stats_store_errors_total{op="viewer_keep"}``, reads ``op="viewer_read"``) and
   never fails a request; after a connection failure the store skips (and counts) for a
-  backoff interval (0.25 s doubling to 4 s), as the stats store does. A read that cannot reach
+  backoff interval (0.25 s doubling to 4 s): the stats store's connections and backoff
+  (``stats.redis_nodes.Connection``, ``stats.redis_common.Reachability``). A read that cannot reach
   Redis raises :class:`KeepUnavailable` (the routes answer 503). On a Redis Cluster (found as
   the stats store finds it, or ``ADV_REDIS_CLUSTER``) the same keys, through redis-py's cluster
   client: a namespace's keys share one slot.
@@ -41,11 +42,18 @@ from urllib.parse import quote
 import numpy as np
 import orjson
 from redis.crc import key_slot
-from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from ..serving.engine import Computed
-from ..stats.redis_common import Backoff, Commands, command
-from ..stats.redis_nodes import ClusterNodes, Nodes, OneNode, Part, replies_of, run_scripts
+from ..stats.redis_common import Backoff, Commands, Reachability, Unavailable, command
+from ..stats.redis_nodes import (
+    ClusterNodes,
+    Connection,
+    Nodes,
+    OneNode,
+    Part,
+    replies_of,
+    run_scripts,
+)
 from ..wire import jsonio
 
 log = logging.getLogger("advantage_service.viewer")
@@ -308,32 +316,28 @@ class RedisKeep:
         self.max_bytes = max_bytes
         self.ttl_seconds = int(ttl_seconds)
         self.prefix = prefix
-        self._backoff = Backoff(backoff_initial, backoff_max)
-        self._one = OneNode(
-            url,
-            socket_timeout=socket_timeout,
-            write_timeout=write_timeout,
-            connect_timeout=connect_timeout,
+        # (up until a call fails: the first failure is logged)
+        self.reachability = Reachability(
+            name="viewer",
+            backoff_initial=backoff_initial,
+            backoff_max=backoff_max,
+            on_error=on_error,
+            up=True,
         )
+        connection = Connection(url, socket_timeout, write_timeout, connect_timeout)
+        self._one = OneNode(connection)
         self._nodes: Nodes = self._one
 
         def cluster_nodes() -> None:
             # A namespace's three keys share a hash slot: the script and the read pipelines go
             # to that slot's master.
-            self._nodes = ClusterNodes(
-                url,
-                socket_timeout=socket_timeout,
-                write_timeout=write_timeout,
-                connect_timeout=connect_timeout,
-                backoff=Backoff(backoff_initial, backoff_max),
-            )
+            self._nodes = ClusterNodes(connection, Backoff(backoff_initial, backoff_max))
 
         self._cluster_nodes = cluster_nodes
         # (unset: asked of the node, as the stats store does, at the first call that reaches it)
         self._mode_known = cluster is not None
         if cluster:
             cluster_nodes()
-        self._on_error = on_error
 
     @property
     def enabled(self) -> bool:
@@ -347,30 +351,9 @@ class RedisKeep:
     def _cutoff_us(self) -> int:
         return int((time.time() - self.ttl_seconds) * 1e6)
 
-    def _failed(self, op: str, exc: BaseException | None) -> None:
-        """Count a failed (or, with ``exc`` None, skipped) operation; after a connection
-        failure, skip for the backoff interval. A refusal (Redis answered with an error, e.g.
-        out of memory) fails that operation only."""
-        if self._on_error is not None:
-            self._on_error(op)
-        if exc is None or isinstance(exc, ResponseError):
-            return
-        if not self._backoff.failing:
-            log.warning("viewer: Redis unreachable (%s: %s)", op, exc)
-        self._backoff.failed()
-
-    def _ok(self) -> None:
-        self._backoff.answered()
-
-    def _skipping(self) -> bool:
-        return self._backoff.waiting
-
     async def add(self, kept: KeptRequest) -> bool:
         """Keep ``kept``; False when it was not (too large, Redis unreachable: counted)."""
-        if not self.enabled:
-            return False
-        if self._skipping():
-            self._failed(KEEP_OP, None)
+        if not self.enabled or self.reachability.skipping(KEEP_OP):
             return False
         blob = await asyncio.to_thread(kept.to_json)
         if len(blob) > self.max_bytes:
@@ -390,14 +373,16 @@ class RedisKeep:
         tail = [b"3", *keys, *args]
         part = Part(key_slot(keys[0]), [command(b"EVALSHA", KEEP_SHA, *tail)])
         part.fallback = command(b"EVAL", KEEP_SCRIPT, *tail)
-        try:
+
+        async def run() -> list[Any]:
             await self._mode()
             await run_scripts(self._nodes, [part])
-            (kept_now,) = replies_of(part)
-        except (RedisError, RedisClusterException, OSError, TimeoutError) as exc:
-            self._failed(KEEP_OP, exc)
+            return replies_of(part)
+
+        try:
+            (kept_now,) = await self.reachability.call(KEEP_OP, run)
+        except Unavailable:
             return False
-        self._ok()
         return bool(kept_now)
 
     async def recent(self, namespace: str) -> list[dict[str, Any]]:
@@ -431,19 +416,18 @@ class RedisKeep:
 
     async def _read(self, index: bytes, commands: Commands) -> list[Any]:
         """One pipeline of reads, or :class:`KeepUnavailable` (counted)."""
-        if self._skipping():
-            self._failed(READ_OP, None)
-            raise KeepUnavailable("in backoff after a failure")
-        try:
+
+        async def run() -> list[Any]:
             await self._mode()
             part = Part(key_slot(index), commands)
             await self._nodes.run([part], read=True)
-            replies = replies_of(part)
-        except (RedisError, RedisClusterException, OSError, TimeoutError) as exc:
-            self._failed(READ_OP, exc)
-            raise KeepUnavailable(str(exc)) from exc
-        self._ok()
-        return replies
+            return replies_of(part)
+
+        try:
+            return await self.reachability.call(READ_OP, run)
+        except Unavailable as exc:
+            why = exc.__cause__ or "in backoff after a failure"
+            raise KeepUnavailable(str(why)) from exc
 
     async def _mode(self) -> None:
         """Ask the node once whether it runs in cluster mode (raises when it does not answer)."""
