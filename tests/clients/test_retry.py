@@ -9,7 +9,6 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent import futures
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -22,6 +21,7 @@ from advantage_client.grpc_client import from_tensor, to_tensor
 from advantage_client.retry import HINT_JITTER, Retryable
 from advantage_contract.grpc_gen import advantage_pb2 as pb
 from advantage_contract.grpc_gen import advantage_pb2_grpc as pb_grpc
+from servicer_support import serve
 
 
 def test_delays_grow_exponentially_within_their_cap_and_honour_retry_after() -> None:
@@ -334,14 +334,6 @@ class OverloadedService(pb_grpc.AdvantageServiceServicer):
             )
 
 
-def serve_grpc(servicer: OverloadedService) -> tuple[grpc.Server, str]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    pb_grpc.add_AdvantageServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    return server, f"127.0.0.1:{port}"
-
-
 @pytest.mark.parametrize(
     "call",
     [
@@ -358,7 +350,7 @@ def test_grpc_client_waits_the_retry_after_ms_of_unavailable_then_succeeds(
     call: Callable[[GrpcClient], np.ndarray],
 ) -> None:
     servicer = OverloadedService()
-    server, target = serve_grpc(servicer)
+    server, target = serve(servicer)
     try:
         with GrpcClient(target, backoff=0.001, timeout=10) as client:
             advantages = call(client)
@@ -374,7 +366,7 @@ def test_grpc_client_waits_the_retry_after_ms_of_unavailable_then_succeeds(
 
 def test_grpc_client_raises_the_overload_with_its_hints_once_its_retries_are_spent() -> None:
     servicer = OverloadedService(refusals=10)
-    server, target = serve_grpc(servicer)
+    server, target = serve(servicer)
     try:
         client = GrpcClient(target, retries=1, max_backoff=0.05, timeout=10)
         with client, pytest.raises(AdvantageError) as info:

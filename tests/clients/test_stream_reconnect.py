@@ -8,7 +8,6 @@ import socket
 import threading
 from collections import defaultdict
 from collections.abc import Iterator
-from concurrent import futures
 from typing import Any
 
 import grpc
@@ -18,6 +17,7 @@ from advantage_client import AdvantageError, GrpcClient
 from advantage_client.grpc_client import from_tensor, to_tensor
 from advantage_contract.grpc_gen import advantage_pb2 as pb
 from advantage_contract.grpc_gen import advantage_pb2_grpc as pb_grpc
+from servicer_support import serve
 
 
 class ScriptedService(pb_grpc.AdvantageServiceServicer):
@@ -78,14 +78,6 @@ class ScriptedService(pb_grpc.AdvantageServiceServicer):
                         ],
                     )
                 )
-
-
-def serve(servicer: ScriptedService) -> tuple[grpc.Server, str]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    pb_grpc.add_AdvantageServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    return server, f"127.0.0.1:{port}"
 
 
 def rollouts(groups: int, size: int, prefix: str = "g") -> list[dict[str, Any]]:

@@ -6,12 +6,15 @@ verl's OTB over HTTP or gRPC raised TypeError.)"""
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import advantage_service
+import numpy as np
 import pytest
-from advantage_client import GrpcClient, HttpClient
-from advantage_contract.backend import Backend, inprocess
+from advantage_client import AdvantageError, GrpcClient, HttpClient
+from advantage_contract import padded
+from advantage_contract.backend import Backend, RemoteBackend, inprocess
 from advantage_contract.fields import TEACHER_FIELD, TOKEN_FIELDS
 from advantage_service.api import InProcess
 
@@ -60,3 +63,25 @@ def test_every_backend_is_the_protocol() -> None:
         assert isinstance(http, Backend)
     with GrpcClient("127.0.0.1:9") as grpc_client:
         assert isinstance(grpc_client, Backend)
+
+
+@pytest.mark.parametrize(
+    ("client", "name"),
+    [
+        (lambda: HttpClient("http://127.0.0.1:9"), "the HTTP client"),
+        (lambda: GrpcClient("127.0.0.1:9"), "the gRPC client"),
+    ],
+)
+def test_each_client_names_itself_refusing_an_input_it_cannot_carry(
+    monkeypatch: pytest.MonkeyPatch, client: Callable[[], RemoteBackend], name: str
+) -> None:
+    """The clients share one compute_padded; a per-token input the contract of this client
+    version lacks (here: all but logprobs) is refused before anything is sent, naming the
+    client that refused it."""
+    monkeypatch.setattr(padded, "TOKEN_FIELDS", ("logprobs",))
+    mask = np.ones((1, 2), dtype=bool)
+    with client() as backend, pytest.raises(AdvantageError) as refused:
+        backend.compute_padded(None, mask, [1.0], ["g"], entropy=np.zeros((1, 2)))
+    assert refused.value.code == "unsupported_input"
+    assert refused.value.field == "entropy"
+    assert f"entropy is not accepted by {name} yet" in str(refused.value)

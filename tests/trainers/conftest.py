@@ -10,11 +10,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from trainer_support import TrainerService, start_trainer_service
+from trainer_support import TrainerService
 
 
 @pytest.fixture(scope="session")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TrainerService]:
-    srv = start_trainer_service(tmp_path_factory.mktemp("trainer-service"))
+    srv = TrainerService.start(tmp_path_factory.mktemp("trainer-service"))
     yield srv
     srv.stop()

@@ -227,6 +227,24 @@ def spread_rewards(case: PaddedCase, rng: np.random.Generator) -> torch.Tensor:
     return torch.from_numpy(values).float()
 
 
+def otb_batches(
+    rng: np.random.Generator, first_seed: int, count: int
+) -> Iterator[tuple[PaddedCase, DataProto, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``count`` random batches for OTB, each (case, its DataProto, token-level rewards, old
+    log-probs, sums of squared probabilities): the DataProto holds the rewards and the inputs
+    in float32; the log-probs and sums come in float64, as drawn."""
+    for seed in range(first_seed, first_seed + count):
+        case = padded_case(seed, "grpo", layout="right", ids="str", group_size=(2, 5), empty_prob=0)
+        data = data_proto(case)
+        rewards = spread_rewards(case, rng)
+        logprobs = torch.from_numpy(-rng.uniform(0.01, 3, size=case.mask.shape))
+        spp = torch.from_numpy(rng.uniform(0.05, 1, size=case.mask.shape))
+        data.batch["token_level_rewards"] = rewards
+        data.batch["old_log_probs"] = logprobs.float()
+        data.batch["sum_pi_squared"] = spp.float()
+        yield case, data, rewards, logprobs, spp
+
+
 def test_otb_uses_the_reward_to_go_of_per_token_rewards_as_verl_does() -> None:
     # The issue's example: verl [[.5, .25], [-.5, -.25]]; the service gave [[.5, .5], [-.5, -.5]].
     fn = adv_verl.REGISTERED["adv_otb"]
@@ -243,21 +261,10 @@ def test_otb_uses_the_reward_to_go_of_per_token_rewards_as_verl_does() -> None:
     np.testing.assert_allclose(got.numpy(), [[0.5, 0.25], [-0.5, -0.25]], atol=1e-6)
     from verl.trainer.ppo.core_algos import compute_optimal_token_baseline_advantage
 
-    rng = np.random.default_rng(43)
-    for seed in range(5):
-        case = padded_case(
-            60 + seed, "grpo", layout="right", ids="str", group_size=(2, 5), empty_prob=0
-        )
-        data = data_proto(case)
-        rewards = spread_rewards(case, rng)
-        data.batch["token_level_rewards"] = rewards
-        logprobs = torch.from_numpy(-rng.uniform(0.01, 3, size=case.mask.shape)).float()
-        spp = torch.from_numpy(rng.uniform(0.05, 1, size=case.mask.shape)).float()
-        data.batch["old_log_probs"] = logprobs
-        data.batch["sum_pi_squared"] = spp
+    for case, data, rewards, logprobs, spp in otb_batches(np.random.default_rng(43), 60, 5):
         mask = torch.from_numpy(case.mask).float()
         expected, _ = compute_optimal_token_baseline_advantage(
-            rewards, mask, data.non_tensor_batch["uid"], logprobs, spp
+            rewards, mask, data.non_tensor_batch["uid"], logprobs.float(), spp.float()
         )
         got = advantages(data, "adv_otb")
         np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-4, atol=1e-5)
@@ -294,18 +301,8 @@ def test_otb_sends_verls_importance_sampling_weights() -> None:
     np.testing.assert_allclose(got.numpy(), expected.numpy(), atol=1e-5)
 
     rng = np.random.default_rng(44)
-    for seed in range(8):
-        case = padded_case(
-            70 + seed, "grpo", layout="right", ids="str", group_size=(2, 5), empty_prob=0
-        )
-        data = data_proto(case)
-        rewards = spread_rewards(case, rng)
-        data.batch["token_level_rewards"] = rewards
-        logprobs = torch.from_numpy(-rng.uniform(0.01, 3, size=case.mask.shape))
-        spp = torch.from_numpy(rng.uniform(0.05, 1, size=case.mask.shape))
+    for case, data, rewards, logprobs, spp in otb_batches(rng, 70, 8):
         is_weights = torch.from_numpy(rng.uniform(0.2, 2.0, size=case.mask.shape))
-        data.batch["old_log_probs"] = logprobs.float()
-        data.batch["sum_pi_squared"] = spp.float()
         data.batch["rollout_is_weights"] = is_weights.float()
         mask = torch.from_numpy(case.mask).double()
         expected, _ = compute_optimal_token_baseline_advantage(
@@ -427,9 +424,9 @@ def test_the_setup_hook_reads_its_settings_from_the_environment() -> None:
 def test_a_service_down_past_the_retries_falls_back_to_verls_own_when_asked(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    from trainer_support import start_trainer_service
+    from trainer_support import TrainerService
 
-    srv = start_trainer_service(tmp_path_factory.mktemp("down"))
+    srv = TrainerService.start(tmp_path_factory.mktemp("down"))
     try:
         made = adv_verl.register("http", srv.url, presets=["grpo"], fallback=True, retries=1)
         strict = adv_verl.register("http", srv.url, presets={"strict": "grpo"}, retries=1)

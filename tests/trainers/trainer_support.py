@@ -2,32 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-from pathlib import Path
-from typing import Any
-
-import grpc
-import httpx
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from process_support import ServiceProcess, launch_service
+from service_support import Service
 
 
-class TrainerService(ServiceProcess):
-    """``advantage-service serve`` with an HTTP port (``url``) and a gRPC port (``target``)."""
-
-    def __init__(self, proc: subprocess.Popen[bytes], http_port: int, grpc_port: int, log: Path):
-        url = f"http://127.0.0.1:{http_port}"
-        super().__init__(proc, url, log, httpx.Client(base_url=url, timeout=60.0))
-        self.target = f"127.0.0.1:{grpc_port}"
-
-    def also_ready(self) -> bool:
-        with grpc.insecure_channel(self.target) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            try:
-                answer = stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
-            except grpc.RpcError:
-                return False
-        return bool(answer.status == health_pb2.HealthCheckResponse.SERVING)
+class TrainerService(Service):
+    """``advantage-service serve`` with an HTTP port (``url``) and a gRPC port (``target``),
+    counting the requests it answered."""
 
     def requests(self, transport: str | None = None, estimator: str | None = None) -> float:
         """advantage_requests_total answered 200, summed over the labels not given."""
@@ -45,9 +25,3 @@ class TrainerService(ServiceProcess):
                 continue
             total += value
         return total
-
-
-def start_trainer_service(directory: Path, **settings: Any) -> TrainerService:
-    service = TrainerService(*launch_service(directory, settings))
-    service.ready_or_killed()
-    return service

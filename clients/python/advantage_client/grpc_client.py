@@ -14,10 +14,10 @@ from typing import Any
 
 import grpc
 
-from advantage_contract.backend import check_contract
+from advantage_contract.backend import RemoteBackend, check_contract
 from advantage_contract.grpc_gen import advantage_pb2 as pb
 from advantage_contract.grpc_gen import advantage_pb2_grpc as pb_grpc
-from advantage_contract.padded import PaddedResult, flat_request
+from advantage_contract.padded import FlatRequest, PaddedResult
 
 from .grpc_codec import (
     STREAM_ROLLOUT_FIELDS,
@@ -84,7 +84,7 @@ def tls_credentials(
     )
 
 
-class GrpcClient:
+class GrpcClient(RemoteBackend):
     """A client of the gRPC API.
 
     ``target`` is ``host:port``. ``timeout`` (seconds) bounds each unary call;
@@ -101,6 +101,8 @@ class GrpcClient:
     (the CA that signed the service's certificate) and, for mutual TLS, ``client_cert`` and
     ``client_key``; or ready-made ``credentials``.
     """
+
+    client_name = "the gRPC client"
 
     def __init__(
         self,
@@ -139,12 +141,6 @@ class GrpcClient:
     def close(self) -> None:
         self.channel.close()
 
-    def __enter__(self) -> GrpcClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def _unary(self, method: Any, message: Any) -> Any:
         def attempt() -> Any:
             try:
@@ -163,50 +159,8 @@ class GrpcClient:
         response = self._unary(self.stub.Compute, compute_request_message(request))
         return compute_response_dict(response)
 
-    def compute_padded(
-        self,
-        tokens: Any,
-        mask: Any,
-        rewards: Any,
-        group_ids: Any,
-        *,
-        estimator: Any = "grpo",
-        logprobs: Any = None,
-        teacher_logprobs: Mapping[str, Any] | None = None,
-        entropy: Any = None,
-        sum_pi_squared: Any = None,
-        is_weights: Any = None,
-        returns: Any = None,
-        planning_mask: Any = None,
-        diagnostics: Sequence[str] = (),
-        ignore_token_ids: Sequence[int] | None = None,
-        namespace: str | None = None,
-        request_id: str | None = None,
-        prompt_keys: Any = None,
-    ) -> PaddedResult:
-        """Advantages for a trainer's padded batch, sent as one unary ``Compute`` of raw
-        tensors; the same arguments and result as :meth:`HttpClient.compute_padded`.
-        Raises :class:`AdvantageError`."""
-        req = flat_request(
-            tokens,
-            mask,
-            rewards,
-            group_ids,
-            estimator=estimator,
-            logprobs=logprobs,
-            entropy=entropy,
-            sum_pi_squared=sum_pi_squared,
-            is_weights=is_weights,
-            returns=returns,
-            planning_mask=planning_mask,
-            teacher_logprobs=teacher_logprobs,
-            diagnostics=diagnostics,
-            ignore_token_ids=ignore_token_ids,
-            namespace=namespace,
-            request_id=request_id,
-            client="the gRPC client",
-            prompt_keys=prompt_keys,
-        )
+    def _compute_flat(self, req: FlatRequest) -> PaddedResult:
+        """A padded call's flat arrays as one unary ``Compute`` of raw tensors."""
         response = self._unary(self.stub.Compute, flat_request_message(req))
         return flat_response_result(response, req)
 

@@ -18,8 +18,6 @@ import numpy as np
 from advantage_contract.errors import AdvantageError
 from advantage_contract.flat import (
     TOKEN_FIELDS,
-    check_top_level,
-    flatten_groups,
     is_number,
     narrow_tokens,
     nest_rows,
@@ -37,7 +35,7 @@ from advantage_contract.grpc_wire import (
     ROLLOUT_INDEX_KEY,
     WIRE_DTYPES,
 )
-from advantage_contract.padded import FlatRequest, PaddedResult, result_from_flat
+from advantage_contract.padded import FlatRequest, PaddedResult, WireRequest, result_from_flat
 
 STREAM_ROLLOUT_FIELDS = (
     "group_id",
@@ -93,54 +91,37 @@ def options_message(
 
 def compute_request_message(request: Mapping[str, Any]) -> pb.ComputeRequest:
     """The HTTP JSON request (lists or numpy arrays inside) as a ``ComputeRequest``."""
-    check_top_level(request)
-    flat = flatten_groups(request.get("groups")).for_wire()
-    message = pb.ComputeRequest(
-        request_id=request.get("request_id") or "",
-        options=options_message(
-            namespace=request.get("namespace"),
-            estimator=request.get("estimator"),
-            ignore_token_ids=request.get("ignore_token_ids"),
-            vocab_size=request.get("vocab_size"),
-            returns=request.get("return"),
-        ),
-        group_ids=flat.group_ids,
-        group_index=to_tensor(flat.group_index),
-        offsets=to_tensor(flat.offsets),
-        tokens=to_tensor(flat.tokens),
-        rewards=to_tensor(flat.rewards),
-    )
-    if flat.prompt_keys is not None:
-        message.prompt_keys.extend(key or "" for key in flat.prompt_keys)
-    for name, values in flat.token_values().items():
-        getattr(message, name).CopyFrom(to_tensor(values))
-    for name, values in flat.teacher_logprobs.items():
-        message.teacher_logprobs[name].CopyFrom(to_tensor(values))
-    return message
+    return request_message(WireRequest.from_json(request))
 
 
 def flat_request_message(req: FlatRequest) -> pb.ComputeRequest:
     """A padded call's flat arrays as a ``ComputeRequest`` (raw tensors, trainer's row order)."""
-    layout, options = req.layout, req.options
+    return request_message(req.wire())
+
+
+def request_message(wire: WireRequest) -> pb.ComputeRequest:
+    """A request's flat arrays as a ``ComputeRequest`` of raw tensors."""
+    rows, options = wire.rows, wire.options
     message = pb.ComputeRequest(
         request_id=options.get("request_id") or "",
         options=options_message(
             namespace=options.get("namespace"),
             estimator=options.get("estimator"),
             ignore_token_ids=options.get("ignore_token_ids"),
+            vocab_size=options.get("vocab_size"),
             returns=options.get("return"),
         ),
-        group_ids=layout.group_ids,
-        group_index=to_tensor(layout.group_index),
-        offsets=to_tensor(layout.offsets),
-        tokens=to_tensor(req.tokens),
-        rewards=to_tensor(layout.rewards),
+        group_ids=rows.group_ids,
+        group_index=to_tensor(rows.group_index),
+        offsets=to_tensor(rows.offsets),
+        tokens=to_tensor(wire.tokens),
+        rewards=to_tensor(rows.rewards),
     )
-    if req.prompt_keys is not None:
-        message.prompt_keys.extend(key or "" for key in req.prompt_keys)
-    for name, values in req.per_token.items():
+    if wire.prompt_keys is not None:
+        message.prompt_keys.extend(key or "" for key in wire.prompt_keys)
+    for name, values in wire.per_token.items():
         getattr(message, name).CopyFrom(to_tensor(values))
-    for name, values in req.teacher_logprobs.items():
+    for name, values in wire.teacher_logprobs.items():
         message.teacher_logprobs[name].CopyFrom(to_tensor(values))
     return message
 

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import json
 import ssl
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import httpx
 import numpy as np
 
 from advantage_contract import arrow as contract_arrow
-from advantage_contract.backend import check_contract
+from advantage_contract.backend import RemoteBackend, check_contract
 from advantage_contract.errors import AdvantageError
-from advantage_contract.flat import check_top_level, flatten_groups, nest_rows, split_rows
+from advantage_contract.flat import nest_rows, split_rows
 from advantage_contract.padded import (
     FlatRequest,
     PaddedResult,
-    flat_request,
+    WireRequest,
     result_from_flat,
 )
 
@@ -43,39 +43,29 @@ def _json_default(value: Any) -> Any:
 def arrow_request_body(request: Mapping[str, Any]) -> bytes:
     """The JSON request as an Arrow IPC stream: one row per rollout, the options in the
     schema metadata (the contract's Arrow request)."""
-    check_top_level(request)
-    flat = flatten_groups(request.get("groups")).for_wire()
-    options = {k: v for k, v in request.items() if k != "groups"}
-    return contract_arrow.stream_bytes(
-        contract_arrow.request_table(
-            group_ids=flat.group_ids,
-            group_index=flat.group_index,
-            offsets=flat.offsets,
-            tokens=flat.tokens,
-            rewards=flat.rewards,
-            per_token=flat.token_values(),
-            teacher_logprobs=flat.teacher_logprobs,
-            prompt_keys=flat.prompt_keys,
-            options_json=json.dumps(options, default=_json_default),
-        )
-    )
+    return arrow_body(WireRequest.from_json(request))
 
 
 def arrow_flat_body(req: FlatRequest) -> bytes:
     """A padded call's flat arrays as an Arrow IPC request, one row per rollout in the
     trainer's row order (the service numbers groups by first appearance)."""
-    layout = req.layout
+    return arrow_body(req.wire())
+
+
+def arrow_body(wire: WireRequest) -> bytes:
+    """A request's flat arrays as an Arrow IPC stream, the options in the schema metadata."""
+    rows = wire.rows
     return contract_arrow.stream_bytes(
         contract_arrow.request_table(
-            group_ids=layout.group_ids,
-            group_index=layout.group_index,
-            offsets=layout.offsets,
-            tokens=req.tokens,
-            rewards=layout.rewards,
-            per_token=req.per_token,
-            teacher_logprobs=req.teacher_logprobs,
-            prompt_keys=req.prompt_keys,
-            options_json=json.dumps(req.options, default=_json_default),
+            group_ids=rows.group_ids,
+            group_index=rows.group_index,
+            offsets=rows.offsets,
+            tokens=wire.tokens,
+            rewards=rows.rewards,
+            per_token=wire.per_token,
+            teacher_logprobs=wire.teacher_logprobs,
+            prompt_keys=wire.prompt_keys,
+            options_json=json.dumps(wire.options, default=_json_default),
         )
     )
 
@@ -192,7 +182,7 @@ def tls_context(
     return context
 
 
-class HttpClient:
+class HttpClient(RemoteBackend):
     """A client of the HTTP API.
 
     ``wire="arrow"`` (default) sends and receives Arrow IPC: the flat arrays, no per-number
@@ -207,6 +197,8 @@ class HttpClient:
     ``ca_file`` is the CA that signed the service's certificate (system CAs when None), and
     ``client_cert``/``client_key`` the client's certificate for mutual TLS.
     """
+
+    client_name = "the HTTP client"
 
     def __init__(
         self,
@@ -246,12 +238,6 @@ class HttpClient:
     def close(self) -> None:
         self.http.close()
 
-    def __enter__(self) -> HttpClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         def attempt() -> httpx.Response:
             try:
@@ -274,85 +260,19 @@ class HttpClient:
         """The JSON request in (lists or numpy arrays inside), the JSON response out with numpy
         float32 arrays for the per-token lists. Raises :class:`AdvantageError`."""
         if self.wire == "arrow":
-            body = arrow_request_body(request)
-            response = self._send(
-                "POST",
-                "/v1/advantages",
-                content=body,
-                headers={"content-type": ARROW, "accept": ARROW},
-            )
-            return arrow_response_dict(response.content)
+            return arrow_response_dict(self._post(arrow_request_body(request), ARROW))
         body = json.dumps(request, default=_json_default).encode()
-        response = self._send(
-            "POST",
-            "/v1/advantages",
-            content=body,
-            headers={"content-type": JSON, "accept": JSON},
-        )
-        return json_response_dict(response.content)
+        return json_response_dict(self._post(body, JSON))
 
-    def compute_padded(
-        self,
-        tokens: Any,
-        mask: Any,
-        rewards: Any,
-        group_ids: Any,
-        *,
-        estimator: Any = "grpo",
-        logprobs: Any = None,
-        teacher_logprobs: Mapping[str, Any] | None = None,
-        entropy: Any = None,
-        sum_pi_squared: Any = None,
-        is_weights: Any = None,
-        returns: Any = None,
-        planning_mask: Any = None,
-        diagnostics: Sequence[str] = (),
-        ignore_token_ids: Sequence[int] | None = None,
-        namespace: str | None = None,
-        request_id: str | None = None,
-        prompt_keys: Any = None,
-    ) -> PaddedResult:
-        """Advantages for a trainer's padded batch, sent as flat Arrow columns (whatever
-        ``wire`` says: the padded path has no per-rollout dicts to send as JSON).
+    def _compute_flat(self, req: FlatRequest) -> PaddedResult:
+        """A padded call's flat arrays as Arrow columns, whatever ``wire`` says: the padded
+        path has no per-rollout dicts to send as JSON."""
+        return arrow_flat_result(self._post(arrow_flat_body(req), ARROW), req)
 
-        ``tokens``, ``mask`` and the per-token arrays (B, T) (numpy, torch, anything with
-        ``__array__`` or DLPack); a rollout's tokens are where ``mask`` is true, in order;
-        ``rewards`` (B,); ``group_ids`` (B,) strings or integers in any order. Returns
-        :class:`~advantage_contract.padded.PaddedResult` of numpy arrays: ``advantages`` (B, T)
-        float32 with 0 off the mask, ``scalars`` (B,), ``diagnostics`` {name: (B, T)}. An
-        estimator with no token-level term sends zeros for the token ids (``tokens`` may be
-        None). ``prompt_keys`` (B,): per row, the key of its group's history (KTAE
-        ``history: "prompt"``; every row of a group the same), so that one prompt's visits under
-        new group ids share it; None keys history by the group ids. Raises
-        :class:`AdvantageError`.
-        """
-        req = flat_request(
-            tokens,
-            mask,
-            rewards,
-            group_ids,
-            estimator=estimator,
-            logprobs=logprobs,
-            entropy=entropy,
-            sum_pi_squared=sum_pi_squared,
-            is_weights=is_weights,
-            returns=returns,
-            planning_mask=planning_mask,
-            teacher_logprobs=teacher_logprobs,
-            diagnostics=diagnostics,
-            ignore_token_ids=ignore_token_ids,
-            namespace=namespace,
-            request_id=request_id,
-            client="the HTTP client",
-            prompt_keys=prompt_keys,
-        )
-        response = self._send(
-            "POST",
-            "/v1/advantages",
-            content=arrow_flat_body(req),
-            headers={"content-type": ARROW, "accept": ARROW},
-        )
-        return arrow_flat_result(response.content, req)
+    def _post(self, body: bytes, media_type: str) -> bytes:
+        """``POST /v1/advantages`` of ``body``, answered in the same media type."""
+        headers = {"content-type": media_type, "accept": media_type}
+        return self._send("POST", "/v1/advantages", content=body, headers=headers).content
 
     def list_estimators(self) -> dict[str, Any]:
         """The service's ``GET /v1/estimators`` (a warning when its contract version differs

@@ -287,6 +287,48 @@ class FlatRequest:
     # Per group (layout.group_ids order): the key of its history, None for none; None: no keys.
     prompt_keys: list[str | None] | None = None
 
+    def wire(self) -> WireRequest:
+        """What the wires send of this call (the layout and token ids stay to read the answer)."""
+        return WireRequest(
+            self.layout,
+            self.tokens,
+            self.per_token,
+            self.teacher_logprobs,
+            self.prompt_keys,
+            self.options,
+        )
+
+
+@dataclass
+class WireRequest:
+    """A request as both binary wires carry it (gRPC tensors, Arrow columns): ``rows`` where
+    the rollouts lie (their groups, offsets and rewards), the flat ``tokens`` and per-token
+    arrays in the wires' dtypes, the prompt keys (one per group, None: none), and ``options``
+    the JSON request's top-level fields (everything but ``groups``)."""
+
+    rows: _flat.FlatGroups | PaddedLayout
+    tokens: np.ndarray
+    per_token: Mapping[str, np.ndarray]
+    teacher_logprobs: Mapping[str, np.ndarray]
+    prompt_keys: Sequence[str | None] | None
+    options: Mapping[str, Any]
+
+    @classmethod
+    def from_json(cls, request: Mapping[str, Any]) -> WireRequest:
+        """The JSON request (lists or numpy arrays inside), checked and flattened: its groups'
+        rollouts in group order."""
+        _flat.check_top_level(request)
+        flat = _flat.flatten_groups(request.get("groups")).for_wire()
+        options = {k: v for k, v in request.items() if k != "groups"}
+        return cls(
+            flat,
+            flat.tokens,
+            flat.token_values(),
+            flat.teacher_logprobs,
+            flat.prompt_keys,
+            options,
+        )
+
 
 def group_keys(layout: PaddedLayout, prompt_keys: Any) -> list[str | None] | None:
     """``prompt_keys`` (B,) per row (strings; None for a row without one) as one key per group
