@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from .errors import LimitExceeded
 from .estimators.state import Compression
 
 MIB = 1024 * 1024
@@ -300,7 +302,65 @@ class Settings(BaseSettings):
     def tls(self) -> bool:
         return self.tls_cert is not None
 
+    @property
+    def request_limits(self) -> RequestLimits:
+        """What one request may hold, whatever carries it (transports/guards.py)."""
+        return RequestLimits.from_settings(self)
+
     @field_validator("log_level", "log_format", mode="before")
     @classmethod
     def _lower(cls, value: object) -> object:
         return value.lower() if isinstance(value, str) else value
+
+
+_DEFAULTS = Settings.model_fields
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The bounds of the settings every pre-parser checks a request body against before a
+    decoder reads it (transports/guards.py), the same on every transport: ``ADV_MAX_REQUEST_TOKENS``,
+    ``ADV_MAX_REQUEST_ROLLOUTS``, ``ADV_MAX_GROUP_SIZE``, and ``ADV_MAX_ARROW_BATCHES`` (the
+    one an Arrow stream alone has). The bounds no setting changes (string lengths, teacher
+    conditions, names, ids to ignore) are the contract's: advantage_contract.fields and
+    wire/request.py. The ``check_*`` methods are the refusals of these bounds, in the words
+    every transport and the engine give."""
+
+    max_tokens: int = _DEFAULTS["max_request_tokens"].default
+    max_rollouts: int = _DEFAULTS["max_request_rollouts"].default
+    max_group_size: int = _DEFAULTS["max_group_size"].default
+    max_arrow_batches: int = _DEFAULTS["max_arrow_batches"].default
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> RequestLimits:
+        return cls(
+            max_tokens=settings.max_request_tokens,
+            max_rollouts=settings.max_request_rollouts,
+            max_group_size=settings.max_group_size,
+            max_arrow_batches=settings.max_arrow_batches,
+        )
+
+    def check_rollouts(self, rollouts: int) -> None:
+        if rollouts > self.max_rollouts:
+            raise LimitExceeded(
+                f"the request has {rollouts} rollouts; the limit is {self.max_rollouts} "
+                "(ADV_MAX_REQUEST_ROLLOUTS): split the batch",
+                field="rollouts",
+            )
+
+    def check_tokens(self, tokens: int) -> None:
+        if tokens > self.max_tokens:
+            raise LimitExceeded(
+                f"the request has {tokens} tokens; the limit is {self.max_tokens} "
+                "(ADV_MAX_REQUEST_TOKENS): split the batch",
+                field="tokens",
+            )
+
+    def check_group_size(self, group_id: str, size: int) -> None:
+        if size > self.max_group_size:
+            raise LimitExceeded(
+                f"group {group_id!r} has {size} rollouts; the limit is {self.max_group_size} "
+                "(ADV_MAX_GROUP_SIZE)",
+                group_id=group_id,
+                field="rollouts",
+            )

@@ -27,7 +27,7 @@ import torch
 
 from ..batch import RolloutBatch
 from ..config import Settings
-from ..errors import LimitExceeded, RequestError, deadline_exceeded
+from ..errors import RequestError, deadline_exceeded
 from ..estimators import TERMS, AdvantageResult, TermContext, resolve_device
 from ..estimators.pipeline import check_inputs, derivable_inputs, derive_inputs
 from ..estimators.state import WriteOptions
@@ -327,31 +327,13 @@ class Engine:
 
     def check_limits(self, req: ComputeRequest) -> None:
         """Raise :class:`LimitExceeded` (413) for a request over the configured sizes."""
-        batch = req.batch
-        limit = self.settings.max_request_tokens
-        if batch.num_tokens > limit:
-            raise LimitExceeded(
-                f"the request has {batch.num_tokens} tokens; the limit is {limit} "
-                "(ADV_MAX_REQUEST_TOKENS): split the batch",
-                field="tokens",
-            )
-        if batch.num_rollouts > self.settings.max_request_rollouts:
-            raise LimitExceeded(
-                f"the request has {batch.num_rollouts} rollouts; the limit is "
-                f"{self.settings.max_request_rollouts} (ADV_MAX_REQUEST_ROLLOUTS): split the batch",
-                field="rollouts",
-            )
+        batch, limits = req.batch, self.settings.request_limits
+        limits.check_tokens(batch.num_tokens)
+        limits.check_rollouts(batch.num_rollouts)
         if batch.num_groups:
             sizes = batch.group_sizes
-            largest = int(sizes.max())
-            if largest > self.settings.max_group_size:
-                gid = batch.group_ids[int(torch.argmax(sizes))]
-                raise LimitExceeded(
-                    f"group {gid!r} has {largest} rollouts; the limit is "
-                    f"{self.settings.max_group_size} (ADV_MAX_GROUP_SIZE)",
-                    group_id=gid,
-                    field="rollouts",
-                )
+            g = int(torch.argmax(sizes))
+            limits.check_group_size(batch.group_ids[g], int(sizes[g]))
 
     # ---- the request path -----------------------------------------------------------------------
 

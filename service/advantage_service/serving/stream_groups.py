@@ -149,6 +149,17 @@ class FailedGroup:
     rollout_ids: list[str]
 
 
+def _disagrees(field: str, given: object, earlier: object, gid: str, index: int) -> RequestError:
+    """A rollout's ``field`` that is not what the earlier rollouts of its group gave."""
+    return RequestError(
+        "invalid_value",
+        f"{field} is {given}, but earlier rollouts of the group gave {earlier}",
+        group_id=gid,
+        rollout_index=index,
+        field=field,
+    )
+
+
 class StreamGroups:
     """One stream's incomplete groups. :meth:`add` each rollout as it arrives; it answers the
     group once complete (taken out of the pending state: its request takes its bytes again,
@@ -193,22 +204,15 @@ class StreamGroups:
         try:
             group = self._open(rollout) if group is None else group
             if rollout.group_size != group.size:
-                raise RequestError(
-                    "invalid_value",
-                    f"group_size is {rollout.group_size}, but earlier rollouts of the group "
-                    f"gave {group.size}",
-                    group_id=gid,
-                    rollout_index=index,
-                    field="group_size",
-                )
+                raise _disagrees("group_size", rollout.group_size, group.size, gid, index)
             if rollout.prompt_key != group.prompt_key:
-                raise RequestError(
-                    "invalid_value",
-                    f"prompt_key is {rollout.prompt_key!r:.80}, but earlier rollouts of the group "
-                    f"gave {group.prompt_key!r:.80}; every rollout of a group must give the same",
-                    group_id=gid,
-                    rollout_index=index,
-                    field="prompt_key",
+                earlier = f"{group.prompt_key!r:.80}; every rollout of a group must give the same"
+                raise _disagrees(
+                    "prompt_key",
+                    f"{rollout.prompt_key!r:.80}",
+                    earlier,
+                    gid,
+                    index,
                 )
             rollout.check_names(index)
             if rollout.rollout_id and rollout.rollout_id in group.rollout_ids:

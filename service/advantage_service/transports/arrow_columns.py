@@ -1,23 +1,309 @@
-"""A validated Arrow request table as the flat batch (:mod:`.arrow`): groups numbered by first
-appearance from each batch's distinct ids, the rewards, the list columns' offsets and values
-(the flat batch's buffers, wrapped without a copy) and the optional prompt keys. Errors name
-the column and the row (by its group and rollout where the group is known).
+"""The columns of an Arrow request (:mod:`.arrow`): checked from the stream's metadata before
+pyarrow reads a batch (the Arrow pre-parser of transports/guards.py: the messages walked by
+:mod:`.arrow_ipc`, the schema planned into columns, every batch's layout and the rows, tokens
+and arrays it declares checked against the plan and the limits, the options in
+``advantage.request`` by the JSON guard), then a validated table as the flat batch: groups
+numbered by first appearance from each batch's distinct ids, the rewards, the list columns'
+offsets and values (the flat batch's buffers, wrapped without a copy) and the optional prompt
+keys. Errors name the column and the row (by its group and rollout where the group is known).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from advantage_contract.arrow import PROMPT_KEY_COLUMN, TEACHER_PREFIX
+from advantage_contract.arrow import (
+    PROMPT_KEY_COLUMN,
+    REQUEST_METADATA,
+    REQUIRED_COLUMNS,
+    TEACHER_PREFIX,
+)
 from advantage_contract.errors import AdvantageError
 from advantage_contract.fields import EXACT_INTEGER_LIMIT
-from advantage_contract.flat import MAX_GROUP_ID_LENGTH, group_prompt_keys, prompt_ids
+from advantage_contract.flat import (
+    MAX_CONDITION_NAME_LENGTH,
+    MAX_GROUP_ID_LENGTH,
+    MAX_TEACHER_CONDITIONS,
+    group_prompt_keys,
+    prompt_ids,
+)
 
 from ..batch import TOKEN_INPUTS, RolloutBatch
+from ..config import RequestLimits
 from ..errors import LimitExceeded, RequestError
+from ..wire.json_guard import check_body
+from ..wire.json_limits import BodyLimits
+from ..wire.text import check_utf8
+from . import arrow_ipc
+
+
+def invalid_arrow(message: str, field: str | None = None, **where: Any) -> RequestError:
+    return RequestError("invalid_arrow", message, field=field, **where)
+
+
+def metadata_not_json(exc: RequestError) -> RequestError:
+    """``advantage.request`` refused as JSON (``exc``: the JSON decoder's or guard's words)."""
+    return RequestError(
+        "invalid_json",
+        f"schema metadata advantage.request is not valid JSON: {exc.message}",
+        field="advantage.request",
+    )
+
+
+def short(exc: BaseException) -> str:
+    text = str(exc)
+    return text if len(text) <= 300 else text[:300] + "..."
+
+
+# ---- the pre-parser -----------------------------------------------------------------------------
+
+# What an Arrow request may declare, beyond the service's settings (docs/http.md, "Arrow"). The
+# schema message carries the column names and types and the request's options (a few hundred
+# bytes in practice); pyarrow turns it into objects several times its size, so it is bounded
+# before pyarrow reads it.
+MAX_SCHEMA_BYTES = 1024 * 1024
+MAX_METADATA_KEYS = 64
+# Every array of every batch (a column, a list column's values, a dictionary) costs pyarrow
+# about 0.5-1 KB of objects however few values it holds, ~10x the bytes it takes in the stream:
+# 32768 arrays are at most ~16 MiB.
+MAX_ARRAYS = 32768
+
+
+@dataclass(frozen=True)
+class StreamShape:
+    """What the pre-parser saw of a stream: its messages, its schema (from the schema message
+    alone), and the rollouts (rows) and tokens its record batches declare."""
+
+    layout: arrow_ipc.StreamLayout
+    schema: pa.Schema
+    rollouts: int
+    tokens: int
+
+
+def check_stream(body: bytes | bytearray | memoryview, limits: RequestLimits) -> StreamShape:
+    """Refuse ``body`` (a :class:`RequestError`: 413 ``limit_exceeded`` over a limit, else 422
+    naming the column where one is to blame) from its metadata, before pyarrow reads a batch:
+    a stream that is malformed, cut before its end-of-stream marker or followed by other bytes
+    (a truncated upload must not be computed as if it were whole), big-endian or compressed;
+    columns the request does not have or of types the codec does not read; batches laid out
+    otherwise than the schema says; more batches, rows, tokens or arrays than ``limits`` allow;
+    options in ``advantage.request`` over the bounds a JSON request has."""
+    try:
+        layout = arrow_ipc.scan(
+            body,
+            max_messages=limits.max_arrow_batches,
+            max_schema_bytes=MAX_SCHEMA_BYTES,
+            max_metadata_keys=MAX_METADATA_KEYS,
+        )
+    except arrow_ipc.IpcLimit as exc:
+        raise LimitExceeded(str(exc), field=exc.field) from exc
+    except arrow_ipc.IpcError as exc:
+        raise invalid_arrow(f"the body is not a valid Arrow IPC stream: {exc}") from exc
+    if layout.big_endian:
+        raise invalid_arrow("the stream is big-endian; send it little-endian (pyarrow's default)")
+    with open_stream(body) as reader:  # (it reads the schema message only until asked for more)
+        schema = reader.schema
+    _check_schema_text(schema)
+    rollouts, tokens = _check_layout(layout, plan_columns(schema), limits)
+    options = (schema.metadata or {}).get(REQUEST_METADATA)
+    if options is not None:
+        try:
+            check_body(options, BodyLimits(limits.max_tokens, limits.max_rollouts))
+        except RequestError as exc:
+            if exc.code == "invalid_json":
+                raise metadata_not_json(exc) from exc
+            raise
+    return StreamShape(layout, schema, rollouts, tokens)
+
+
+def open_stream(body: bytes | bytearray | memoryview) -> pa.ipc.RecordBatchStreamReader:
+    """A reader of the stream (422 ``invalid_arrow`` when pyarrow cannot open it)."""
+    try:
+        # (never byte-swapped as read, whatever the schema says: big-endian is refused by
+        # check_stream, and swapping reads buffers by their unvalidated offsets)
+        options = pa.ipc.IpcReadOptions(ensure_native_endian=False)
+        return pa.ipc.open_stream(pa.BufferReader(pa.py_buffer(body)), options=options)
+    except (pa.ArrowException, OSError, ValueError, TypeError, IndexError) as exc:
+        raise invalid_arrow(f"the body is not an Arrow IPC stream: {short(exc)}") from exc
+
+
+def _check_schema_text(schema: pa.Schema) -> None:
+    """Column names, and the schema metadata's keys and values, UTF-8 (the format's strings;
+    pyarrow hands over whatever bytes the stream holds), each refused naming where it is.
+    ``advantage.request`` is the request's JSON: its strings are the request's, checked and
+    named by their JSON path when it is parsed (wire/text.py)."""
+    for i in range(len(schema)):
+        try:  # names are bytes in the stream (pyarrow decodes them when asked)
+            schema.field(i).name  # noqa: B018
+        except UnicodeDecodeError as exc:
+            check_utf8(exc.object, f"columns[{i}]", f"the name of column {i} of the schema")
+    for i, (key, value) in enumerate((schema.metadata or {}).items()):
+        name = check_utf8(key, "metadata", f"key {i} of the schema metadata")
+        if key != REQUEST_METADATA:
+            check_utf8(value, f"metadata.{name}", f"the schema metadata value of {name!r}")
+
+
+def echo(name: str) -> str:
+    """A client's name as an error may repeat it: bounded, so an error stays an error."""
+    return repr(name) if len(name) <= 64 else repr(name[:64]) + f"... ({len(name)} characters)"
+
+
+@dataclass(frozen=True)
+class _Column:
+    """How a column of the schema is laid out in each record batch."""
+
+    name: str
+    kind: str  # "group_id", "reward", "list" or "null" (an optional column sent all null)
+    nodes: int
+    buffers: int
+    dictionary: bool = False
+
+
+def plan_columns(schema: pa.Schema) -> list[_Column]:
+    """The request's columns, checked from the schema alone (before any batch is read): known
+    names, no duplicates, the types the codec reads, teacher conditions and their names within
+    the JSON limits."""
+    names = schema.names
+    if len(set(names)) != len(names):
+        duplicate = next(n for n in names if names.count(n) > 1)
+        raise invalid_arrow(f"column {echo(duplicate)} appears twice", field=duplicate[:64])
+    for name in names:
+        if name in REQUIRED_COLUMNS or name in TOKEN_INPUTS or name == PROMPT_KEY_COLUMN:
+            continue
+        if not name.startswith(TEACHER_PREFIX) or name == TEACHER_PREFIX:
+            raise RequestError(
+                "unknown_field",
+                f"unknown column {echo(name)}; known: "
+                f"{[*REQUIRED_COLUMNS, PROMPT_KEY_COLUMN, *TOKEN_INPUTS]} and teacher.<condition>",
+                field=name[:64],
+            )
+        condition = name[len(TEACHER_PREFIX) :]
+        if len(condition) > MAX_CONDITION_NAME_LENGTH:
+            # (not echoed: it is too long to be a name)
+            raise LimitExceeded(
+                f"a teacher condition name (column teacher.<condition>) has {len(condition)} "
+                f"characters; the limit is {MAX_CONDITION_NAME_LENGTH}",
+                field="teacher_logprobs",
+            )
+    if sum(name.startswith(TEACHER_PREFIX) for name in names) > MAX_TEACHER_CONDITIONS:
+        raise LimitExceeded(  # (the words of the other transports)
+            f"the request has more than {MAX_TEACHER_CONDITIONS} teacher_logprobs conditions",
+            field="teacher_logprobs",
+        )
+    for name in REQUIRED_COLUMNS:
+        if name not in names:
+            raise invalid_arrow(f"the table has no {name} column", field=name)
+    return [_plan_column(field) for field in schema]
+
+
+def _plan_column(field: pa.Field) -> _Column:
+    name, kind = field.name, field.type
+    if name == "group_id":
+        dictionary = pa.types.is_dictionary(kind)
+        values = kind.value_type if dictionary else kind
+        if not (pa.types.is_string(values) or pa.types.is_large_string(values)):
+            raise invalid_arrow(f"group_id must be utf8, got {kind}", field="group_id")
+        return _Column(name, "group_id", 1, 2 if dictionary else 3, dictionary)
+    if name == PROMPT_KEY_COLUMN:
+        # Plain utf8 only: the layout check knows one dictionary column, group_id's.
+        if pa.types.is_null(kind):
+            return _Column(name, "null", 1, 0)
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise invalid_arrow(
+                f"prompt_key must be a utf8 column (not dictionary-encoded), got {kind}",
+                field=PROMPT_KEY_COLUMN,
+            )
+        return _Column(name, "prompt_key", 1, 3)
+    if name == "reward":
+        if not (pa.types.is_floating(kind) or pa.types.is_integer(kind)):
+            raise RequestError(
+                "invalid_type", f"reward must be a number column, got {kind}", field="reward"
+            )
+        return _Column(name, "reward", 1, 2)
+    if pa.types.is_null(kind):
+        if name == "tokens":
+            raise RequestError("invalid_type", "tokens must be a list of token ids", field=name)
+        return _Column(name, "null", 1, 0)
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
+        raise invalid_arrow(f"{name} must be a list column, got {kind}", field=name)
+    value_type = kind.value_type
+    integer = name == "tokens"
+    if not (pa.types.is_integer(value_type) or (not integer and pa.types.is_floating(value_type))):
+        want = "integers" if integer else "numbers"
+        raise RequestError("invalid_type", f"{name} must hold {want}, got {value_type}", field=name)
+    return _Column(name, "list", 2, 4)
+
+
+def _check_layout(
+    layout: arrow_ipc.StreamLayout, plan: list[_Column], limits: RequestLimits
+) -> tuple[int, int]:
+    """Every batch laid out as the schema says, with its buffers inside its body, uncompressed,
+    and the stream's rows, tokens and arrays within the limits: all from the metadata, before
+    pyarrow reads a batch. Returns (rows, tokens)."""
+    nodes = sum(c.nodes for c in plan)
+    buffers = sum(c.buffers for c in plan)
+    tokens_node = 0
+    for column in plan:
+        if column.name == "tokens":
+            break
+        tokens_node += column.nodes
+    dictionary = next((c for c in plan if c.dictionary), None)
+    rows = tokens = arrays = 0
+    for message in layout.messages[1:]:
+        batch = message.batch
+        assert batch is not None  # scan() gives every batch message its layout
+        if batch.compressed:
+            raise invalid_arrow(
+                f"{message.name} is compressed; the service reads uncompressed streams only "
+                "(write them with IpcWriteOptions(compression=None), pyarrow's default)"
+            )
+        if message.kind == arrow_ipc.DICTIONARY_BATCH:
+            if dictionary is None:
+                raise invalid_arrow(
+                    f"{message.name}: no column of the schema is dictionary-encoded"
+                )
+            if message.is_delta:
+                raise invalid_arrow(
+                    f"{message.name} is a delta dictionary; write dictionaries whole "
+                    "(pyarrow's default, emit_dictionary_deltas=False)",
+                    field="group_id",
+                )
+            want_nodes, want_buffers = 1, 3
+        else:
+            want_nodes, want_buffers = nodes, buffers
+        if (batch.node_count, batch.buffer_count, batch.variadic_counts) != (
+            want_nodes,
+            want_buffers,
+            0,
+        ):
+            raise invalid_arrow(
+                f"{message.name} has {batch.node_count} arrays and {batch.buffer_count} buffers "
+                f"where its schema has {want_nodes} and {want_buffers}"
+            )
+        try:
+            arrow_ipc.check_buffers(batch, message.name, message.body_end - message.body_start)
+        except arrow_ipc.IpcError as exc:
+            raise invalid_arrow(str(exc)) from exc
+        arrays += want_nodes
+        if message.kind == arrow_ipc.RECORD_BATCH:
+            rows += batch.length
+            tokens += max(0, batch.node(tokens_node + 1)[0])
+    limits.check_rollouts(rows)
+    limits.check_tokens(tokens)
+    if arrays > MAX_ARRAYS:
+        raise LimitExceeded(
+            f"the stream has {len(layout.messages) - 1} batches of {arrays} arrays in all; the "
+            f"limit is {MAX_ARRAYS} arrays: write fewer, larger batches",
+            field="record_batches",
+        )
+    return rows, tokens
+
+
+# ---- the flat batch -----------------------------------------------------------------------------
 
 
 class _Rows:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, replace
+from functools import partialmethod
 
 CONTINUATION = 0xFFFFFFFF
 SCHEMA, DICTIONARY_BATCH, RECORD_BATCH = 1, 2, 3
@@ -75,23 +76,13 @@ class _Flatbuffer:
         value: int = struct.unpack_from(fmt, self.data, pos)[0]
         return value
 
-    def u8(self, pos: int) -> int:
-        return self._read("<B", pos)
-
-    def i16(self, pos: int) -> int:
-        return self._read("<h", pos)
-
-    def u16(self, pos: int) -> int:
-        return self._read("<H", pos)
-
-    def i32(self, pos: int) -> int:
-        return self._read("<i", pos)
-
-    def u32(self, pos: int) -> int:
-        return self._read("<I", pos)
-
-    def i64(self, pos: int) -> int:
-        return self._read("<q", pos)
+    # The little-endian scalars of the format, by the names of its schema language.
+    u8 = partialmethod(_read, "<B")
+    i16 = partialmethod(_read, "<h")
+    u16 = partialmethod(_read, "<H")
+    i32 = partialmethod(_read, "<i")
+    u32 = partialmethod(_read, "<I")
+    i64 = partialmethod(_read, "<q")
 
     def root(self) -> _Table:
         return self.table(self.start + self.u32(self.start))
@@ -171,13 +162,15 @@ class BatchLayout:
 
     def node(self, i: int) -> tuple[int, int]:
         """(length, null_count) of field node ``i``."""
-        length, nulls = struct.unpack_from("<qq", self.data, self.nodes_at + STRUCT_BYTES * i)
-        return int(length), int(nulls)
+        return self._entry(self.nodes_at, i)
 
     def buffer(self, i: int) -> tuple[int, int]:
         """(offset, length) of buffer ``i``, relative to the message's body."""
-        offset, length = struct.unpack_from("<qq", self.data, self.buffers_at + STRUCT_BYTES * i)
-        return int(offset), int(length)
+        return self._entry(self.buffers_at, i)
+
+    def _entry(self, vector: int, i: int) -> tuple[int, int]:
+        first, second = struct.unpack_from("<qq", self.data, vector + STRUCT_BYTES * i)
+        return int(first), int(second)
 
 
 @dataclass(frozen=True)

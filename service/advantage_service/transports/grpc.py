@@ -49,7 +49,6 @@ from .grpc_codec import (
     lenient,
 )
 from .grpc_stream import StreamEnd, StreamSession
-from .grpc_wire import MessageLimits
 
 log = logging.getLogger("advantage_service.grpc")
 
@@ -106,11 +105,7 @@ class AdvantageServicer(pb_grpc.AdvantageServiceServicer):
         self.limits = limits if limits is not None else StreamLimits.from_settings(settings)
         self._estimators = estimators_message()
         self.open_streams = 0
-        self.message_limits = MessageLimits(
-            max_tokens=settings.max_request_tokens,
-            max_rollouts=settings.max_request_rollouts,
-            max_group_size=settings.max_group_size,
-        )
+        self.message_limits = settings.request_limits
 
     async def _authenticate(self, context: grpc.aio.ServicerContext, call: Call) -> Principal:
         """The caller's principal from the ``authorization: Bearer ...`` metadata (kept on

@@ -26,6 +26,7 @@ from advantage_contract.grpc_wire import (
 from google.protobuf.message import DecodeError
 
 from ..batch import TOKEN_INPUTS, RolloutBatch
+from ..config import RequestLimits
 from ..errors import LimitExceeded, Overloaded, RequestError
 from ..estimators import AdvantageResult
 from ..wire import jsonio
@@ -37,7 +38,8 @@ from ..wire.request import (
     ComputeRequest,
     parse_options,
 )
-from .grpc_wire import MessageLimits, check_compute_request, invalid_text_field, malformed
+from .grpc_wire import invalid_text_field, malformed
+from .guards import PRE_PARSERS
 from .openapi import EstimatorListing
 
 TRANSPORT = "grpc"
@@ -155,12 +157,13 @@ def _required(message: Any, name: str) -> pb.Tensor:
     return tensor
 
 
-def decode_compute_message(data: bytes, limits: MessageLimits) -> ComputeRequest:
+def decode_compute_message(data: bytes, limits: RequestLimits) -> ComputeRequest:
     """A unary request's wire bytes as a validated :class:`ComputeRequest`: checked against
-    ``limits`` from the bytes (grpc_wire), then parsed and decoded. Fields unknown to this
-    version are skipped and not kept (protobuf's parse holds them in the message, which is
-    dropped once decoded; nothing of them reaches the request or the answer)."""
-    check_compute_request(data, limits)
+    ``limits`` from the bytes (the gRPC pre-parser of transports/guards.py), then parsed and
+    decoded. Fields unknown to this version are skipped and not kept (protobuf's parse holds
+    them in the message, which is dropped once decoded; nothing of them reaches the request or
+    the answer)."""
+    PRE_PARSERS["grpc"](data, limits)
     try:
         request = pb.ComputeRequest.FromString(data)
     except DecodeError as exc:

@@ -33,6 +33,7 @@ from advantage_contract.fields import (
 from advantage_contract.grpc_gen import advantage_pb2 as pb
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
+from ..config import RequestLimits
 from ..errors import LimitExceeded, RequestError
 from ..wire.request import (
     MAX_ESTIMATOR_JSON_BYTES,
@@ -68,13 +69,16 @@ INTEGER_DTYPES: dict[int, np.dtype[Any]] = {1: np.dtype("<i4"), 2: np.dtype("<i8
 VARINT, I64, LEN, SGROUP, EGROUP, I32 = 0, 1, 2, 3, 4, 5
 
 
-@dataclass(frozen=True)
-class MessageLimits:
-    """The request limits a message is checked against (the settings')."""
+# The name callers knew the limits by: every transport's now (transports/guards.py).
+MessageLimits = RequestLimits
 
-    max_tokens: int
-    max_rollouts: int
-    max_group_size: int
+
+@dataclass(frozen=True)
+class MessageShape:
+    """What the scan counted of a message: its rollouts and tokens."""
+
+    rollouts: int
+    tokens: int
 
 
 class _Truncated(Exception):
@@ -263,16 +267,17 @@ def _bad_string(
 # ---- the check ---------------------------------------------------------------------------------
 
 
-def check_compute_request(data: bytes, limits: MessageLimits) -> None:
+def check_compute_request(data: bytes, limits: RequestLimits) -> MessageShape:
     """Raise the error the request would get (413 over a limit, 422 for an empty or malformed
-    field) from its wire bytes alone; return when protobuf may parse it."""
+    field) from its wire bytes alone; return its counts when protobuf may parse it (the gRPC
+    pre-parser of transports/guards.py)."""
     try:
-        _check(data, limits)
+        return _check(data, limits)
     except _Truncated as exc:
         raise malformed(str(exc)) from None
 
 
-def _check(data: bytes, limits: MessageLimits) -> None:
+def _check(data: bytes, limits: RequestLimits) -> MessageShape:
     request = _Request()
     returns = ignore = 0
     for number, kind, _value, start, stop in fields(data, 0, len(data)):
@@ -299,7 +304,7 @@ def _check(data: bytes, limits: MessageLimits) -> None:
                 f"a prompt key has {length}; the limit is {MAX_GROUP_ID_LENGTH}",
                 field="prompt_keys",
             )
-    _check_counts(data, request, limits)
+    return _check_counts(data, request, limits)
 
 
 def _check_options(
@@ -364,7 +369,7 @@ def _varint_count(data: bytes, start: int, stop: int) -> int:
     return int(np.count_nonzero(view < 0x80))
 
 
-def _check_group_id(data: bytes, start: int, stop: int, index: int, limits: MessageLimits) -> None:
+def _check_group_id(data: bytes, start: int, stop: int, index: int, limits: RequestLimits) -> None:
     if index >= limits.max_rollouts:  # (every group has a rollout)
         raise LimitExceeded(
             f"the request has more than {limits.max_rollouts} group_ids, and a group has at "
@@ -405,25 +410,15 @@ def _check_teacher(data: bytes, start: int, stop: int, teachers: dict[bytes, _Te
         )
 
 
-def _check_counts(data: bytes, request: _Request, limits: MessageLimits) -> None:
+def _check_counts(data: bytes, request: _Request, limits: RequestLimits) -> MessageShape:
     tensors = request.tensors
     count = {name: t.count() for name, t in tensors.items()}
     rollouts = max(
         count.get("rewards", 0), count.get("group_index", 0), count.get("offsets", 0) - 1
     )
-    if rollouts > limits.max_rollouts:
-        raise LimitExceeded(
-            f"the request has {rollouts} rollouts; the limit is {limits.max_rollouts} "
-            "(ADV_MAX_REQUEST_ROLLOUTS): split the batch",
-            field="rollouts",
-        )
+    limits.check_rollouts(rollouts)
     tokens = count.get("tokens", 0)
-    if tokens > limits.max_tokens:
-        raise LimitExceeded(
-            f"the request has {tokens} tokens; the limit is {limits.max_tokens} "
-            "(ADV_MAX_REQUEST_TOKENS): split the batch",
-            field="tokens",
-        )
+    limits.check_tokens(tokens)
     per_token = [(name, count.get(name, 0)) for name in TOKEN_FIELDS]
     per_token += [
         (f"teacher_logprobs.{key.decode(errors='replace')}", t.count())
@@ -437,9 +432,10 @@ def _check_counts(data: bytes, request: _Request, limits: MessageLimits) -> None
                 field=name,
             )
     _check_group_sizes(data, request, limits)
+    return MessageShape(rollouts, tokens)
 
 
-def _check_group_sizes(data: bytes, request: _Request, limits: MessageLimits) -> None:
+def _check_group_sizes(data: bytes, request: _Request, limits: RequestLimits) -> None:
     """The largest group from a view of group_index (no copy); an index out of range is the
     decoder's to name."""
     index = request.tensors.get("group_index")
@@ -451,14 +447,6 @@ def _check_group_sizes(data: bytes, request: _Request, limits: MessageLimits) ->
     if not values.size or int(values.min()) < 0 or int(values.max()) >= groups:
         return
     sizes = np.bincount(values, minlength=groups)
-    largest = int(sizes.max())
-    if largest > limits.max_group_size:
-        g = int(np.argmax(sizes))
-        start, stop = request.group_ids[2 * g], request.group_ids[2 * g + 1]
-        gid = data[start:stop].decode(errors="replace")
-        raise LimitExceeded(
-            f"group {gid!r} has {largest} rollouts; the limit is {limits.max_group_size} "
-            "(ADV_MAX_GROUP_SIZE)",
-            group_id=gid,
-            field="rollouts",
-        )
+    g = int(np.argmax(sizes))
+    start, stop = request.group_ids[2 * g], request.group_ids[2 * g + 1]
+    limits.check_group_size(data[start:stop].decode(errors="replace"), int(sizes[g]))

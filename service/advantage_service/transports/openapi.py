@@ -206,12 +206,18 @@ INPUTS_DOC = (
 OPTIONAL_INPUTS_DOC = "rollout fields it reads when the request gives them"
 
 
-class OutcomeInfo(BaseModel):
+class _MethodInfo(BaseModel):
+    """What an outcome method and a term both list first (their other fields follow, in the
+    listing's order)."""
+
     name: str
     description: str
     formula: str
     paper: str
     parameters: list[ParamInfo]
+
+
+class OutcomeInfo(_MethodInfo):
     whiten_default: bool
     min_group_size: int
     per_token: bool = Field(
@@ -222,12 +228,7 @@ class OutcomeInfo(BaseModel):
     optional_inputs: list[str] = Field(description=OPTIONAL_INPUTS_DOC)
 
 
-class TermInfo(BaseModel):
-    name: str
-    description: str
-    formula: str
-    paper: str
-    parameters: list[ParamInfo]
+class TermInfo(_MethodInfo):
     diagnostics: list[str]
     inputs: list[str] = Field(description=INPUTS_DOC)
     optional_inputs: list[str] = Field(description=OPTIONAL_INPUTS_DOC)
