@@ -19,10 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -30,7 +27,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -38,51 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from advantage_client import GrpcClient, HttpClient
 from advantage_client.grpc_client import compute_request_message, from_tensor
 from advantage_service import RolloutBatch, compute_batch
+from service_process import ServiceProcess
 from synthetic import training_batch
-
-ROOT = Path(__file__).resolve().parent.parent
 
 # Idle time before each timed call, so one measure's leftovers do not land on the next.
 SETTLE_SECONDS = 0.2
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class Service:
-    """``advantage-service serve`` (HTTP and gRPC on one engine) on free ports."""
-
-    def __init__(self, device: str) -> None:
-        self.http_port, self.grpc_port = free_port(), free_port()
-        ports = ["--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port)]
-        command = [sys.executable, "-m", "advantage_service", "serve", *ports]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ADV_")}
-        env.update(ADV_DEVICE=device, ADV_HOST="127.0.0.1", ADV_LOG_LEVEL="warning")
-        self.proc = subprocess.Popen(command, env=env)
-        self.url = f"http://127.0.0.1:{self.http_port}"
-        self.target = f"127.0.0.1:{self.grpc_port}"
-        deadline = time.monotonic() + 120
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the service exited with {self.proc.returncode}")
-            try:
-                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the service did not become ready in 120 s")
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 def request_from_batch(batch: RolloutBatch, estimator: str) -> dict[str, Any]:
@@ -141,7 +97,7 @@ def interleaved(
     return {k: (statistics.median(v), min(v)) for k, v in times.items()}
 
 
-def end_to_end(service: Service, batch: RolloutBatch, estimator: str, repeats: int) -> None:
+def end_to_end(service: ServiceProcess, batch: RolloutBatch, estimator: str, repeats: int) -> None:
     """Rows of the table: each measure's median and best time, and its ratio to in-process."""
     request = request_from_batch(batch, estimator)
     message = compute_request_message(request)
@@ -176,7 +132,7 @@ def end_to_end(service: Service, batch: RolloutBatch, estimator: str, repeats: i
     http_client.close()
 
 
-def streaming(service: Service, batch: RolloutBatch, estimator: str, streams: int) -> None:
+def streaming(service: ServiceProcess, batch: RolloutBatch, estimator: str, streams: int) -> None:
     per_stream = [stream_rollouts(batch, seed) for seed in range(streams)]
     done = [0] * streams
     errors: list[str] = []
@@ -221,7 +177,7 @@ def main() -> None:
         f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, service on "
         f"{args.device}"
     )
-    service = Service(args.device)
+    service = ServiceProcess(device=args.device)
     try:
         print("end to end, interleaved repeats (goal: gRPC / in-process <= 1.5):")
         print("| estimator | measure | median ms | best ms | median ratio | best ratio |")

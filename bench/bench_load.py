@@ -19,89 +19,42 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from loadgen import Load, LoadConfig, RssSampler, Shape, rss_summary, summarize  # noqa: E402
-from stats.redis_support import RedisServer, free_port  # noqa: E402
+from service_process import ServiceProcess  # noqa: E402
+from stats.redis_support import RedisServer  # noqa: E402
 
 KTAE = "ktae"
 KTAE_HISTORY = {"outcome": "grpo", "ktae": {"history": "prompt"}}
 
 
-def start_service(
-    directory: Path, settings: dict[str, Any]
-) -> tuple[subprocess.Popen[bytes], str, str, Path]:
-    http_port, grpc_port = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ADV_")}
-    env.update(
-        ADV_DEVICE="cpu",
-        ADV_HOST="127.0.0.1",
-        ADV_LOG_LEVEL="info",
-        ADV_LOG_FORMAT="json",
-        ADV_SHUTDOWN_DELAY_SECONDS="1",
-    )
-    env.update({f"ADV_{k.upper()}": str(v) for k, v in settings.items()})
-    log = directory / f"service-{http_port}.log"
-    command = [
-        sys.executable,
-        "-m",
-        "advantage_service",
-        "serve",
-        "--http-port",
-        str(http_port),
-        "--grpc-port",
-        str(grpc_port),
-    ]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{http_port}"
-    deadline = time.monotonic() + 120
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the service exited with {proc.returncode}: {log.read_text()}")
-        try:
-            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("the service did not become ready")
-        time.sleep(0.1)
-    return proc, url, f"127.0.0.1:{grpc_port}", log
-
-
 def run_scenario(name: str, args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     redis = RedisServer(directory / "redis") if name == "faults" else None
-    settings: dict[str, Any] = {}
+    settings: dict[str, Any] = {"log_format": "json", "shutdown_delay_seconds": 1}
     if redis is not None:
         redis.start()
         settings["redis_url"] = redis.url
-    proc, url, target, log = start_service(directory, settings)
+    service = ServiceProcess(settings=settings, log=directory / "service.log", log_level="info")
     shape = Shape(args.groups, args.rollouts, args.tokens)
     load = Load(
         LoadConfig(
-            http_url=url,
-            grpc_target=target,
+            http_url=service.url,
+            grpc_target=service.target,
             clients=args.clients,
             shape=shape,
             estimator=KTAE_HISTORY if redis is not None else KTAE,
         )
     )
-    sampler = RssSampler(proc.pid)
+    sampler = RssSampler(service.proc.pid)
     events: dict[str, float] = {}
     start = time.monotonic()
     sampler.start()
@@ -121,18 +74,16 @@ def run_scenario(name: str, args: argparse.Namespace, directory: Path) -> dict[s
             events["redis_restarted_s"] = round(time.monotonic() - start, 1)
             time.sleep(sigterm_at - restart_at)
             load.mark_shutdown()
-            proc.send_signal(signal.SIGTERM)
             events["sigterm_s"] = round(time.monotonic() - start, 1)
-            exit_code = proc.wait(120)
+            exit_code = service.stop(120)
             events["exited_s"] = round(time.monotonic() - start, 1)
             time.sleep(max(0.0, duration - (time.monotonic() - start)))
     finally:
         end = time.monotonic()
         load.stop()
         sampler.stop()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            exit_code = proc.wait(120)
+        if service.proc.poll() is None:
+            exit_code = service.stop(120)
         if redis is not None:
             redis.stop()
     summary = summarize(load.results, start, end, load.shutdown_at)
@@ -147,7 +98,7 @@ def run_scenario(name: str, args: argparse.Namespace, directory: Path) -> dict[s
         rss_samples=len(sampler.samples),
         exit_code=exit_code,
         events=events,
-        log=str(log),
+        log=str(service.log),
     )
     return summary
 

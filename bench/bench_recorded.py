@@ -17,9 +17,7 @@ answered while the store is up, and every answer not counted said ``recorded: fa
 from __future__ import annotations
 
 import argparse
-import os
 import random
-import subprocess
 import sys
 import tempfile
 import threading
@@ -30,38 +28,14 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from stats.redis_support import RedisServer, free_port  # noqa: E402
+from service_process import ServiceProcess  # noqa: E402
+from stats.redis_support import RedisServer  # noqa: E402
 
 ESTIMATOR = {"outcome": "grpo", "ktae": {"history": "prompt"}}
 GROUPS, ROLLOUTS, TOKENS, VOCAB, PROMPTS = 2, 4, 32, 2000, 64
-
-
-def start_service(directory: Path, settings: dict[str, Any]) -> tuple[subprocess.Popen[bytes], str]:
-    http_port, grpc_port = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ADV_")}
-    env.update(ADV_DEVICE="cpu", ADV_HOST="127.0.0.1", ADV_LOG_LEVEL="warning")
-    env.update({f"ADV_{k.upper()}": str(v) for k, v in settings.items()})
-    log = directory / f"service-{http_port}.log"
-    command = [sys.executable, "-m", "advantage_service", "serve"]
-    command += ["--http-port", str(http_port), "--grpc-port", str(grpc_port)]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{http_port}"
-    deadline = time.monotonic() + 120
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the service exited with {proc.returncode}: {log.read_text()}")
-        try:
-            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("the service did not become ready")
-        time.sleep(0.1)
 
 
 def make_request(rng: random.Random, namespace: str) -> dict[str, Any]:
@@ -222,7 +196,8 @@ def main() -> None:
             if redis is not None:
                 redis.start()
                 settings["redis_url"] = redis.url
-            proc, url = start_service(directory, settings)
+            service = ServiceProcess(settings=settings, log=directory / f"service-{store}.log")
+            url = service.url
             try:
                 before = metric_values(url)
                 for n in counts:
@@ -236,8 +211,7 @@ def main() -> None:
                     rows.append(row)
                     print(row, flush=True)
             finally:
-                proc.terminate()
-                proc.wait(60)
+                service.stop(60)
                 if redis is not None:
                     redis.stop()
     print()

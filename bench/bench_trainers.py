@@ -26,11 +26,7 @@ too. ``--threads``: torch's intra-op threads (0: torch's default).
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -42,6 +38,7 @@ import torch
 from advantage_client.integrations import verl as adv_verl
 from advantage_service import RolloutBatch, compute_batch
 from advantage_service.wire.padded import _Padded
+from service_process import ServiceProcess
 from verl import DataProto
 from verl.trainer.config import AlgoConfig
 from verl.trainer.ppo import ray_trainer
@@ -49,58 +46,6 @@ from verl.trainer.ppo import ray_trainer
 EOS = 151643
 VOCAB = 151936
 SETTLE_SECONDS = 0.2
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class Server:
-    """``advantage-service serve`` on free HTTP and gRPC ports."""
-
-    def __init__(self, device: str, log: Path) -> None:
-        import httpx
-
-        self.http_port, self.grpc_port = free_port(), free_port()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ADV_")}
-        args = [
-            *("--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port)),
-            *("--device", device, "--log-level", "warning"),
-        ]
-        with log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "advantage_service", "serve", *args],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-            )
-        deadline = time.monotonic() + 120
-        with httpx.Client(base_url=self.url, timeout=5) as client:
-            while True:
-                if self.proc.poll() is not None:
-                    raise SystemExit(f"server exited: {log.read_text()}")
-                try:
-                    if client.get("/readyz").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise SystemExit("server did not become ready")
-                time.sleep(0.1)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
 
 
 def verl_batch(rows: int, width: int, uids: int, device: str, seed: int = 0) -> DataProto:
@@ -218,7 +163,7 @@ def main() -> int:
     }
     server = None
     if not args.no_remote:
-        server = Server(device, Path(tempfile.mkdtemp()) / "service.log")
+        server = ServiceProcess(device=device, log=Path(tempfile.mkdtemp()) / "service.log")
         adv_verl.register(
             "http",
             server.url,

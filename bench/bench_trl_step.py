@@ -24,10 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,20 +35,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "clients" / "examples"))
 
-import httpx
 import torch
 import trl_tiny
 from advantage_client.integrations.trl import AdvantageGRPOTrainer
+from service_process import ServiceProcess
 from transformers import PrinterCallback, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 WARMUP = 2
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class Timer(TrainerCallback):  # type: ignore[misc]
@@ -124,47 +115,30 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    port = free_port()
-    flags = ["--http-port", str(port), "--grpc-port", str(free_port()), "--device", "cpu"]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "advantage_service", "serve", *flags, "--log-level", "warning"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                if time.monotonic() > deadline:
-                    raise
-            time.sleep(0.2)
-        variants = ["trl", "service-inprocess", "service-http", "extra-forward"]
-        seconds: dict[str, list[float]] = {v: [] for v in variants}
-        with TemporaryDirectory() as tmp:
+    variants = ["trl", "service-inprocess", "service-http", "extra-forward"]
+    seconds: dict[str, list[float]] = {v: [] for v in variants}
+    with TemporaryDirectory() as tmp:
+        server = ServiceProcess(log=Path(tmp) / "service.log")
+        try:
             for r in range(args.rounds):
                 for v in variants:
-                    seconds[v] += run(v, args, url, f"{tmp}/{v}-{r}")
-        base = statistics.median(seconds["trl"])
-        rows = args.prompts_per_step * args.generations
+                    seconds[v] += run(v, args, server.url, f"{tmp}/{v}-{r}")
+        finally:
+            server.stop()
+    base = statistics.median(seconds["trl"])
+    rows = args.prompts_per_step * args.generations
+    print(
+        f"tiny Llama (hidden {args.hidden}, 2 layers), {rows} completions of <= "
+        f"{args.completion_length} tokens per step, {args.rounds} rounds x "
+        f"{args.steps - WARMUP} timed steps"
+    )
+    best = min(seconds["trl"])
+    for v in variants:
+        med, low = statistics.median(seconds[v]), min(seconds[v])
         print(
-            f"tiny Llama (hidden {args.hidden}, 2 layers), {rows} completions of <= "
-            f"{args.completion_length} tokens per step, {args.rounds} rounds x "
-            f"{args.steps - WARMUP} timed steps"
+            f"{v:18s} median {med * 1000:7.1f} ms ({med / base:5.3f}x TRL's), "
+            f"best {low * 1000:7.1f} ms ({low / best:5.3f}x)"
         )
-        best = min(seconds["trl"])
-        for v in variants:
-            med, low = statistics.median(seconds[v]), min(seconds[v])
-            print(
-                f"{v:18s} median {med * 1000:7.1f} ms ({med / base:5.3f}x TRL's), "
-                f"best {low * 1000:7.1f} ms ({low / best:5.3f}x)"
-            )
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(30)
 
 
 if __name__ == "__main__":

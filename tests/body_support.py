@@ -9,25 +9,19 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
+from memory_support import status_bytes
 
 MiB = 2**20
 
 
-def _status_kib(pid: int, key: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(f"{key}:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no {key} in /proc/{pid}/status")
-
-
 def rss(pid: int) -> int:
     """The process's resident set size now, bytes."""
-    return _status_kib(pid, "VmRSS")
+    return status_bytes(pid, "VmRSS")
 
 
 def peak_rss(pid: int) -> int:
     """The process's peak resident set size (VmHWM) since it started or was reset, bytes."""
-    return _status_kib(pid, "VmHWM")
+    return status_bytes(pid, "VmHWM")
 
 
 def reset_peak_rss(pid: int) -> int:

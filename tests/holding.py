@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -55,12 +54,7 @@ class Hold:
 
         return self
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.release.set()
         TERMS.pop(NAME, None)
 

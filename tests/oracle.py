@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
@@ -779,6 +780,39 @@ def _random_token_inputs(
     return out
 
 
+def rollout(
+    tokens: list[int], reward: float, logprobs: list[float] | None = None, **teachers: list[float]
+) -> dict[str, Any]:
+    """A request's rollout; ``teachers`` maps a condition name to its teacher log-probs."""
+    out: dict[str, Any] = {"tokens": tokens, "reward": reward}
+    if logprobs is not None:
+        out["logprobs"] = logprobs
+    if teachers:
+        out["teacher_logprobs"] = teachers
+    return out
+
+
+def diagnostic_fields(resolved: dict[str, Any]) -> list[str]:
+    """``scalar`` plus every diagnostic of the resolved estimator's enabled terms and outcome."""
+    name = resolved["outcome"]["name"]
+    fields = ["scalar"]
+    if resolved["ktae"] is not None:
+        fields.append("ktae_score")
+    if resolved["cscr"] is not None:
+        fields += ["cscr_weight", "sensitivity"]
+    if resolved["opsd"] is not None:
+        fields.append("opsd_reward")
+    if resolved["forking"] is not None:
+        fields.append("forking_mask")
+    if resolved["hicra"] is not None:
+        fields += ["planning_mask", "hicra_bonus"]
+    if name == "otb":
+        fields.append("otb_baseline")
+    if name in ("gtpo", "grpo_s"):
+        fields.append(f"{name}_reward")
+    return fields
+
+
 def random_request(
     rng: np.random.Generator,
     *,
@@ -837,21 +871,7 @@ def random_request(
             names.append(resolved["opsd"]["teacher"])
         teachers = list(dict.fromkeys(names))
     if return_fields is None:
-        return_fields = ["scalar"]
-        if resolved["ktae"] is not None:
-            return_fields.append("ktae_score")
-        if resolved["cscr"] is not None:
-            return_fields += ["cscr_weight", "sensitivity"]
-        if resolved["opsd"] is not None:
-            return_fields.append("opsd_reward")
-        if resolved["forking"] is not None:
-            return_fields.append("forking_mask")
-        if resolved["hicra"] is not None:
-            return_fields += ["planning_mask", "hicra_bonus"]
-        if otb:
-            return_fields.append("otb_baseline")
-        if outcome_name in ("gtpo", "grpo_s"):
-            return_fields.append(f"{outcome_name}_reward")
+        return_fields = diagnostic_fields(resolved)
     min_group = (
         max(group_size[0], 2) if resolved["outcome"]["name"] == "grpo_passk" else group_size[0]
     )
@@ -1128,15 +1148,24 @@ def standardise(own: list[float], epsilon: float) -> list[float]:
     return out
 
 
+@dataclass(frozen=True)
+class Shaping:
+    """The parameters GTPO and GRPO-S share, with their defaults (docs/estimator-config.md)."""
+
+    alpha1: float = 1.0
+    alpha2: float = 0.1
+    correct_threshold: float = 0.0
+    epsilon: float = 1e-6
+
+
 def gtpo_group(
-    rollouts: list[dict[str, Any]],
-    alpha1: float = 1.0,
-    alpha2: float = 0.1,
-    correct_threshold: float = 0.0,
-    epsilon: float = 1e-6,
+    rollouts: list[dict[str, Any]], **params: float
 ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """GTPO for one group: per rollout, (shaped token rewards, token advantages), float64."""
-    correct = [float(r["reward"]) > correct_threshold for r in rollouts]
+    """GTPO for one group: per rollout, (shaped token rewards, token advantages), float64.
+    ``params``: those of :class:`Shaping`."""
+    shaping = Shaping(**params)
+    alpha1, alpha2, epsilon = shaping.alpha1, shaping.alpha2, shaping.epsilon
+    correct = [float(r["reward"]) > shaping.correct_threshold for r in rollouts]
     entropy = [[max(0.0, float(h)) for h in r["entropy"]] for r in rollouts]
     lengths = [len(h) for h in entropy]
     shaped = [np.zeros(t, dtype=np.float64) for t in lengths]
@@ -1167,15 +1196,12 @@ def gtpo_group(
     return list(zip(shaped, advantages, strict=True))
 
 
-def grpo_s_group(
-    rollouts: list[dict[str, Any]],
-    alpha1: float = 1.0,
-    alpha2: float = 0.1,
-    correct_threshold: float = 0.0,
-    epsilon: float = 1e-6,
-) -> list[tuple[float, float]]:
-    """GRPO-S for one group: per rollout, (shaped reward, advantage)."""
-    correct = [float(r["reward"]) > correct_threshold for r in rollouts]
+def grpo_s_group(rollouts: list[dict[str, Any]], **params: float) -> list[tuple[float, float]]:
+    """GRPO-S for one group: per rollout, (shaped reward, advantage). ``params``: those of
+    :class:`Shaping`."""
+    shaping = Shaping(**params)
+    alpha1, alpha2, epsilon = shaping.alpha1, shaping.alpha2, shaping.epsilon
+    correct = [float(r["reward"]) > shaping.correct_threshold for r in rollouts]
     mean_entropy = [
         sum(max(0.0, float(h)) for h in r["entropy"]) / len(r["entropy"]) if r["entropy"] else None
         for r in rollouts

@@ -6,6 +6,7 @@ import copy
 import math
 
 import numpy as np
+import oracle
 import pytest
 from advantage_service import RequestError, RolloutBatch, compute
 
@@ -17,35 +18,21 @@ def base_request() -> dict:
             {
                 "id": "g0",
                 "rollouts": [
-                    {
-                        "tokens": [1, 2],
-                        "reward": 1.0,
-                        "logprobs": [-0.1, -0.2],
-                        "teacher_logprobs": {"pos": [-0.1, -0.3], "neg": [-0.5, -0.2]},
-                    },
-                    {
-                        "tokens": [3],
-                        "reward": 0.0,
-                        "logprobs": [-0.3],
-                        "teacher_logprobs": {"pos": [-0.2], "neg": [-0.1]},
-                    },
+                    oracle.rollout([1, 2], 1.0, [-0.1, -0.2], pos=[-0.1, -0.3], neg=[-0.5, -0.2]),
+                    oracle.rollout([3], 0.0, [-0.3], pos=[-0.2], neg=[-0.1]),
                 ],
             },
             {
                 "id": "g1",
                 "rollouts": [
-                    {
-                        "tokens": [4, 5, 6],
-                        "reward": 0.5,
-                        "logprobs": [-1.0, -1.0, -1.0],
-                        "teacher_logprobs": {"pos": [-0.1, -0.3, -0.2], "neg": [-0.5, -0.2, -0.9]},
-                    },
-                    {
-                        "tokens": [],
-                        "reward": 0.0,
-                        "logprobs": [],
-                        "teacher_logprobs": {"pos": [], "neg": []},
-                    },
+                    oracle.rollout(
+                        [4, 5, 6],
+                        0.5,
+                        [-1.0, -1.0, -1.0],
+                        pos=[-0.1, -0.3, -0.2],
+                        neg=[-0.5, -0.2, -0.9],
+                    ),
+                    oracle.rollout([], 0.0, [], pos=[], neg=[]),
                 ],
             },
         ],

@@ -6,7 +6,9 @@ the closed forms derived there.
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import oracle
@@ -398,14 +400,7 @@ def test_opsd_hand_worked():
         "groups": [
             {
                 "id": "p",
-                "rollouts": [
-                    {
-                        "tokens": [1, 2],
-                        "reward": 0.25,
-                        "logprobs": [-1.0, -2.0],
-                        "teacher_logprobs": {"pos": [-0.5, -3.0]},
-                    }
-                ],
+                "rollouts": [oracle.rollout([1, 2], 0.25, [-1.0, -2.0], pos=[-0.5, -3.0])],
             }
         ],
     }
@@ -418,33 +413,16 @@ def test_opsd_hand_worked():
 # resolve_estimator
 # ---------------------------------------------------------------------------------------------
 
-FULL_DOC_EXAMPLE = {
-    "outcome": {"name": "grpo", "norm_by_std": True, "epsilon": 1e-6},
-    "ktae": {
-        "correct_threshold": 0.0,
-        "fisher_weight": 1.0,
-        "ig_weight": 1.0,
-        "tf": True,
-        "tf_k1": 2.0,
-        "tf_b": 0.5,
-        "scale": 1.0,
-        "history": "none",
-        "history_decay": 0.5,
-    },
-    "cscr": {
-        "mapping": "exp_onset",
-        "positive": "pos",
-        "negative": "neg",
-        "onset": 0.05,
-        "decay": 10.0,
-        "strength": 0.2,
-    },
-    "opsd": {"teacher": "pos", "coef": 1.0, "clip": None},
-    "forking": None,
-    "hicra": None,
-    "whiten": False,
-    "clip": None,
-}
+
+def doc_example() -> dict:
+    """The resolved object docs/estimator-config.md shows first (every term on)."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "estimator-config.md").read_text()
+    return json.loads(doc.split("```json\n", 1)[1].split("```", 1)[0])
+
+
+DOC_EXAMPLE = doc_example()
+# What a spec naming only the KTAE, CSCR and OPSD terms resolves to: the token-level terms off.
+FULL_DOC_EXAMPLE = {**DOC_EXAMPLE, "forking": None, "hicra": None}
 
 
 def test_resolve_estimator_fills_every_default():
@@ -485,7 +463,7 @@ def test_resolve_estimator_presets(preset):
 def test_resolve_estimator_token_presets():
     forking = oracle.resolve_estimator("forking")
     assert forking["outcome"] == FULL_DOC_EXAMPLE["outcome"]
-    assert forking["forking"] == {"rho": 0.2, "scope": "request"}
+    assert forking["forking"] == DOC_EXAMPLE["forking"] == {"rho": 0.2, "scope": "request"}
     assert forking["ktae"] is forking["cscr"] is forking["opsd"] is None
     otb = oracle.resolve_estimator("otb")
     assert otb["outcome"] == {"name": "otb", "epsilon": 1e-8, "handle_zero_tail": True}
@@ -494,7 +472,7 @@ def test_resolve_estimator_token_presets():
     assert composed["forking"] == {"rho": 1.0, "scope": "request"}
     hicra = oracle.resolve_estimator("hicra")
     assert hicra["outcome"] == FULL_DOC_EXAMPLE["outcome"]
-    assert hicra["hicra"] == {"alpha": 0.2, "phrases": None}
+    assert hicra["hicra"] == DOC_EXAMPLE["hicra"] == {"alpha": 0.2, "phrases": None}
     assert oracle.resolve_estimator("maxrl")["outcome"] == {"name": "maxrl", "epsilon": 0.0}
     for name in ("gtpo", "grpo_s"):
         assert oracle.resolve_estimator(name)["outcome"] == {

@@ -279,18 +279,10 @@ def test_response_echoes_partial_estimator_objects_resolved(spec):
             {
                 "id": "a",
                 "rollouts": [
-                    {
-                        "tokens": [1, 2],
-                        "reward": 1.0,
-                        "logprobs": [-0.5, -0.25],
-                        "teacher_logprobs": {"pos": [-0.25, -1.0], "neg": [-0.75, -0.5]},
-                    },
-                    {
-                        "tokens": [2],
-                        "reward": 0.0,
-                        "logprobs": [-2.0],
-                        "teacher_logprobs": {"pos": [-1.0], "neg": [-3.0]},
-                    },
+                    oracle.rollout(
+                        [1, 2], 1.0, [-0.5, -0.25], pos=[-0.25, -1.0], neg=[-0.75, -0.5]
+                    ),
+                    oracle.rollout([2], 0.0, [-2.0], pos=[-1.0], neg=[-3.0]),
                 ],
             }
         ],
@@ -380,25 +372,9 @@ EDGE_CASES = [(g, e) for g in EDGE_GROUPS for e in EDGE_ESTIMATORS]
 )
 def test_fast_path_matches_oracle_on_edge_cases(groups: str, estimator: str):
     spec = EDGE_ESTIMATORS[estimator]
-    resolved = oracle.resolve_estimator(spec)
-    fields = ["scalar"]
-    if resolved["ktae"] is not None:
-        fields.append("ktae_score")
-    if resolved["cscr"] is not None:
-        fields += ["cscr_weight", "sensitivity"]
-    if resolved["opsd"] is not None:
-        fields.append("opsd_reward")
-    if resolved["forking"] is not None:
-        fields.append("forking_mask")
-    if resolved["hicra"] is not None:
-        fields += ["planning_mask", "hicra_bonus"]
-    if resolved["outcome"]["name"] == "otb":
-        fields.append("otb_baseline")
-    if resolved["outcome"]["name"] in ("gtpo", "grpo_s"):
-        fields.append(f"{resolved['outcome']['name']}_reward")
     request = {
         "estimator": spec,
-        "return": fields,
+        "return": oracle.diagnostic_fields(oracle.resolve_estimator(spec)),
         "ignore_token_ids": [3],
         "groups": EDGE_GROUPS[groups],
     }

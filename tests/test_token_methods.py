@@ -19,7 +19,7 @@ import torch
 from advantage_service import RequestError, RolloutBatch, compute, compute_batch
 from advantage_service.cli import main as cli_main
 from advantage_service.wire.listing import estimator_listing
-from token_cases import ERROR_CASES, ERROR_IDS, token_request
+from token_cases import ERROR_CASES, ERROR_IDS, check_listing, token_request
 
 TOL = 2e-5
 
@@ -59,24 +59,6 @@ ESTIMATORS: dict[str, Any] = {
 }
 
 
-def every_diagnostic(estimator: Any) -> list[str]:
-    resolved = oracle.resolve_estimator(estimator)
-    out = ["scalar"]
-    if resolved["ktae"] is not None:
-        out.append("ktae_score")
-    if resolved["cscr"] is not None:
-        out += ["cscr_weight", "sensitivity"]
-    if resolved["forking"] is not None:
-        out.append("forking_mask")
-    if resolved["hicra"] is not None:
-        out += ["planning_mask", "hicra_bonus"]
-    if resolved["outcome"]["name"] == "otb":
-        out.append("otb_baseline")
-    if resolved["outcome"]["name"] in ("gtpo", "grpo_s"):
-        out.append(f"{resolved['outcome']['name']}_reward")
-    return out
-
-
 def with_teachers(request: dict[str, Any]) -> dict[str, Any]:
     """The request with pos/neg teacher log-probs (for CSCR), exact in float32."""
     for group in request["groups"]:
@@ -92,7 +74,7 @@ def with_teachers(request: dict[str, Any]) -> dict[str, Any]:
 def requests_for(estimator: Any) -> list[dict[str, Any]]:
     """The hand-made request (a group of one, an empty rollout, tied entropies) and random ones
     with groups of one, empty rollouts and ties."""
-    returns = every_diagnostic(estimator)
+    returns = oracle.diagnostic_fields(oracle.resolve_estimator(estimator))
     out = [with_teachers(token_request(estimator, returns))]
     rng = np.random.default_rng(17)
     for _ in range(6):
@@ -215,25 +197,7 @@ def test_otb_scalar_is_the_rollouts_mean_token_advantage() -> None:
 
 
 def test_estimators_listing_names_the_inputs_each_needs() -> None:
-    listing = estimator_listing()
-    outcomes = {o["name"]: o for o in listing["outcomes"]}
-    terms = {t["name"]: t for t in listing["terms"]}
-    assert outcomes["otb"]["inputs"] == ["logprobs", "sum_pi_squared"]
-    assert outcomes["otb"]["optional_inputs"] == ["is_weights", "returns"]
-    assert outcomes["otb"]["per_token"] is True
-    assert outcomes["otb"]["diagnostics"] == ["otb_baseline"]
-    assert [p["name"] for p in outcomes["otb"]["parameters"]] == ["epsilon", "handle_zero_tail"]
-    assert outcomes["grpo"]["inputs"] == [] and outcomes["grpo"]["per_token"] is False
-    assert terms["forking"]["inputs"] == ["entropy"]
-    assert terms["forking"]["diagnostics"] == ["forking_mask"]
-    rho = next(p for p in terms["forking"]["parameters"] if p["name"] == "rho")
-    assert (rho["default"], rho["exclusive_minimum"], rho["maximum"]) == (0.2, 0.0, 1.0)
-    assert terms["cscr"]["inputs"] == ["teacher_logprobs.pos", "teacher_logprobs.neg"]
-    assert terms["opsd"]["inputs"] == ["logprobs", "teacher_logprobs.pos"]
-    assert {"forking", "otb"} <= set(listing["presets"])
-    assert listing["presets"]["forking"]["outcome"]["name"] == "grpo"
-    assert listing["presets"]["forking"]["forking"] == {"rho": 0.2, "scope": "request"}
-    assert {"forking_mask", "otb_baseline"} <= set(listing["diagnostics"])
+    check_listing(estimator_listing())
 
 
 def test_rounding_past_the_ranges_is_accepted() -> None:
@@ -271,17 +235,22 @@ def test_cli_compute_prints_each_error_and_exits_1(
     assert not (tmp_path / "out.json").exists()
 
 
-@pytest.mark.integration
-def test_cli_process_computes_otb_and_forking_and_refuses_a_missing_input(tmp_path: Any) -> None:
-    estimator = {"outcome": "otb", "ktae": {}, "forking": {}}
-    request = token_request(estimator, ["scalar", "forking_mask", "otb_baseline"])
-    run = subprocess.run(
+def compute_in_a_process(request: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    """``python -m advantage_service compute`` given the request on stdin."""
+    return subprocess.run(
         [sys.executable, "-m", "advantage_service", "compute", "--device", "cpu"],
         input=json.dumps(request),
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+@pytest.mark.integration
+def test_cli_process_computes_otb_and_forking_and_refuses_a_missing_input(tmp_path: Any) -> None:
+    estimator = {"outcome": "otb", "ktae": {}, "forking": {}}
+    request = token_request(estimator, ["scalar", "forking_mask", "otb_baseline"])
+    run = compute_in_a_process(request)
     assert run.returncode == 0, run.stderr
     printed = json.loads(run.stdout)
     expected = compute(request, device="cpu")
@@ -291,13 +260,7 @@ def test_cli_process_computes_otb_and_forking_and_refuses_a_missing_input(tmp_pa
                 np.testing.assert_array_equal(np.asarray(r_cli[key], np.float32), value)
 
     del request["groups"][1]["rollouts"][0]["sum_pi_squared"]
-    run = subprocess.run(
-        [sys.executable, "-m", "advantage_service", "compute", "--device", "cpu"],
-        input=json.dumps(request),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = compute_in_a_process(request)
     assert run.returncode == 1 and run.stdout == ""
     error = json.loads(run.stderr)["error"]
     assert (error["code"], error["group_id"], error["rollout_index"], error["field"]) == (

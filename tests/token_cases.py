@@ -117,220 +117,215 @@ class ErrorCase:
         return request
 
 
+def _in_rollout(
+    name: str,
+    estimator: Any,
+    code: str,
+    group: int,
+    rollout: int,
+    field: str,
+    value: Any,
+    t: int | None = None,
+) -> ErrorCase:
+    """``field`` of one rollout set to ``value`` (deleted for None; with ``t``, only that
+    token's value), the error naming that group, rollout and field."""
+    change = (
+        _set(group, rollout, field, value) if t is None else _token(group, rollout, field, t, value)
+    )
+    return ErrorCase(name, estimator, change, (code, f"g{group}", rollout, field))
+
+
+def _without(name: str, estimator: Any, field: str) -> ErrorCase:
+    """A request whose rollouts all lack ``field``, which ``estimator`` reads."""
+    return ErrorCase(name, estimator, _drop(field), ("missing_input", None, None, field))
+
+
+def _refused_spec(
+    name: str, estimator: Any, code: str, field: str, returns: tuple[str, ...] = ("scalar",)
+) -> ErrorCase:
+    """The valid request with an estimator or a ``return`` list the service refuses (named by
+    the parameter's path, not by a group or rollout)."""
+    return ErrorCase(name, estimator, _nothing, (code, None, None, field), returns)
+
+
 ERROR_CASES = [
-    ErrorCase(
-        "otb-without-sum_pi_squared",
-        "otb",
-        _drop("sum_pi_squared"),
-        ("missing_input", None, None, "sum_pi_squared"),
-    ),
-    ErrorCase(
-        "otb-without-logprobs", "otb", _drop("logprobs"), ("missing_input", None, None, "logprobs")
-    ),
-    ErrorCase(
-        "forking-without-entropy",
-        {"outcome": "rloo", "forking": {}},
-        _drop("entropy"),
-        ("missing_input", None, None, "entropy"),
-    ),
-    ErrorCase(
-        "entropy-on-some-rollouts-only",
-        "forking",
-        _set(0, 1, "entropy", None),
-        ("missing_input", "g0", 1, "entropy"),
-    ),
-    ErrorCase(
+    _without("otb-without-sum_pi_squared", "otb", "sum_pi_squared"),
+    _without("otb-without-logprobs", "otb", "logprobs"),
+    _without("forking-without-entropy", {"outcome": "rloo", "forking": {}}, "entropy"),
+    _in_rollout("entropy-on-some-rollouts-only", "forking", "missing_input", 0, 1, "entropy", None),
+    _in_rollout(
         "sum_pi_squared-of-the-wrong-length",
         "otb",
-        _set(1, 0, "sum_pi_squared", [0.5, 0.5]),
-        ("length_mismatch", "g1", 0, "sum_pi_squared"),
+        "length_mismatch",
+        1,
+        0,
+        "sum_pi_squared",
+        [0.5, 0.5],
     ),
-    ErrorCase(
-        "is_weights-of-the-wrong-length",
-        "otb",
-        _set(0, 2, "is_weights", [1.0]),
-        ("length_mismatch", "g0", 2, "is_weights"),
+    _in_rollout(
+        "is_weights-of-the-wrong-length", "otb", "length_mismatch", 0, 2, "is_weights", [1.0]
     ),
-    ErrorCase(
-        "entropy-of-the-wrong-length",
-        "forking",
-        _set(0, 0, "entropy", [0.5]),
-        ("length_mismatch", "g0", 0, "entropy"),
+    _in_rollout(
+        "entropy-of-the-wrong-length", "forking", "length_mismatch", 0, 0, "entropy", [0.5]
     ),
-    ErrorCase(
-        "negative-entropy",
-        "forking",
-        _token(0, 1, "entropy", 1, -0.5),
-        ("invalid_value", "g0", 1, "entropy"),
+    _in_rollout("negative-entropy", "forking", "invalid_value", 0, 1, "entropy", -0.5, t=1),
+    _in_rollout("nan-entropy", "forking", "invalid_value", 1, 0, "entropy", math.nan, t=2),
+    _in_rollout("zero-sum_pi_squared", "otb", "invalid_value", 0, 0, "sum_pi_squared", 0.0, t=3),
+    _in_rollout(
+        "sum_pi_squared-above-one", "otb", "invalid_value", 1, 0, "sum_pi_squared", 1.5, t=0
     ),
-    ErrorCase(
-        "nan-entropy",
-        "forking",
-        _token(1, 0, "entropy", 2, math.nan),
-        ("invalid_value", "g1", 0, "entropy"),
+    _in_rollout(
+        "infinite-sum_pi_squared", "otb", "invalid_value", 0, 1, "sum_pi_squared", math.inf, t=0
     ),
-    ErrorCase(
-        "zero-sum_pi_squared",
-        "otb",
-        _token(0, 0, "sum_pi_squared", 3, 0.0),
-        ("invalid_value", "g0", 0, "sum_pi_squared"),
+    _in_rollout("negative-is_weights", "otb", "invalid_value", 0, 1, "is_weights", -1.0, t=1),
+    _refused_spec(
+        "forking-rho-zero", {"forking": {"rho": 0}}, "out_of_range", "estimator.forking.rho"
     ),
-    ErrorCase(
-        "sum_pi_squared-above-one",
-        "otb",
-        _token(1, 0, "sum_pi_squared", 0, 1.5),
-        ("invalid_value", "g1", 0, "sum_pi_squared"),
+    _refused_spec(
+        "forking-rho-above-one", {"forking": {"rho": 1.5}}, "out_of_range", "estimator.forking.rho"
     ),
-    ErrorCase(
-        "infinite-sum_pi_squared",
-        "otb",
-        _token(0, 1, "sum_pi_squared", 0, math.inf),
-        ("invalid_value", "g0", 1, "sum_pi_squared"),
-    ),
-    ErrorCase(
-        "negative-is_weights",
-        "otb",
-        _token(0, 1, "is_weights", 1, -1.0),
-        ("invalid_value", "g0", 1, "is_weights"),
-    ),
-    ErrorCase(
-        "forking-rho-zero",
-        {"forking": {"rho": 0}},
-        _nothing,
-        ("out_of_range", None, None, "estimator.forking.rho"),
-    ),
-    ErrorCase(
-        "forking-rho-above-one",
-        {"forking": {"rho": 1.5}},
-        _nothing,
-        ("out_of_range", None, None, "estimator.forking.rho"),
-    ),
-    ErrorCase(
+    _refused_spec(
         "forking-unknown-scope",
         {"forking": {"scope": "batch"}},
-        _nothing,
-        ("out_of_range", None, None, "estimator.forking.scope"),
+        "out_of_range",
+        "estimator.forking.scope",
     ),
-    ErrorCase(
+    _refused_spec(
         "otb-negative-epsilon",
         {"outcome": {"name": "otb", "epsilon": -1e-8}},
-        _nothing,
-        ("out_of_range", None, None, "estimator.outcome.epsilon"),
+        "out_of_range",
+        "estimator.outcome.epsilon",
     ),
-    ErrorCase(
+    _refused_spec(
         "otb-handle_zero_tail-not-a-boolean",
         {"outcome": {"name": "otb", "handle_zero_tail": 1}},
-        _nothing,
-        ("invalid_parameter", None, None, "estimator.outcome.handle_zero_tail"),
+        "invalid_parameter",
+        "estimator.outcome.handle_zero_tail",
     ),
-    ErrorCase(
+    _refused_spec(
         "otb_baseline-without-otb",
         "forking",
-        _nothing,
-        ("invalid_parameter", None, None, "return"),
+        "invalid_parameter",
+        "return",
         returns=("scalar", "otb_baseline"),
     ),
-    ErrorCase(
+    _refused_spec(
         "forking_mask-without-forking",
         "otb",
-        _nothing,
-        ("invalid_parameter", None, None, "return"),
+        "invalid_parameter",
+        "return",
         returns=("forking_mask",),
     ),
-    ErrorCase(
-        "gtpo-without-entropy", "gtpo", _drop("entropy"), ("missing_input", None, None, "entropy")
+    _without("gtpo-without-entropy", "gtpo", "entropy"),
+    _without("grpo_s-without-entropy", {"outcome": "grpo_s", "hicra": {}}, "entropy"),
+    _without("hicra-without-planning_mask", {"outcome": "maxrl", "hicra": {}}, "planning_mask"),
+    _in_rollout(
+        "planning_mask-on-some-rollouts-only", "hicra", "missing_input", 0, 2, "planning_mask", None
     ),
-    ErrorCase(
-        "grpo_s-without-entropy",
-        {"outcome": "grpo_s", "hicra": {}},
-        _drop("entropy"),
-        ("missing_input", None, None, "entropy"),
-    ),
-    ErrorCase(
-        "hicra-without-planning_mask",
-        {"outcome": "maxrl", "hicra": {}},
-        _drop("planning_mask"),
-        ("missing_input", None, None, "planning_mask"),
-    ),
-    ErrorCase(
-        "planning_mask-on-some-rollouts-only",
-        "hicra",
-        _set(0, 2, "planning_mask", None),
-        ("missing_input", "g0", 2, "planning_mask"),
-    ),
-    ErrorCase(
+    _in_rollout(
         "planning_mask-of-the-wrong-length",
         "hicra",
-        _set(1, 0, "planning_mask", [1.0]),
-        ("length_mismatch", "g1", 0, "planning_mask"),
+        "length_mismatch",
+        1,
+        0,
+        "planning_mask",
+        [1.0],
     ),
-    ErrorCase(
-        "planning_mask-not-0-or-1",
-        "hicra",
-        _token(0, 1, "planning_mask", 1, 0.5),
-        ("invalid_value", "g0", 1, "planning_mask"),
+    _in_rollout(
+        "planning_mask-not-0-or-1", "hicra", "invalid_value", 0, 1, "planning_mask", 0.5, t=1
     ),
-    ErrorCase(
+    _in_rollout(
         "planning_mask-nan",
         {"outcome": "gtpo", "hicra": {}},
-        _token(0, 0, "planning_mask", 3, math.nan),
-        ("invalid_value", "g0", 0, "planning_mask"),
+        "invalid_value",
+        0,
+        0,
+        "planning_mask",
+        math.nan,
+        t=3,
     ),
-    ErrorCase(
-        "maxrl-negative-reward",
-        "maxrl",
-        _set(0, 1, "reward", -1.0),
-        ("invalid_value", "g0", 1, "reward"),
-    ),
-    ErrorCase(
+    _in_rollout("maxrl-negative-reward", "maxrl", "invalid_value", 0, 1, "reward", -1.0),
+    _refused_spec(
         "maxrl-negative-epsilon",
         {"outcome": {"name": "maxrl", "epsilon": -1e-6}},
-        _nothing,
-        ("out_of_range", None, None, "estimator.outcome.epsilon"),
+        "out_of_range",
+        "estimator.outcome.epsilon",
     ),
-    ErrorCase(
+    _refused_spec(
         "gtpo-negative-alpha2",
         {"outcome": {"name": "gtpo", "alpha2": -0.1}},
-        _nothing,
-        ("out_of_range", None, None, "estimator.outcome.alpha2"),
+        "out_of_range",
+        "estimator.outcome.alpha2",
     ),
-    ErrorCase(
+    _refused_spec(
         "grpo_s-unknown-parameter",
         {"outcome": {"name": "grpo_s", "beta": 1.0}},
-        _nothing,
-        ("unknown_parameter", None, None, "estimator.outcome.beta"),
+        "unknown_parameter",
+        "estimator.outcome.beta",
     ),
-    ErrorCase(
-        "hicra-negative-alpha",
-        {"hicra": {"alpha": -0.2}},
-        _nothing,
-        ("out_of_range", None, None, "estimator.hicra.alpha"),
+    _refused_spec(
+        "hicra-negative-alpha", {"hicra": {"alpha": -0.2}}, "out_of_range", "estimator.hicra.alpha"
     ),
-    ErrorCase(
+    _refused_spec(
         "hicra-phrases-not-a-list",
         {"hicra": {"phrases": "wait"}},
-        _nothing,
-        ("invalid_parameter", None, None, "estimator.hicra.phrases"),
+        "invalid_parameter",
+        "estimator.hicra.phrases",
     ),
-    ErrorCase(
+    _refused_spec(
         "hicra-blank-phrase",
         {"hicra": {"phrases": ["wait", "  "]}},
-        _nothing,
-        ("out_of_range", None, None, "estimator.hicra.phrases"),
+        "out_of_range",
+        "estimator.hicra.phrases",
     ),
-    ErrorCase(
+    _refused_spec(
         "planning_mask-without-hicra",
         "gtpo",
-        _nothing,
-        ("invalid_parameter", None, None, "return"),
+        "invalid_parameter",
+        "return",
         returns=("scalar", "planning_mask"),
     ),
-    ErrorCase(
+    _refused_spec(
         "gtpo_reward-without-gtpo",
         "grpo_s",
-        _nothing,
-        ("invalid_parameter", None, None, "return"),
+        "invalid_parameter",
+        "return",
         returns=("gtpo_reward",),
     ),
 ]
 ERROR_IDS = [case.name for case in ERROR_CASES]
+
+
+def check_listing(listing: dict[str, Any]) -> None:
+    """The estimators listing (in-process or GET /v1/estimators) names each token-level
+    method's inputs, optional and derived inputs, parameters and diagnostics."""
+    outcomes = {o["name"]: o for o in listing["outcomes"]}
+    terms = {t["name"]: t for t in listing["terms"]}
+    assert outcomes["otb"]["inputs"] == ["logprobs", "sum_pi_squared"]
+    assert outcomes["otb"]["optional_inputs"] == ["is_weights", "returns"]
+    assert outcomes["otb"]["per_token"] is True
+    assert outcomes["otb"]["diagnostics"] == ["otb_baseline"]
+    assert [p["name"] for p in outcomes["otb"]["parameters"]] == ["epsilon", "handle_zero_tail"]
+    assert outcomes["grpo"]["inputs"] == [] and outcomes["grpo"]["per_token"] is False
+    assert outcomes["maxrl"]["inputs"] == [] and outcomes["maxrl"]["per_token"] is False
+    assert outcomes["gtpo"]["inputs"] == ["entropy"] and outcomes["gtpo"]["per_token"] is True
+    assert outcomes["grpo_s"]["inputs"] == ["entropy"]
+    assert outcomes["grpo_s"]["per_token"] is False
+    assert terms["forking"]["inputs"] == ["entropy"]
+    assert terms["forking"]["diagnostics"] == ["forking_mask"]
+    assert terms["forking"]["derived_inputs"] == {}
+    rho = next(p for p in terms["forking"]["parameters"] if p["name"] == "rho")
+    assert (rho["default"], rho["exclusive_minimum"], rho["maximum"]) == (0.2, 0.0, 1.0)
+    assert terms["cscr"]["inputs"] == ["teacher_logprobs.pos", "teacher_logprobs.neg"]
+    assert terms["opsd"]["inputs"] == ["logprobs", "teacher_logprobs.pos"]
+    assert terms["hicra"]["inputs"] == ["planning_mask"]
+    assert "tokenizer" in terms["hicra"]["derived_inputs"]["planning_mask"]
+    phrases = next(p for p in terms["hicra"]["parameters"] if p["name"] == "phrases")
+    assert (phrases["type"], phrases["default"], phrases["nullable"]) == ("array", None, True)
+    assert {"forking", "otb", "maxrl", "gtpo", "grpo_s", "hicra"} <= set(listing["presets"])
+    assert listing["presets"]["forking"]["outcome"]["name"] == "grpo"
+    assert listing["presets"]["forking"]["forking"] == {"rho": 0.2, "scope": "request"}
+    assert listing["presets"]["hicra"]["outcome"]["name"] == "grpo"
+    assert listing["presets"]["hicra"]["hicra"] == {"alpha": 0.2, "phrases": None}
+    diagnostics = {"forking_mask", "otb_baseline", "gtpo_reward", "grpo_s_reward", "planning_mask"}
+    assert diagnostics <= set(listing["diagnostics"])

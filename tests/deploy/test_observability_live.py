@@ -11,7 +11,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,6 +36,7 @@ from deploy_support import (
 )
 from process_support import free_port
 from process_support import poll as wait_for
+from stats.redis_support import RedisServer
 
 pytestmark = pytest.mark.integration
 
@@ -81,31 +81,6 @@ class Stack:
 
 
 # ---- processes ----------------------------------------------------------------------------------
-
-
-def start_redis(directory: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """A throwaway redis-server for the stats store (the store panels time Redis calls)."""
-    binary = shutil.which("redis-server")
-    assert binary
-    port = free_port()
-    # fmt: off
-    process = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(directory), "--logfile", str(directory / "redis.log")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    # fmt: on
-
-    def pong() -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
-                sock.sendall(b"PING\r\n")
-                return sock.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
-
-    wait_for(pong, 10, "redis-server")
-    return process, f"redis://127.0.0.1:{port}/0"
 
 
 def start_service(directory: Path, redis_url: str) -> tuple[subprocess.Popen[bytes], str]:
@@ -275,9 +250,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     directory = tmp_path_factory.mktemp("observability")
     processes: list[subprocess.Popen[bytes]] = []
     try:
-        redis, redis_url = start_redis(directory)
-        processes.append(redis)
-        service, service_url = start_service(directory, redis_url)
+        # A throwaway redis-server for the stats store (the store panels time Redis calls).
+        redis = RedisServer(directory)
+        redis.start()
+        assert redis.process is not None
+        processes.append(redis.process)
+        service, service_url = start_service(directory, redis.url)
         processes.append(service)
         prometheus, prometheus_url = start_prometheus(
             directory, service_url.removeprefix("http://")

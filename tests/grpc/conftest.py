@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from grpc_support import Service, start_service
+from service_support import Service
 
 # Small enough that the limit tests stay cheap; roomy enough for the parity requests.
 SHARED_SETTINGS = {"max_request_tokens": 50_000, "max_group_size": 32, "max_inflight": 4}
@@ -26,13 +26,13 @@ LIMITED_SETTINGS = {
 @pytest.fixture(scope="session")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     """One service shared by the tests that do not need their own limits."""
-    srv = start_service(tmp_path_factory.mktemp("grpc-service"), **SHARED_SETTINGS)
+    srv = Service.start(tmp_path_factory.mktemp("grpc-service"), **SHARED_SETTINGS)
     yield srv
     srv.stop()
 
 
 @pytest.fixture(scope="session")
 def limited_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    srv = start_service(tmp_path_factory.mktemp("grpc-limited"), **LIMITED_SETTINGS)
+    srv = Service.start(tmp_path_factory.mktemp("grpc-limited"), **LIMITED_SETTINGS)
     yield srv
     srv.stop()

@@ -16,7 +16,8 @@ from advantage_contract.grpc_gen import advantage_pb2_grpc as pb_grpc
 from advantage_service import compute as compute_in_process
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from grpc_support import ALL_PRESETS, Service, health_status, random_request
+from grpc_support import ALL_PRESETS, random_request
+from service_support import Service, health_status
 
 pytestmark = pytest.mark.integration
 

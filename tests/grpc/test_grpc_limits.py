@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 from advantage_contract.grpc_gen import advantage_pb2 as pb
 from advantage_contract.grpc_gen import advantage_pb2_grpc as pb_grpc
-from grpc_support import Service
 from memory_support import peak_growth
+from protobuf_bytes import length_delimited
+from service_support import Service
 
 pytestmark = pytest.mark.integration
 
@@ -294,29 +295,15 @@ def test_a_stream_checks_names_on_every_rollout_before_the_group_completes(
 # ---- unknown fields: ignored, not echoed -------------------------------------------------------
 
 
-def unknown_field(number: int, payload: bytes) -> bytes:
-    """A length-delimited field ``number`` this version does not know, on the wire."""
-
-    def varint(value: int) -> bytes:
-        out = bytearray()
-        while True:
-            byte, value = value & 0x7F, value >> 7
-            out.append(byte | (0x80 if value else 0))
-            if not value:
-                return bytes(out)
-
-    return varint(number << 3 | 2) + varint(len(payload)) + payload
-
-
 def test_unknown_protobuf_fields_are_ignored_and_never_echoed(service: Service) -> None:
     """2 MB of fields a newer client might send (in the request, its options and a tensor) do
     not change the answer, and nothing of them comes back."""
     marker = b"unknown-payload!" * (2 * MIB // 16)
     plain = small_message(preset="grpo")
     extended = small_message(preset="grpo")
-    extended.logprobs.MergeFromString(unknown_field(15, b"tensor-extra"))
-    extended.options.MergeFromString(unknown_field(99, b"options-extra"))
-    data = extended.SerializeToString() + unknown_field(1000, marker)
+    extended.logprobs.MergeFromString(length_delimited(15, b"tensor-extra"))
+    extended.options.MergeFromString(length_delimited(99, b"options-extra"))
+    data = extended.SerializeToString() + length_delimited(1000, marker)
     answer = call_raw(service.target, data)
     expected = call_raw(service.target, plain.SerializeToString())
     assert b"unknown-payload" not in answer and b"-extra" not in answer
@@ -325,6 +312,6 @@ def test_unknown_protobuf_fields_are_ignored_and_never_echoed(service: Service) 
     assert len(answer) == len(expected)  # (the same fields, nothing carried over)
     # A stream's rollout with an unknown field is computed as without it.
     message = rollout("s", size=1)
-    raw = message.SerializeToString() + unknown_field(77, b"stream-extra")
+    raw = message.SerializeToString() + length_delimited(77, b"stream-extra")
     results = stream(service.target, [pb.StreamRequest.FromString(raw)])
     assert results[0].HasField("result") and results[0].result.group_id == "s"

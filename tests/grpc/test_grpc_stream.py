@@ -17,8 +17,9 @@ from advantage_contract.grpc_gen import advantage_pb2 as pb
 from advantage_contract.grpc_gen import advantage_pb2_grpc as pb_grpc
 from advantage_service import RequestError
 from advantage_service import compute as compute_in_process
-from grpc_support import Service, diagnostics_for, random_groups, stream_rollouts
+from grpc_support import diagnostics_for, random_groups, stream_rollouts
 from process_support import poll
+from service_support import Service
 
 pytestmark = pytest.mark.integration
 

@@ -20,13 +20,8 @@ from advantage_contract.grpc_gen import advantage_pb2 as pb
 from advantage_contract.grpc_gen import advantage_pb2_grpc as pb_grpc
 from advantage_service import compute as compute_in_process
 from advantage_service.estimators.hicra import strategic_phrase_mask
-from grpc_support import (
-    Service,
-    diagnostics_for,
-    random_request,
-    start_service,
-    stream_rollouts,
-)
+from grpc_support import diagnostics_for, random_request, stream_rollouts
+from service_support import Service
 from token_cases import ERROR_CASES, ERROR_IDS, token_request
 
 pytestmark = pytest.mark.integration
@@ -229,7 +224,7 @@ def tokenizer_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serv
     directory = tmp_path_factory.mktemp("tokenizer-service")
     path = directory / "tokenizer.json"
     Tokenizer(WordLevel(ID, unk_token="<unk>")).save(str(path))
-    srv = start_service(directory, tokenizer=str(path))
+    srv = Service.start(directory, tokenizer=str(path))
     yield srv
     srv.stop()
 

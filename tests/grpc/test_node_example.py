@@ -21,7 +21,7 @@ import pytest
 from advantage_contract.grpc_gen import advantage_pb2 as pb
 from advantage_contract.grpc_gen import advantage_pb2_grpc as pb_grpc
 from advantage_service import compute as compute_in_process
-from grpc_support import Service
+from service_support import Service
 
 pytestmark = pytest.mark.integration
 

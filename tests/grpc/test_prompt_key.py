@@ -17,8 +17,8 @@ import httpx
 import numpy as np
 import pytest
 from advantage_client import AdvantageError, GrpcClient, HttpClient
-from grpc_support import Service
 from process_support import poll
+from service_support import Service
 
 pytestmark = pytest.mark.integration
 

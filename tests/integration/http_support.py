@@ -7,18 +7,16 @@ service's own encoders, so a symmetric codec bug cannot hide.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import pyarrow as pa
-from advantage_service import presets, resolve_estimator
-from advantage_service.estimators.pipeline import estimator_diagnostics
+from advantage_service import presets
 from process_support import ServiceProcess, launch_service
+from request_support import content_key, diagnostics_for, random_groups, uses_token_inputs
 
 ARROW = "application/vnd.apache.arrow.stream"
 
@@ -51,71 +49,20 @@ def start_server(directory: Path, **settings: Any) -> Server:
 # ---- requests -----------------------------------------------------------------------------------
 
 
-def diagnostics_for(estimator: str | dict[str, Any]) -> list[str]:
-    """``scalar`` plus every per-token diagnostic the estimator's terms and outcome produce."""
-    return list(estimator_diagnostics(resolve_estimator(estimator)))
-
-
-def token_inputs(rng: np.random.Generator, logprobs: np.ndarray) -> dict[str, list[float]]:
-    """Entropies, sums of squared probabilities, importance weights and a planning mask for
-    tokens sampled with ``logprobs``: S = pi^2 + u (1 - pi)^2 (the rest of the mass spread out
-    or on one token)."""
-    n = logprobs.size
-    pi = np.exp(logprobs)
-    return {
-        "entropy": rng.exponential(1.0, size=n).tolist(),
-        "sum_pi_squared": (pi**2 + rng.uniform(0.05, 1.0, size=n) * (1 - pi) ** 2).tolist(),
-        "is_weights": rng.uniform(0.5, 1.5, size=n).tolist(),
-        "planning_mask": (rng.random(n) < 0.3).astype(float).tolist(),
-    }
-
-
-def content_key(*parts: Any) -> str:
-    """A short key of what makes two requests of one seed differ (their estimator, size)."""
-    text = json.dumps(parts, sort_keys=True, default=str)
-    return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
-
-
 def random_request(
     seed: int, estimator: str | dict[str, Any] = "grpo", groups: int = 4
 ) -> dict[str, Any]:
     """A JSON request with logprobs and pos/neg teacher log-probs on every rollout (so every
     preset applies; entropy, sum_pi_squared, is_weights and planning_mask too for an estimator
     that reads them), mixed and zero-signal groups, and every diagnostic asked for."""
-    rng = np.random.default_rng(seed)
-    spec = resolve_estimator(estimator)
-    with_token_inputs = spec.outcome in ("otb", "gtpo", "grpo_s") or bool(
-        {"forking", "hicra"} & set(spec.terms)
-    )
-    out = []
-    for g in range(groups):
-        size = int(rng.integers(2, 6))
-        rewards = rng.integers(0, 2, size=size).astype(float) if g % 3 else np.ones(size)
-        rollouts = []
-        for reward in rewards:
-            n = int(rng.integers(0, 40))
-            tokens = rng.integers(0, 500, size=n).tolist()
-            logprobs = -rng.exponential(1.0, size=n)
-            rollout = {
-                "tokens": tokens,
-                "reward": float(reward),
-                "logprobs": logprobs.tolist(),
-                "teacher_logprobs": {
-                    "pos": (-rng.exponential(1.0, size=n)).tolist(),
-                    "neg": (-rng.exponential(1.0, size=n)).tolist(),
-                },
-            }
-            if with_token_inputs:
-                rollout.update(token_inputs(rng, logprobs))
-            rollouts.append(rollout)
-        out.append({"id": f"prompt-{seed}-{g}", "rollouts": rollouts})
+    with_token_inputs = uses_token_inputs(estimator)
     return {
         # (One id per content: an id sent again with another body is a 409 conflict.)
         "request_id": f"req-{seed}-{content_key(estimator, groups)}",
         "estimator": estimator,
         "ignore_token_ids": [0],
         "return": diagnostics_for(estimator),
-        "groups": out,
+        "groups": random_groups(seed, groups, with_token_inputs=with_token_inputs, vocab=500),
     }
 
 

@@ -17,8 +17,9 @@ import pyarrow as pa
 import pytest
 import schemathesis
 from advantage_service import presets
+from fuzz_support import bounded
 from http_support import ARROW, Server
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
@@ -48,13 +49,7 @@ def service_schema(server: Server) -> Any:
 
 
 def fuzz(strategy: Any, examples: int) -> None:
-    @settings(
-        max_examples=examples,
-        deadline=None,
-        database=None,
-        derandomize=True,
-        suppress_health_check=list(HealthCheck),
-    )
+    @bounded(examples)
     @given(case=strategy)
     def run(case: schemathesis.Case) -> None:
         case.call_and_validate(checks=CHECKS, timeout=30)
@@ -173,13 +168,7 @@ def arrow_bodies(draw: st.DrawFn) -> bytes:
 def test_arrow_tables_never_answer_5xx(server: Server) -> None:
     answered: set[int] = set()
 
-    @settings(
-        max_examples=200,
-        deadline=None,
-        database=None,
-        derandomize=True,
-        suppress_health_check=list(HealthCheck),
-    )
+    @bounded(200)
     @given(body=arrow_bodies(), arrow_out=st.booleans())
     def run(body: bytes, arrow_out: bool) -> None:
         headers = {"content-type": ARROW}
@@ -208,13 +197,7 @@ def test_corrupted_arrow_streams_never_answer_5xx_and_are_never_computed(server:
     or followed by other bytes is never computed as if it were whole."""
     answered: set[int] = set()
 
-    @settings(
-        max_examples=120,
-        deadline=None,
-        database=None,
-        derandomize=True,
-        suppress_health_check=list(HealthCheck),
-    )
+    @bounded(120)
     @given(
         body=arrow_bodies(),
         cut=st.floats(0.0, 0.999),
@@ -309,13 +292,7 @@ def test_json_strings_that_are_not_text_are_invalid_text_never_5xx(server: Serve
     5xx, and the server keeps answering."""
     fields: set[str] = set()
 
-    @settings(
-        max_examples=150,
-        deadline=None,
-        database=None,
-        derandomize=True,
-        suppress_health_check=list(HealthCheck),
-    )
+    @bounded(150)
     @given(
         place=st.sampled_from(sorted(TEXT_PLACES)),
         bad=BAD_TEXT,

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pytest
 from advantage_service import compute
 from http_support import ARROW, Server, arrow_request, random_request, read_arrow, stream_bytes
-from token_cases import ERROR_CASES, ERROR_IDS
+from token_cases import ERROR_CASES, ERROR_IDS, check_listing
 
 pytestmark = pytest.mark.integration
 
@@ -117,26 +117,4 @@ def test_unknown_arrow_column_lists_the_per_token_columns(server: Server) -> Non
 
 
 def test_estimators_listing_names_each_methods_inputs(server: Server) -> None:
-    listing = server.client.get("/v1/estimators").json()
-    outcomes = {o["name"]: o for o in listing["outcomes"]}
-    terms = {t["name"]: t for t in listing["terms"]}
-    assert outcomes["otb"]["inputs"] == ["logprobs", "sum_pi_squared"]
-    assert outcomes["otb"]["optional_inputs"] == ["is_weights", "returns"]
-    assert outcomes["otb"]["per_token"] is True
-    assert terms["forking"]["inputs"] == ["entropy"]
-    assert terms["opsd"]["inputs"] == ["logprobs", "teacher_logprobs.pos"]
-    assert {"otb", "forking"} <= set(listing["presets"])
-    assert {"forking_mask", "otb_baseline"} <= set(listing["diagnostics"])
-    assert outcomes["maxrl"]["inputs"] == [] and outcomes["maxrl"]["per_token"] is False
-    assert outcomes["gtpo"]["inputs"] == ["entropy"] and outcomes["gtpo"]["per_token"] is True
-    assert outcomes["grpo_s"]["inputs"] == ["entropy"]
-    assert outcomes["grpo_s"]["per_token"] is False
-    assert terms["hicra"]["inputs"] == ["planning_mask"]
-    assert "tokenizer" in terms["hicra"]["derived_inputs"]["planning_mask"]
-    assert terms["forking"]["derived_inputs"] == {}
-    phrases = next(p for p in terms["hicra"]["parameters"] if p["name"] == "phrases")
-    assert (phrases["type"], phrases["default"], phrases["nullable"]) == ("array", None, True)
-    assert {"maxrl", "gtpo", "grpo_s", "hicra"} <= set(listing["presets"])
-    assert listing["presets"]["hicra"]["outcome"]["name"] == "grpo"
-    assert listing["presets"]["hicra"]["hicra"] == {"alpha": 0.2, "phrases": None}
-    assert {"gtpo_reward", "grpo_s_reward", "planning_mask"} <= set(listing["diagnostics"])
+    check_listing(server.client.get("/v1/estimators").json())

@@ -21,6 +21,7 @@ import pytest
 from advantage_client import AdvantageError, GrpcClient
 from http_support import Server
 from process_support import launch_service
+from request_support import alternating_groups
 
 pytestmark = pytest.mark.integration
 
@@ -33,16 +34,9 @@ def request(seed: int, namespace: str, request_id: str) -> dict[str, Any]:
         "namespace": namespace,
         "request_id": request_id,
         "estimator": {"outcome": "grpo", "ktae": {"history": "prompt"}},
-        "groups": [
-            {
-                "id": f"p{g}",
-                "rollouts": [
-                    {"tokens": rng.integers(0, 500, TOKENS).tolist(), "reward": float(r % 2)}
-                    for r in range(ROLLOUTS)
-                ],
-            }
-            for g in range(GROUPS)
-        ],
+        "groups": alternating_groups(
+            rng, (f"p{g}" for g in range(GROUPS)), ROLLOUTS, TOKENS, vocab=500
+        ),
     }
 
 

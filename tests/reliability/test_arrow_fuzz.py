@@ -35,7 +35,8 @@ import arrow_crafting as craft
 import pyarrow as pa
 import pytest
 from arrow_decoding import Decoder, WorkerDied, WorkerHung
-from hypothesis import HealthCheck, given, settings
+from fuzz_support import bounded
+from hypothesis import given
 from hypothesis import strategies as st
 
 SECRET = "s3cr3t-of-another-tenant-0123456789"
@@ -218,13 +219,7 @@ def check_answer(body: bytes, answer: dict[str, Any]) -> None:
 def run_fuzzer(decoder: Decoder, examples: int, derandomize: bool) -> Counter[str]:
     outcomes: Counter[str] = Counter()
 
-    @settings(
-        max_examples=examples,
-        deadline=None,
-        database=None,
-        derandomize=derandomize,
-        suppress_health_check=list(HealthCheck),
-    )
+    @bounded(examples, derandomize=derandomize)
     @given(seed=st.sampled_from(SEEDS), changes=st.lists(mutations(), min_size=1, max_size=4))
     def run(seed: bytes, changes: list[tuple[Any, ...]]) -> None:
         body = mutate(seed, changes)

@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from arrow_decoding import Decoder
+from body_support import peak_rss
 from support import Service, bearer, start_service, write_tokens
 
 pytestmark = pytest.mark.integration
@@ -458,13 +459,6 @@ def test_the_service_reads_its_batch_limit_from_adv_max_arrow_batches(
 
 
 # ---- memory before the refusal: the service's peak RSS ------------------------------------------
-
-
-def peak_rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM")
 
 
 def reset_peak(pid: int) -> int:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import struct
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -22,9 +21,12 @@ import pytest
 import schemathesis
 from advantage_client.grpc_client import compute_request_message, options_message
 from advantage_contract.grpc_gen import advantage_pb2 as pb
-from hypothesis import HealthCheck, given, settings
+from body_support import peak_rss
+from fuzz_support import bounded
+from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
+from protobuf_bytes import varint
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
@@ -47,17 +49,6 @@ SERVICE = "/advantage.v1.AdvantageService/"
 BAD_CODES = (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
 CALL_TIMEOUT = 30
 schemathesis.serializer.alias("application/vnd.apache.arrow.stream", "application/octet-stream")
-
-
-def bounded(examples: int, **extra: Any) -> settings:
-    return settings(
-        max_examples=examples,
-        deadline=None,
-        database=None,
-        derandomize=True,
-        suppress_health_check=list(HealthCheck),
-        **extra,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -133,15 +124,6 @@ def test_stateful_sequences_following_the_documented_links_never_answer_5xx(
 
 
 # ---- gRPC: protobuf payloads ------------------------------------------------------------------
-
-
-def varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
 
 
 @st.composite
@@ -436,13 +418,6 @@ def test_grpc_strings_that_are_not_text_are_invalid_text_never_internal(service:
 # The fuzzed service's peak RSS: its bodies are at most ADV_MAX_BODY_BYTES (1 MB here), so no
 # input may take it far past what the service needs idle (~0.5 GB with torch) and one request.
 PEAK_RSS_BOUND = 1536 * 2**20
-
-
-def peak_rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM")
 
 
 def test_fuzzing_left_the_service_idle_and_within_its_memory_bound(service: Service) -> None:

@@ -131,6 +131,20 @@ class Trickle:
         return [int(a.split(b" ", 2)[1]) for a in self.answers if a.startswith(b"HTTP/1.1 ")]
 
 
+def slow_bodies(service: Service) -> Trickle:
+    """team-a's 300 connections, each declaring a 4 KiB body and sending it a byte a second."""
+    head = (
+        b"POST /v1/advantages HTTP/1.1\r\nhost: x\r\nauthorization: Bearer token-of-team-a\r\n"
+        b"content-type: application/json\r\ncontent-length: 4096\r\n\r\n"
+    )
+    return Trickle(service.http_port, 300, head, b"{" * 4096)
+
+
+def slow_headers(service: Service) -> Trickle:
+    """1,100 unauthenticated connections sending their request head a byte a second."""
+    return Trickle(service.http_port, 1100, b"", b"GET /readyz HTTP/1.1\r\nhost: x" + b"x" * 60)
+
+
 def unloaded_p50(service: Service) -> float:
     statuses, seconds = timed_posts(service, 7, pause=0.05)
     assert statuses == [200] * 7
@@ -155,11 +169,7 @@ def test_team_a_slow_bodies_leave_team_b_served(
     grace period (408)."""
     service = service_factory(auth_tokens_file=tokens_file(tmp_path / "auth"))
     baseline = unloaded_p50(service)
-    head = (
-        b"POST /v1/advantages HTTP/1.1\r\nhost: x\r\nauthorization: Bearer token-of-team-a\r\n"
-        b"content-type: application/json\r\ncontent-length: 4096\r\n\r\n"
-    )
-    attack = Trickle(service.http_port, 300, head, b"{" * 4096)
+    attack = slow_bodies(service)
     try:
         time.sleep(2.0)
         statuses, seconds = timed_posts(service, 12)
@@ -192,7 +202,7 @@ def test_slow_headers_leave_team_b_served_and_readiness_answering(
     gives way to a new one, and none holds a place a request needs."""
     service = service_factory(auth_tokens_file=tokens_file(tmp_path / "auth"))
     baseline = unloaded_p50(service)
-    attack = Trickle(service.http_port, 1100, b"", b"GET /readyz HTTP/1.1\r\nhost: x" + b"x" * 60)
+    attack = slow_headers(service)
     try:
         poll(lambda: attack.opened >= 1100, 30, "the attack's connections to open")
         time.sleep(2.0)
@@ -215,12 +225,8 @@ def test_both_attacks_at_once_leave_team_b_served(
     within 5x of an idle service's."""
     service = service_factory(auth_tokens_file=tokens_file(tmp_path / "auth"))
     baseline = unloaded_p50(service)
-    head = (
-        b"POST /v1/advantages HTTP/1.1\r\nhost: x\r\nauthorization: Bearer token-of-team-a\r\n"
-        b"content-type: application/json\r\ncontent-length: 4096\r\n\r\n"
-    )
-    bodies = Trickle(service.http_port, 300, head, b"{" * 4096)
-    headers = Trickle(service.http_port, 1100, b"", b"GET /readyz HTTP/1.1\r\nhost: x" + b"x" * 60)
+    bodies = slow_bodies(service)
+    headers = slow_headers(service)
     try:
         poll(lambda: bodies.opened + headers.opened >= 1400, 30, "the attacks' connections")
         time.sleep(2.0)

@@ -263,39 +263,47 @@ def test_http_arrow_answers_422_naming_the_field_and_logs_it(service: Service, p
     logged(service, "http_arrow", code, before)
 
 
+def grpc_invalid_text(service: Service, place: str, stream: bool) -> tuple[str, str]:
+    """The bad text at ``place`` sent to Compute (or StreamCompute) ends the call
+    INVALID_ARGUMENT with the code invalid_text, and the refusal's access line is written;
+    (the details, the field the error names)."""
+    before = access_count(service, "grpc", "invalid_text")
+    with service.channel() as channel:
+        if stream:
+            streaming = channel.stream_stream(
+                METHOD + "StreamCompute", request_serializer=None, response_deserializer=None
+            )
+            status, details, metadata = grpc_error(
+                lambda: list(streaming(iter(stream_messages(place)), timeout=30))
+            )
+        else:
+            compute = channel.unary_unary(
+                METHOD + "Compute", request_serializer=None, response_deserializer=None
+            )
+            status, details, metadata = grpc_error(
+                lambda: compute(unary_message(place), timeout=30)
+            )
+    assert status == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert metadata["advantage-error-code"] == "invalid_text"
+    logged(service, "grpc", "invalid_text", before)
+    return details, metadata["advantage-field-bin"].decode()
+
+
 @pytest.mark.parametrize("place", PLACES)
 def test_grpc_compute_answers_invalid_argument_naming_the_field_and_logs_it(
     service: Service, place: str
 ) -> None:
-    before = access_count(service, "grpc", "invalid_text")
-    with service.channel() as channel:
-        compute = channel.unary_unary(
-            METHOD + "Compute", request_serializer=None, response_deserializer=None
-        )
-        status, details, metadata = grpc_error(lambda: compute(unary_message(place), timeout=30))
-    assert status == grpc.StatusCode.INVALID_ARGUMENT, details
-    assert metadata["advantage-error-code"] == "invalid_text"
-    assert metadata["advantage-field-bin"].decode() == UNARY_FIELDS[place]
+    details, field = grpc_invalid_text(service, place, stream=False)
+    assert field == UNARY_FIELDS[place]
     assert "UTF-8" in details
-    logged(service, "grpc", "invalid_text", before)
 
 
 @pytest.mark.parametrize("place", [p for p in PLACES if p != "request_id"])
 def test_grpc_stream_ends_invalid_argument_naming_the_field_and_logs_it(
     service: Service, place: str
 ) -> None:
-    before = access_count(service, "grpc", "invalid_text")
-    with service.channel() as channel:
-        stream = channel.stream_stream(
-            METHOD + "StreamCompute", request_serializer=None, response_deserializer=None
-        )
-        status, details, metadata = grpc_error(
-            lambda: list(stream(iter(stream_messages(place)), timeout=30))
-        )
-    assert status == grpc.StatusCode.INVALID_ARGUMENT, details
-    assert metadata["advantage-error-code"] == "invalid_text"
-    assert metadata["advantage-field-bin"].decode() == STREAM_FIELDS[place]
-    logged(service, "grpc", "invalid_text", before)
+    _, field = grpc_invalid_text(service, place, stream=True)
+    assert field == STREAM_FIELDS[place]
 
 
 @pytest.mark.parametrize(

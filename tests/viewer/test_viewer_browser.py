@@ -162,6 +162,17 @@ def test_a_kept_request_opens_by_id_with_the_apis_numbers_after_sign_in(
     browser.save_screenshot(str(tmp_path / "viewer-ktae.png"))
 
 
+def paste_and_compute(browser: Any, server: Server, request: dict[str, Any]) -> None:
+    from selenium.webdriver.common.by import By
+
+    open_viewer(browser, server)
+    wait_for(browser, ("idle",))
+    box = browser.find_element(By.ID, "request-json")
+    browser.execute_script("arguments[0].value = arguments[1]", box, json.dumps(request))
+    browser.find_element(By.ID, "compute").click()
+    wait_for(browser)
+
+
 def test_a_pasted_request_is_computed_through_the_api(
     browser: Any, viewer_server: Server, tmp_path: Path
 ) -> None:
@@ -169,12 +180,7 @@ def test_a_pasted_request_is_computed_through_the_api(
 
     request = ktae_request("browser-pasted", seed=9)
     del request["return"]
-    open_viewer(browser, viewer_server)
-    wait_for(browser, ("idle",))
-    box = browser.find_element(By.ID, "request-json")
-    browser.execute_script("arguments[0].value = arguments[1]", box, json.dumps(request))
-    browser.find_element(By.ID, "compute").click()
-    wait_for(browser)
+    paste_and_compute(browser, viewer_server, request)
     want = viewer_server.client.post(
         "/v1/advantages", json={**request, "request_id": "browser-pasted-check"}, headers=AUTH
     ).json()
@@ -198,17 +204,6 @@ DETAILS = (
     "return Object.fromEntries([...document.querySelectorAll('#detail-body [data-stat]')]"
     ".map(e => [e.dataset.stat, e.dataset.value]))"
 )
-
-
-def paste_and_compute(browser: Any, server: Server, request: dict[str, Any]) -> None:
-    from selenium.webdriver.common.by import By
-
-    open_viewer(browser, server)
-    wait_for(browser, ("idle",))
-    box = browser.find_element(By.ID, "request-json")
-    browser.execute_script("arguments[0].value = arguments[1]", box, json.dumps(request))
-    browser.find_element(By.ID, "compute").click()
-    wait_for(browser)
 
 
 def test_the_new_methods_explain_each_tokens_share(

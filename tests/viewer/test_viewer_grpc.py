@@ -18,7 +18,8 @@ from viewer.viewer_support import KTAE_RETURNS, ktae_request
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "grpc"))
 
-from grpc_support import Service, start_service, stream_rollouts
+from grpc_support import stream_rollouts
+from service_support import Service
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +35,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     directory = tmp_path_factory.mktemp("viewer-grpc")
     tokens_file = directory / "tokens.json"
     tokens_file.write_text(json.dumps({"tokens": TOKENS}))
-    srv = start_service(directory, auth_tokens_file=str(tokens_file), viewer_keep=KEEP)
+    srv = Service.start(directory, auth_tokens_file=str(tokens_file), viewer_keep=KEEP)
     yield srv
     srv.stop()
 

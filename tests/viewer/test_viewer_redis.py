@@ -15,18 +15,17 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import pytest
 import redis
 from advantage_service.config import Settings
 from advantage_service.observability.metrics import Metrics
 from advantage_service.serving.engine import Engine
 from advantage_service.transports.http import create_app
-from advantage_service.viewer.keep import KeptRequest, RedisKeep
+from advantage_service.viewer.keep import RedisKeep
 from redis.crc import key_slot
 from stats.redis_cluster_support import LocalCluster
 from stats.redis_support import RedisServer
-from viewer.viewer_support import ktae_request
+from viewer.viewer_support import kept, ktae_request
 
 pytestmark = pytest.mark.anyio
 NS = {"namespace": "team-a"}
@@ -120,27 +119,12 @@ async def test_kept_requests_on_a_redis_cluster_open_on_another_replica(
         cluster.stop()
 
 
-def kept(request_id: str, tokens: int) -> KeptRequest:
-    return KeptRequest(
-        request_id=request_id,
-        namespace="bounds",
-        kept_at=0.0,
-        group_ids=["g"],
-        group_sizes=[1],
-        tokens=np.zeros(tokens, dtype=np.int32),
-        offsets=np.array([0, tokens], dtype=np.int64),
-        rewards=np.zeros(1, dtype=np.float32),
-        response=b"{}",
-        estimator="grpo",
-    )
-
-
 @pytest.mark.integration
 async def test_redis_keeping_is_bounded_in_count_bytes_and_time(
     redis_server: RedisServer,
 ) -> None:
     now = time.time()
-    large = [replace(kept(f"r{i}", 1000), kept_at=now + i) for i in range(4)]
+    large = [replace(kept("bounds", f"r{i}", 1000), kept_at=now + i) for i in range(4)]
     size = max(len(k.to_json()) for k in large)
     store = RedisKeep(redis_server.url, per_namespace=3, max_bytes=2 * size + 10, ttl_seconds=1)
     try:
@@ -150,8 +134,8 @@ async def test_redis_keeping_is_bounded_in_count_bytes_and_time(
         assert [s["request_id"] for s in await store.recent("bounds")] == ["r3", "r2"]
         assert await store.get("bounds", "r1") is None
         assert await store.get("bounds", "r3") == large[3].to_json()
-        assert not await store.add(kept("huge", 3000))  # larger than the bound alone
-        small = [replace(kept(f"s{i}", 1), kept_at=time.time()) for i in range(5)]
+        assert not await store.add(kept("bounds", "huge", 3000))  # larger than the bound alone
+        small = [replace(kept("bounds", f"s{i}", 1), kept_at=time.time()) for i in range(5)]
         for k in small:
             assert await store.add(k)
         assert [s["request_id"] for s in await store.recent("bounds")] == ["s4", "s3", "s2"]

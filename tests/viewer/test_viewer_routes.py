@@ -6,12 +6,11 @@ from __future__ import annotations
 import re
 
 import httpx
-import numpy as np
 import pytest
-from advantage_service.viewer.routes import KeptRequest, RecentRequests
+from advantage_service.viewer.routes import RecentRequests
 from integration.http_support import ARROW, Server, arrow_request
 from viewer.conftest import KEEP, WORDS
-from viewer.viewer_support import ktae_request
+from viewer.viewer_support import kept, ktae_request
 
 AUTH = {"Authorization": "Bearer viewer-secret"}
 OTHER = {"Authorization": "Bearer other-secret"}
@@ -85,21 +84,6 @@ def test_diagnostics_route_lists_what_the_estimator_returns(viewer_server: Serve
         "/viewer/api/diagnostics", json={"estimator": "nope"}, headers=AUTH
     )
     assert bad.status_code == 422
-
-
-def kept(namespace: str, request_id: str, tokens: int) -> KeptRequest:
-    return KeptRequest(
-        request_id=request_id,
-        namespace=namespace,
-        kept_at=0.0,
-        group_ids=["g"],
-        group_sizes=[1],
-        tokens=np.zeros(tokens, dtype=np.int32),
-        offsets=np.array([0, tokens], dtype=np.int64),
-        rewards=np.zeros(1, dtype=np.float32),
-        response=b"{}",
-        estimator="grpo",
-    )
 
 
 def test_recent_requests_are_bounded_in_count_and_bytes() -> None:

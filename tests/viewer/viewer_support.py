@@ -1,4 +1,5 @@
-"""Requests the viewer tests compute: KTAE groups with repeated tokens, and a long rollout."""
+"""Requests the viewer tests compute (KTAE groups with repeated tokens, a long rollout), and
+kept requests of a given size for the bounds of what the viewer keeps."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from typing import Any
 
 import numpy as np
 from advantage_service.estimators.ktae import STATISTICS
+from advantage_service.viewer.keep import KeptRequest
 
 KTAE_RETURNS = ["scalar", "ktae_score", *STATISTICS]
 
@@ -50,3 +52,19 @@ def long_request(request_id: str, tokens: int, namespace: str = "team-a") -> dic
             }
         ],
     }
+
+
+def kept(namespace: str, request_id: str, tokens: int) -> KeptRequest:
+    """A kept request of one group of one rollout with ``tokens`` tokens (its size)."""
+    return KeptRequest(
+        request_id=request_id,
+        namespace=namespace,
+        kept_at=0.0,
+        group_ids=["g"],
+        group_sizes=[1],
+        tokens=np.zeros(tokens, dtype=np.int32),
+        offsets=np.array([0, tokens], dtype=np.int64),
+        rewards=np.zeros(1, dtype=np.float32),
+        response=b"{}",
+        estimator="grpo",
+    )
