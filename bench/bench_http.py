@@ -1,6 +1,7 @@
 """End-to-end HTTP benchmark on the training-sized batch, next to in-process compute.
 
     python bench/bench_http.py [--device cpu|cuda] [--repeats 7] [--estimators grpo ktae]
+                               [--stages]
 
 Starts a real server process (``advantage-service serve``) on a free port and, interleaved in
 rounds so machine noise hits every measure alike, times:
@@ -14,6 +15,12 @@ End-to-end latency runs from sending an already-encoded body to holding the pars
 tokens per second, and the ratio of each latency to the in-process compute time of the same
 statistic (goals: Arrow <= 1.5x, JSON <= 5x), plus the server's own ``summary.compute_ms`` so
 the transport's share is visible. On a shared machine the best round is the least disturbed.
+
+``--stages`` prints instead where the JSON path's time goes, each stage run in this process on
+the same body (this process's CPU time, which other processes on a shared machine disturb far
+less than the wall clock): the body's bounds checked (wire/json_guard.py), the body decoded
+(msgspec and the per-token arrays, wire/jsonio.py), ``parse_request`` (the batch built and
+validated), the computation, the response encoded, and the client's ``orjson.loads`` of it.
 """
 
 from __future__ import annotations
@@ -42,6 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from advantage_contract import arrow as contract_arrow
 from advantage_service import RolloutBatch, compute_batch
 from advantage_service.transports import arrow
+from advantage_service.transports.http import encode_json
+from advantage_service.wire import json_guard, jsonio
+from advantage_service.wire.request import parse_request
 from synthetic import training_batch
 
 ARROW = contract_arrow.MEDIA_TYPE
@@ -158,15 +168,50 @@ def interleaved(
     }
 
 
+def stages(batch: RolloutBatch, estimator: str, device: torch.device, repeats: int) -> None:
+    """The JSON path's stages in this process: median and least CPU ms of each."""
+    body = json_body(batch, estimator)
+    limits = jsonio.BodyLimits(max_tokens=batch.num_tokens, max_rollouts=batch.num_rollouts)
+    jsonio.compile_readers()
+    obj = jsonio.loads_request(body, limits)
+    req = parse_request(obj)
+    computed = compute_batch(req.batch, estimator, device, diagnostics=())
+    answer = encode_json(req, computed, {"compute_ms": 0.0})
+    steps: dict[str, Callable[[], object]] = {
+        "bounds (json_guard)": lambda: json_guard.check_body(body, limits),
+        "decode (loads_request, bounds included)": lambda: jsonio.loads_request(body, limits),
+        "parse_request": lambda: parse_request(obj),
+        "compute": lambda: compute_batch(
+            dataclasses.replace(req.batch), estimator, device, diagnostics=()
+        ),
+        "encode (encode_json)": lambda: encode_json(req, computed, {"compute_ms": 0.0}),
+        "client orjson.loads": lambda: orjson.loads(answer),
+    }
+    print(f"{estimator}: {len(body) / 1e6:.1f} MB body, {len(answer) / 1e6:.1f} MB answer")
+    print("| stage | median CPU ms | least CPU ms |\n|---|---|---|")
+    for name, step in steps.items():
+        spent = []
+        for _ in range(repeats):
+            start = time.process_time()
+            step()
+            spent.append(time.process_time() - start)
+        print(f"| {name} | {statistics.median(spent) * 1000:.1f} | {min(spent) * 1000:.1f} |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--estimators", nargs="+", default=["grpo", "ktae"])
+    parser.add_argument("--stages", action="store_true", help="the JSON path's stages instead")
     args = parser.parse_args()
     device = torch.device(args.device)
 
     batch = training_batch(seed=0)
+    if args.stages:
+        for estimator in args.estimators:
+            stages(batch, estimator, device, args.repeats)
+        return 0
     n = batch.num_tokens
     print(
         f"batch: {batch.num_groups} groups x {batch.num_rollouts // batch.num_groups} rollouts, "

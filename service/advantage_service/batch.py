@@ -495,9 +495,10 @@ class RolloutBatch:
                 **self.locate_rollout(i, "reward"),
             )
         if n:
-            bad = torch.nonzero(self.tokens < 0)
-            if bad.numel():
-                p = int(bad[0])
+            # (one pass for both bounds; the positions are looked for only where one is broken)
+            lowest, highest = (int(x) for x in torch.aminmax(self.tokens))
+            if lowest < 0:
+                p = int(torch.nonzero(self.tokens < 0)[0])
                 raise RequestError(
                     "token_out_of_range",
                     f"token id {int(self.tokens[p])} at token {self.token_position(p)[1]} "
@@ -505,7 +506,7 @@ class RolloutBatch:
                     **self.locate_token(p, "tokens"),
                 )
             limit = min(vocab_size, INT32_LIMIT) if vocab_size is not None else INT32_LIMIT
-            if int(self.tokens.max()) >= limit:
+            if highest >= limit:
                 bad = torch.nonzero(self.tokens >= limit)
                 if bad.numel():
                     p = int(bad[0])

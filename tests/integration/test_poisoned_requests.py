@@ -23,9 +23,10 @@ import httpx
 import numpy as np
 import pytest
 from http_support import Server
+from stats.cluster_load import stats_outcomes as outcomes
 from stats.redis_cluster_support import LocalCluster
 from stats.redis_support import RedisServer
-from test_stats_recorded import GROUPS, ROLLOUTS, Tally, outcomes, request
+from test_stats_recorded import GROUPS, ROLLOUTS, Tally, request
 
 pytestmark = pytest.mark.integration
 

@@ -329,6 +329,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         if not engine.warm:
             await asyncio.to_thread(engine.warm_up)
             await engine.start()
+        await asyncio.to_thread(jsonio.compile_readers)  # (not at the first JSON request)
         log.info("ready on %s (max_inflight=%d)", engine.device, settings.max_inflight)
         try:
             yield

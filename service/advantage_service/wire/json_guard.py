@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import NoReturn
 
+import numpy as np
 from advantage_contract.fields import GROUP_FIELDS
 from advantage_contract.flat import (
     MAX_GROUP_ID_LENGTH,
@@ -56,9 +57,14 @@ _TOKEN = re.compile(
 )
 _STRING, _KEY, _QUOTE, _OPEN, _CLOSE = range(1, 6)  # (the token's last group)
 _BLANK = re.compile(rb"[ \t\n\r]*")
-# What an array of numbers holds besides its commas, checked this many bytes at a time.
-_NUMBER_TEXT = b"-0123456789.eE+ \t\n\r"
+# The text of an array of numbers (less its brackets), checked this many bytes at a time:
+# ``translate`` deleting all of it leaves nothing (deleting every byte runs several times
+# faster than keeping the commas, a branch the processor cannot predict).
+_NUMBER_TEXT = b"-0123456789.eE+ \t\n\r,"
 _CHUNK = 1 << 16
+# From this many bytes numpy counts an array's commas (bytes.count takes ~0.7 ns a byte of
+# number text, numpy's comparison ~0.1); below, its fixed cost per call is the larger.
+_NUMPY_COUNT = 4096
 
 
 @dataclass(frozen=True)
@@ -216,12 +222,10 @@ class _Guard:
         end = body.find(b"]", start)
         if end < 0:
             return None
-        commas = 0
         for chunk in range(start + 1, end, _CHUNK):
-            rest = body[chunk : min(chunk + _CHUNK, end)].translate(None, _NUMBER_TEXT)
-            if rest.count(b",") != len(rest):
+            if body[chunk : min(chunk + _CHUNK, end)].translate(None, _NUMBER_TEXT):
                 return None
-            commas += len(rest)
+        commas = _count_commas(body, start + 1, end)
         if not commas and _BLANK.fullmatch(body, start + 1, end):
             return end + 1, 0
         return end + 1, commas + 1
@@ -435,6 +439,16 @@ class _Guard:
             place = "preset"
         limit = _STRING_LIMITS.get(role, MAX_GROUP_ID_LENGTH)
         raise json_limits.long_value(place, field, chars, limit, self._where(), self.groups - 1)
+
+
+def _count_commas(text: bytes, start: int, end: int) -> int:
+    """The commas in ``text[start:end]``, counted in place (a chunk's comparison at a time)."""
+    if end - start < _NUMPY_COUNT:
+        return text.count(b",", start, end)
+    view = np.frombuffer(text, np.uint8, end - start, start)
+    return sum(
+        int(np.count_nonzero(view[i : i + _CHUNK] == 0x2C)) for i in range(0, view.size, _CHUNK)
+    )
 
 
 def string_end(body: bytes, start: int) -> int:
