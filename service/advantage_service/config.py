@@ -319,12 +319,12 @@ _DEFAULTS = Settings.model_fields
 @dataclass(frozen=True)
 class RequestLimits:
     """The bounds of the settings every pre-parser checks a request body against before a
-    decoder reads it (transports/guards.py), the same on every transport: ``ADV_MAX_REQUEST_TOKENS``,
-    ``ADV_MAX_REQUEST_ROLLOUTS``, ``ADV_MAX_GROUP_SIZE``, and ``ADV_MAX_ARROW_BATCHES`` (the
-    one an Arrow stream alone has). The bounds no setting changes (string lengths, teacher
-    conditions, names, ids to ignore) are the contract's: advantage_contract.fields and
-    wire/request.py. The ``check_*`` methods are the refusals of these bounds, in the words
-    every transport and the engine give."""
+    decoder reads it (transports/guards.py), the same on every transport:
+    ``ADV_MAX_REQUEST_TOKENS``, ``ADV_MAX_REQUEST_ROLLOUTS``, ``ADV_MAX_GROUP_SIZE``, and
+    ``ADV_MAX_ARROW_BATCHES`` (the one an Arrow stream alone has). The bounds no setting
+    changes (string lengths, teacher conditions, names, ids to ignore) are the contract's:
+    advantage_contract.fields and wire/request.py. The ``check_*`` methods are the refusals of
+    these bounds, in the words every transport and the engine give."""
 
     max_tokens: int = _DEFAULTS["max_request_tokens"].default
     max_rollouts: int = _DEFAULTS["max_request_rollouts"].default
