@@ -9,6 +9,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from advantage_contract.grpc_gen import advantage_pb2 as pb
+from advantage_contract.grpc_wire import drop_failed
 
 from .grpc_codec import rollout_message
 
@@ -61,12 +62,7 @@ class StreamState:
                     return None
                 with self.lock:
                     gid = message.group_id
-                    remaining = self.failed.get(gid)
-                    if remaining is not None:
-                        if remaining <= 1:
-                            del self.failed[gid]
-                        else:
-                            self.failed[gid] = remaining - 1
+                    if drop_failed(self.failed, gid):
                         continue
                     self.unanswered.setdefault(gid, []).append(message)
                     if attempt != self.attempt:

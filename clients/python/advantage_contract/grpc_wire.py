@@ -4,6 +4,7 @@ codec and the client alike."""
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from typing import Any
 
 import numpy as np
@@ -30,3 +31,17 @@ FIELD_KEY = "advantage-field-bin"
 # An overload's retry hint: whole seconds, and milliseconds.
 RETRY_AFTER_KEY = "retry-after"
 RETRY_AFTER_MS_KEY = "retry-after-ms"
+
+
+def drop_failed(failed: MutableMapping[str, int], group_id: str) -> bool:
+    """Whether a streamed rollout is one of the rest of a group already answered with an error
+    (``failed``: such groups -> their rollouts still expected), which both ends drop: counted
+    down here, the group forgotten with its last one."""
+    remaining = failed.get(group_id)
+    if remaining is None:
+        return False
+    if remaining <= 1:
+        del failed[group_id]
+    else:
+        failed[group_id] = remaining - 1
+    return True

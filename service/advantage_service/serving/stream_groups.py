@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 from advantage_contract.flat import MAX_GROUP_ID_LENGTH
+from advantage_contract.grpc_wire import drop_failed
 
 from ..batch import RolloutBatch
 from ..config import Settings
@@ -191,13 +192,7 @@ class StreamGroups:
         refused (the group is dropped, and its later rollouts), None otherwise (incomplete, or
         a later rollout of a failed group, dropped)."""
         gid = rollout.group_id
-        remaining = self.failed.get(gid)
-        if remaining is not None:
-            # The rest of a group already answered with an error: drop it quietly.
-            if remaining <= 1:
-                del self.failed[gid]
-            else:
-                self.failed[gid] = remaining - 1
+        if drop_failed(self.failed, gid):  # (the rest of a group answered with an error)
             return None
         group = self.pending.get(gid)
         index = len(group.rollouts) if group is not None else 0
