@@ -464,7 +464,9 @@ async def test_a_full_redis_evicts_old_histories_and_they_start_over(
             "groups": [{"id": prompt, "rollouts": rollouts}],
         }
 
-    store = RedisStatsStore(redis_server.url)
+    # (reads of ~30 kB histories: the 0.5 s default read timeout is no subject here, and a
+    # loaded machine reached it)
+    store = RedisStatsStore(redis_server.url, socket_timeout=5.0)
     try:
         prompts = [f"wide-{i}" for i in range(200)]  # ~6 MB of history: twice what fits
         counted = 0
