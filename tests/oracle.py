@@ -56,7 +56,13 @@ OUTCOME_PARAM_DEFAULTS: dict[str, dict[str, Any]] = {
     "grpo_passk": {"norm_by_std": True, "epsilon": 1e-6},
     "otb": {"epsilon": 1e-8, "handle_zero_tail": True},
     "maxrl": {"epsilon": 0.0},
-    "gtpo": {"alpha1": 1.0, "alpha2": 0.1, "correct_threshold": 0.0, "epsilon": 1e-6},
+    "gtpo": {
+        "alpha1": 1.0,
+        "alpha2": 0.1,
+        "correct_threshold": 0.0,
+        "epsilon": 1e-6,
+        "scope": "group",
+    },
     "grpo_s": {"alpha1": 1.0, "alpha2": 0.1, "correct_threshold": 0.0, "epsilon": 1e-6},
 }
 
@@ -620,20 +626,24 @@ def reference_compute(request: dict[str, Any]) -> dict[str, Any]:
     all_rewards = [float(r["reward"]) for g in groups for r in g["rollouts"]]
     alpha = gpg_alpha(all_rewards)
 
+    shaping = {k: outcome.get(k) for k in ("alpha1", "alpha2", "correct_threshold", "epsilon")}
+    pooled = None
+    if outcome["name"] == "gtpo" and outcome.get("scope") == "request":
+        pooled = gtpo_request([group["rollouts"] for group in groups], **shaping)
+
     out_groups = []
-    for group in groups:
+    for index, group in enumerate(groups):
         rollouts = group["rollouts"]
         token_lists = [[int(t) for t in r["tokens"]] for r in rollouts]
         rewards = [float(r["reward"]) for r in rollouts]
         lengths = [len(t) for t in token_lists]
 
-        shaping = {k: outcome.get(k) for k in ("alpha1", "alpha2", "correct_threshold", "epsilon")}
         if outcome["name"] == "otb":
             per_token = otb_group(rollouts, outcome["epsilon"], outcome["handle_zero_tail"])
             token_outcome = [a for _, a in per_token]
             scalars = [float(np.mean(a)) if a.size else 0.0 for a in token_outcome]
         elif outcome["name"] == "gtpo":
-            per_token = gtpo_group(rollouts, **shaping)
+            per_token = gtpo_group(rollouts, **shaping) if pooled is None else pooled[index]
             token_outcome = [a for _, a in per_token]
             scalars = [float(np.mean(a)) if a.size else 0.0 for a in token_outcome]
         elif outcome["name"] == "grpo_s":
@@ -1194,6 +1204,35 @@ def gtpo_group(
                 advantages[i] = np.array(normalised[start : start + lengths[i]], dtype=np.float64)
                 start += lengths[i]
     return list(zip(shaped, advantages, strict=True))
+
+
+def gtpo_request(
+    groups: list[list[dict[str, Any]]], **params: float
+) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+    """GTPO with Eq. 6 over the request (scope ``request``): per group and rollout, (shaped token
+    rewards, token advantages): the shaped rewards :func:`gtpo_group`'s, each class standardised
+    over its tokens in every group with contrast; a group without contrast gets 0."""
+    shaping = Shaping(**params)
+    per_group = [gtpo_group(rollouts, **params) for rollouts in groups]
+    correct = [[float(r["reward"]) > shaping.correct_threshold for r in g] for g in groups]
+    contrast = [any(c) and not all(c) for c in correct]
+    out = [[(shaped, np.zeros(shaped.size)) for shaped, _ in pairs] for pairs in per_group]
+    for cls in (True, False):
+        members = [
+            (g, i)
+            for g, flags in enumerate(correct)
+            if contrast[g]
+            for i, flag in enumerate(flags)
+            if flag == cls
+        ]
+        own = [float(x) for g, i in members for x in per_group[g][i][0]]
+        normalised = standardise(own, shaping.epsilon) if own else []
+        start = 0
+        for g, i in members:
+            shaped = per_group[g][i][0]
+            out[g][i] = (shaped, np.array(normalised[start : start + shaped.size]))
+            start += shaped.size
+    return out
 
 
 def grpo_s_group(rollouts: list[dict[str, Any]], **params: float) -> list[tuple[float, float]]:

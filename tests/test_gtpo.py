@@ -80,10 +80,12 @@ def test_grpo_s_matches_the_oracle_on_random_ragged_groups(params: dict[str, Any
         )
 
 
-def test_gtpo_compiled_loops_give_the_keyed_path_bits() -> None:
+@pytest.mark.parametrize("request_scope", [False, True], ids=["scope=group", "scope=request"])
+def test_gtpo_compiled_loops_give_the_keyed_path_bits(request_scope: bool) -> None:
     """The compiled CPU loops over rollout slices (per-position sums in batch order, as
     ``index_add_``) give the keyed path's bits, and hand back to it where entropies of 0 need
-    equal shares or rewards other than 0/1 need float64."""
+    equal shares or rewards other than 0/1 need float64; with Eq. 6 over the group or over the
+    request."""
     compared = 0
     for seed in range(20):
         rng = np.random.default_rng(seed)
@@ -95,8 +97,8 @@ def test_gtpo_compiled_loops_give_the_keyed_path_bits() -> None:
         batch, fields = flat_batch(groups)
         entropy = fields["entropy"]
         args = (1.0, 0.1, 0.0, 1e-6)
-        fast = _gtpo_compiled(batch, entropy, *args)
-        keyed, wide, _ = _gtpo(batch, entropy, torch.float32, *args, False)
+        fast = _gtpo_compiled(batch, entropy, *args, request_scope)
+        keyed, wide, _ = _gtpo(batch, entropy, torch.float32, *args, False, request_scope)
         if bool(wide.any()):
             assert fast is None
             continue

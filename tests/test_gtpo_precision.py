@@ -104,3 +104,14 @@ def test_a_random_stress_set_against_the_float64_oracle(path: str) -> None:
     assert worst_error(groups) <= TOL
     for group in groups[:10]:
         assert worst_error([group]) <= TOL
+
+
+def test_the_stress_set_with_eq6_over_the_request(path: str) -> None:
+    for start in range(0, 40, 8):
+        groups = [stress_group(np.random.default_rng(seed)) for seed in range(start, start + 8)]
+        batch, fields = flat_batch(groups)
+        shaping = gtpo.gtpo_advantage(batch, fields["entropy"], scope="request")
+        got = shaping.advantage.double().numpy()
+        want = np.concatenate([a for pairs in oracle.gtpo_request(groups) for _, a in pairs])
+        scale = max(float(np.abs(want).max()), 1.0)
+        assert float(np.abs(got - want).max()) / scale <= TOL, start

@@ -40,6 +40,12 @@ ESTIMATORS: dict[str, Any] = {
     },
     "maxrl": "maxrl",
     "gtpo": "gtpo",
+    "gtpo(scope=request)": {"outcome": {"name": "gtpo", "scope": "request"}},
+    "gtpo(scope=request)+ktae+whiten": {
+        "outcome": {"name": "gtpo", "scope": "request", "alpha2": 0.5},
+        "ktae": {},
+        "whiten": True,
+    },
     "grpo_s": "grpo_s",
     "hicra": "hicra",
     "gtpo+ktae+hicra+forking+whiten": {

@@ -33,6 +33,9 @@ COMPOSITIONS: list[Any] = [
     {"outcome": {"name": "maxrl", "epsilon": 1e-6}, "ktae": {}, "whiten": True},
     {"outcome": "gtpo", "hicra": {"alpha": 0.5}, "forking": {}, "whiten": True, "clip": 1.0},
     {"outcome": {"name": "grpo_s", "alpha2": 0.5}, "cscr": {}, "hicra": {}},
+    # Eq. 6 over the request: over each request of a merged batch, never over the batch.
+    {"outcome": {"name": "gtpo", "scope": "request"}, "ktae": {}},
+    {"outcome": {"name": "gtpo", "scope": "request", "alpha2": 0.5}, "hicra": {}, "whiten": True},
     {"outcome": "gpg", "hicra": {}, "whiten": True},
 ]
 

@@ -87,7 +87,14 @@ from .gtpo_shaping import (
     token_keys,
     token_shares,
 )
-from .gtpo_statistics import Normalisation, class_statistics_numpy, normalise
+from .gtpo_statistics import (
+    SCOPES,
+    Normalisation,
+    Pools,
+    class_statistics_numpy,
+    normalise,
+    request_pools,
+)
 from .registry import OutcomeOutput, Param, register_outcome
 
 PARAMS = (
@@ -120,6 +127,20 @@ PARAMS = (
         minimum=0.0,
     ),
 )
+# GTPO's own: where Eq. 6 normalises (GRPO-S shares the parameters above).
+GTPO_PARAMS = (
+    *PARAMS,
+    Param(
+        "scope",
+        str,
+        "group",
+        "Eq. 6's mean and std of a class: over its own tokens in the group (the paper's "
+        "equation), or over its tokens in the request, of every group with contrast (the "
+        "authors' runs: 'our current implementation operates at the batch level'); a request "
+        "merged with others is normalised on its own",
+        choices=SCOPES,
+    ),
+)
 
 
 class TokenShaping(NamedTuple):
@@ -142,6 +163,7 @@ def gtpo_advantage(
     correct_threshold: float = 0.0,
     epsilon: float = 1e-6,
     with_reward: bool = False,
+    scope: str = "group",
 ) -> TokenShaping:
     """GTPO's shaped token rewards and advantages (the module's formulas).
 
@@ -154,18 +176,18 @@ def gtpo_advantage(
     float64, and only its tokens take that answer, so that a request's answer does not depend on
     the requests merged with it.
     """
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+    request = scope == "request"
     if entropy.device.type == "cpu" and batch.num_tokens and not with_reward:
-        fast = _gtpo_compiled(batch, entropy, alpha1, alpha2, correct_threshold, epsilon)
+        fast = _gtpo_compiled(batch, entropy, alpha1, alpha2, correct_threshold, epsilon, request)
         if fast is not None:
             return fast
-    shaping, wide_classes, of_token = _gtpo(
-        batch, entropy, torch.float32, alpha1, alpha2, correct_threshold, epsilon, with_reward
-    )
+    options = (alpha1, alpha2, correct_threshold, epsilon, with_reward, request)
+    shaping, wide_classes, of_token = _gtpo(batch, entropy, torch.float32, *options)
     if not bool(wide_classes.any()):
         return shaping
-    wide, _, _ = _gtpo(
-        batch, entropy, torch.float64, alpha1, alpha2, correct_threshold, epsilon, with_reward
-    )
+    wide, _, _ = _gtpo(batch, entropy, torch.float64, *options)
     on_token = wide_classes.index_select(0, of_token)
     on_rollout = wide_classes.index_select(0, split_classes(batch, correct_threshold).class_group)
     advantage = torch.where(on_token, wide.advantage, shaping.advantage.double())
@@ -195,6 +217,7 @@ def _gtpo_compiled(
     alpha2: float,
     correct_threshold: float,
     epsilon: float,
+    request: bool = False,
 ) -> TokenShaping | None:
     """GTPO on the CPU by two compiled loops over each rollout's contiguous slice of tokens
     (:mod:`.kernels`): the same float32 arithmetic in the same order as :func:`_gtpo` (the same
@@ -238,7 +261,10 @@ def _gtpo_compiled(
         return None
     y2 = kernels.class_square_sums(factor, squares, longest)
     b = np.where(correct, alpha1 * rewards, -alpha1)
-    scale, shift, wide = class_statistics_numpy(lengths, cg, contrast, y2, b, alpha2, epsilon, None)
+    pools = request_pools(batch, contrast) if request else None
+    scale, shift, wide = class_statistics_numpy(
+        lengths, cg, contrast, y2, b, alpha2, epsilon, None, pools
+    )
     if wide.any():
         return None
     kernels.gtpo_per_key(factor, scale, longest, per_key)
@@ -268,6 +294,7 @@ def _gtpo(
     correct_threshold: float,
     epsilon: float,
     with_reward: bool,
+    request: bool = False,
 ) -> tuple[TokenShaping, torch.Tensor, torch.Tensor]:
     """GTPO in ``dtype`` per token, by per-token keys (any device); the classes a float32 pass
     leaves to a float64 one (bool (2G,)); each token's class group (int64 (N,))."""
@@ -284,7 +311,10 @@ def _gtpo(
         y = factor.index_select(0, key).mul_(v)
     rollout_y = batch.rollout_sums(y) if dtype == torch.float64 and y is not None else None
     y2 = layout.square_sums(factor, squares)
-    norm = normalise(batch, classes, y2, b, alpha2, epsilon, rollout_y)
+    pools: Pools | None = None
+    if request:
+        pools = request_pools(batch, classes.contrast.cpu().numpy())
+    norm = normalise(batch, classes, y2, b, alpha2, epsilon, rollout_y, pools)
     scale_of_key = layout.per_key(norm.scale)
     per_key = factor.mul(scale_of_key)
     # (a factor may be infinite where its class is left out: a group without contrast)
@@ -303,7 +333,7 @@ def _gtpo(
     "own tokens in the group",
     paper="Tan et al. 2025, GTPO and GRPO-S: Token and Sequence-Level Reward Shaping with "
     "Policy Entropy, arXiv 2508.04349v6 (GTPO)",
-    params=PARAMS,
+    params=GTPO_PARAMS,
     per_token=True,
     diagnostics=("gtpo_reward",),
     requires=lambda params: {"entropy": "entropy"},
@@ -312,7 +342,8 @@ def gtpo(batch: RolloutBatch, params: Mapping[str, Any]) -> OutcomeOutput:
     """Entropy-shaped token rewards of the correct and wrong rollouts, normalised per class."""
     assert batch.entropy is not None  # by `requires`
     entropy = batch.entropy
-    options = {k: params[k] for k in ("alpha1", "alpha2", "correct_threshold", "epsilon")}
+    names = ("alpha1", "alpha2", "correct_threshold", "epsilon", "scope")
+    options = {k: params[k] for k in names}
     shaping = gtpo_advantage(batch, entropy, **options)
 
     def reward() -> torch.Tensor:
@@ -326,6 +357,7 @@ def gtpo(batch: RolloutBatch, params: Mapping[str, Any]) -> OutcomeOutput:
 
 
 __all__ = [
+    "GTPO_PARAMS",
     "PARAMS",
     "Classes",
     "KeyLayout",

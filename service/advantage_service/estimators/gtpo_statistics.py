@@ -23,6 +23,36 @@ from .gtpo_shaping import Classes
 WIDE_BELOW = 2e-2
 
 
+# Eq. 6's scopes: each class over its own tokens in the group (the paper's equation), or over
+# its tokens in the request (the authors' own runs: "our current implementation operates at
+# the batch level"). The batch is the request, never a batch the scheduler merged.
+SCOPES = ("group", "request")
+
+
+class Pools(NamedTuple):
+    """Scope ``request``: the class groups pooled, per request (a segment of a merged batch)
+    and class: ``of_class_group`` int64 (2G,), the pool of each class group (the layout of
+    class groups: O+ pools, then O- pools; groups without contrast in a pool of their own,
+    last of each half); ``contrast`` bool (P,), the pools that take part (all but that one)."""
+
+    # (numpy arrays; torch tensors on the device of a batch computed elsewhere)
+    of_class_group: Any
+    contrast: Any
+
+
+def request_pools(batch: RolloutBatch, group_contrast: np.ndarray) -> Pools:
+    """The pools of scope ``request`` (:class:`Pools`): a class group with contrast pools with
+    the same class of its request's other groups."""
+    g = batch.num_groups
+    segment = batch.segment_of_rollout()
+    requests = 1 if batch.segments is None else int(batch.segments.numel()) - 1
+    of_group = np.zeros(g, np.int64)
+    if segment is not None:
+        of_group[batch.group_index.cpu().numpy()] = segment.cpu().numpy()
+    own = np.where(group_contrast, of_group, requests)
+    return Pools(np.concatenate([own, own + requests + 1]), np.arange(requests + 1) < requests)
+
+
 class Normalisation(NamedTuple):
     """A_it = F[key_it] ``scale``_c v_it + ``shift``_i: ``scale`` 1 / (std + eps) of each class
     group, float64 (2G,) (0 for a class without contrast or of one rollout); ``shift`` (b_i -
@@ -42,11 +72,13 @@ def normalise(
     alpha2: float,
     epsilon: float,
     rollout_y: torch.Tensor | None = None,
+    pools: Pools | None = None,
 ) -> Normalisation:
     """Each class's mean and sample std of r~_it = b_i + y_it over its own tokens in the group
-    (Eq. 6), from per-key sums: y sums to +-alpha2 d_t at each key (the shares sum to 1), so a
-    class's sum of y is +-alpha2 n_c (n_c its tokens); its sum of y^2 is ``y2`` = sum_k F_k^2
-    Q_k, with Q_k the sum of v^2 at key k (:meth:`.gtpo_shaping.KeyLayout.square_sums`). Where
+    (Eq. 6; with ``pools``, over its tokens in the request), from per-key sums: y sums to
+    +-alpha2 d_t at each key (the shares sum to 1), so a class's sum of y is +-alpha2 n_c (n_c
+    its tokens); its sum of y^2 is ``y2`` = sum_k F_k^2 Q_k, with Q_k the sum of v^2 at key k
+    (:meth:`.gtpo_shaping.KeyLayout.square_sums`). Where
     the b_i of a class differ (rewards other than 0/1), the cross terms need each rollout's sum
     of y (``rollout_y``, float64 (B,)); without it those classes are ``wide``.
 
@@ -68,6 +100,7 @@ def normalise(
             alpha2,
             epsilon,
             None if rollout_y is None else rollout_y.numpy(),
+            pools,
         )
         return Normalisation(
             torch.from_numpy(scale), torch.from_numpy(shift), torch.from_numpy(wide)
@@ -84,7 +117,15 @@ def normalise(
             alpha2,
             epsilon,
             rollout_y,
+            None if pools is None else _on(pools, b.device),
         )
+    )
+
+
+def _on(pools: Pools, device: torch.device) -> Pools:
+    return Pools(
+        torch.from_numpy(pools.of_class_group).to(device),
+        torch.from_numpy(pools.contrast).to(device),
     )
 
 
@@ -97,6 +138,7 @@ def class_statistics_numpy(
     alpha2: float,
     epsilon: float,
     rollout_y: np.ndarray | None,
+    pools: Pools | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`_class_statistics` in numpy from the rollouts' lengths (T_i, int (B,))."""
     with np.errstate(all="ignore"):  # (classes left out may hold inf or nan: unused)
@@ -111,6 +153,7 @@ def class_statistics_numpy(
             alpha2,
             epsilon,
             rollout_y,
+            pools,
         )
 
 
@@ -163,11 +206,31 @@ def _class_statistics(
     alpha2: float,
     epsilon: float,
     rollout_y: Any,
+    pools: Pools | None,
 ) -> tuple[Any, Any, Any]:
     """:func:`normalise`'s arithmetic on per-rollout and per-class-group arrays of ``xp``
     (numpy, or :class:`_TorchOps`): (scale, shift, wide). The same float64 operations in the
-    same order either way (sums over a class's rollouts in batch order)."""
+    same order either way (sums over a class's rollouts in batch order). With ``pools``, the
+    classes are the pools (their sums of squares added up), their scale and wide flag handed
+    back to each class group of theirs."""
     ops = _NumpyOps if xp is np else xp
+    if pools is not None:
+        pooled = xp.zeros(pools.contrast.shape[0] * 2, xp.float64)
+        ops.add_at(pooled, pools.of_class_group, y2)
+        scale, shift, wide = _class_statistics(
+            xp,
+            tokens,
+            has_tokens,
+            pools.of_class_group[cg],
+            pools.contrast,
+            pooled,
+            b,
+            alpha2,
+            epsilon,
+            rollout_y,
+            None,
+        )
+        return scale[pools.of_class_group], shift, wide[pools.of_class_group]
     num_cg = y2.shape[0]
     g = num_cg // 2
 
