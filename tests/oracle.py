@@ -52,7 +52,7 @@ ALL_PRESETS = PRESETS + NONNEGATIVE_OUTCOME_NAMES + TOKEN_PRESETS
 
 # Outcome parameters with their defaults; outcomes not listed here take no parameters.
 OUTCOME_PARAM_DEFAULTS: dict[str, dict[str, Any]] = {
-    "grpo": {"norm_by_std": True, "epsilon": 1e-6},
+    "grpo": {"norm_by_std": True, "epsilon": 1e-6, "std_scope": "group"},
     "grpo_passk": {"norm_by_std": True, "epsilon": 1e-6},
     "otb": {"epsilon": 1e-8, "handle_zero_tail": True},
     "maxrl": {"epsilon": 0.0},
@@ -342,10 +342,25 @@ def cscr_exp_onset_weights(
 # ---------------------------------------------------------------------------------------------
 
 
-def outcome_grpo(rewards: list[float], norm_by_std: bool, epsilon: float) -> list[float]:
+def request_spread(all_rewards: Sequence[float]) -> float:
+    """GRPO's std of scope ``request`` (TRL's ``scale_rewards="batch"``): the sample std of
+    every reward of the request, its groups pooled; a request of one rollout has std 1, as a
+    group of one."""
+    if len(all_rewards) == 1:
+        return 1.0
+    return sample_std(all_rewards)
+
+
+def outcome_grpo(
+    rewards: list[float], norm_by_std: bool, epsilon: float, spread: float | None = None
+) -> list[float]:
+    """(r - mean_g) / (std + epsilon): the group's std, or ``spread`` (the request's) given;
+    0 / 0 = 0 (epsilon 0 and no spread: every deviation is 0 too)."""
     mean, std = group_mean_and_std(rewards)
+    if spread is not None:
+        std = spread
     if norm_by_std:
-        return [(r - mean) / (std + epsilon) for r in rewards]
+        return [(r - mean) / (std + epsilon) if std + epsilon > 0 else 0.0 for r in rewards]
     return [r - mean for r in rewards]
 
 
@@ -422,11 +437,19 @@ def gpg_alpha(all_rewards: list[float]) -> float:
 
 
 def outcome_scalars(
-    outcome: dict[str, Any], rewards: list[float], lengths: list[int], alpha: float
+    outcome: dict[str, Any],
+    rewards: list[float],
+    lengths: list[int],
+    alpha: float,
+    all_rewards: list[float] | None = None,
 ) -> list[float]:
+    """One group's a_i; ``all_rewards``: the whole request's (GRPO's std of scope request)."""
     name = outcome["name"]
     if name == "grpo":
-        return outcome_grpo(rewards, outcome["norm_by_std"], outcome["epsilon"])
+        spread = None
+        if outcome["std_scope"] == "request":
+            spread = request_spread(rewards if all_rewards is None else all_rewards)
+        return outcome_grpo(rewards, outcome["norm_by_std"], outcome["epsilon"], spread)
     if name == "dr_grpo":
         return outcome_dr_grpo(rewards)
     if name == "rloo":
@@ -651,7 +674,7 @@ def reference_compute(request: dict[str, Any]) -> dict[str, Any]:
             scalars = [a for _, a in per_rollout]
             token_outcome = [np.full(t, float(s)) for s, t in zip(scalars, lengths, strict=True)]
         else:
-            scalars = outcome_scalars(outcome, rewards, lengths, alpha)
+            scalars = outcome_scalars(outcome, rewards, lengths, alpha, all_rewards)
             token_outcome = [np.full(t, float(s)) for s, t in zip(scalars, lengths, strict=True)]
         if ktae is not None:
             bonus = ktae_group_scores(token_lists, rewards, ktae, ignore_token_ids)

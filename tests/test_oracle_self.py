@@ -455,7 +455,13 @@ def test_resolve_estimator_presets(preset):
         assert resolved["ktae"] is resolved["cscr"] is resolved["opsd"] is None
     assert resolved["whiten"] is (preset == "reinforce_pp_baseline")
     if preset in ("grpo", "grpo_passk"):
-        assert resolved["outcome"] == {"name": preset, "norm_by_std": True, "epsilon": 1e-6}
+        scope = {"std_scope": "group"} if preset == "grpo" else {}
+        assert resolved["outcome"] == {
+            "name": preset,
+            "norm_by_std": True,
+            "epsilon": 1e-6,
+            **scope,
+        }
     elif preset not in oracle.TERM_PRESETS:
         assert resolved["outcome"] == {"name": preset}
 
@@ -517,7 +523,12 @@ def test_resolve_estimator_partial_objects():
     )
     assert pp_off["whiten"] is False
     grpo = oracle.resolve_estimator({"outcome": {"name": "grpo", "norm_by_std": False}})
-    assert grpo["outcome"] == {"name": "grpo", "norm_by_std": False, "epsilon": 1e-6}
+    assert grpo["outcome"] == {
+        "name": "grpo",
+        "norm_by_std": False,
+        "epsilon": 1e-6,
+        "std_scope": "group",
+    }
 
 
 @pytest.mark.parametrize(

@@ -162,6 +162,16 @@ CONFIGS: dict[str, tuple[str | dict[str, Any], dict[str, Any]]] = {
         {},
     ),
     "otb+hicra(alpha=1)": ({"outcome": "otb", "hicra": {"alpha": 1.0}}, {}),
+    # GRPO's std over the whole request (TRL's scale_rewards="batch").
+    "grpo(std_scope=request)": ({"outcome": {"name": "grpo", "std_scope": "request"}}, {}),
+    "grpo(std_scope=request, eps=1e-4, large groups)+ktae+whiten": (
+        {
+            "outcome": {"name": "grpo", "std_scope": "request", "epsilon": 1e-4},
+            "ktae": {},
+            "whiten": True,
+        },
+        {"group_size": (6, 16), "n_groups": (1, 6)},
+    ),
     "rloo+ktae+hicra(alpha=0)": ({"outcome": "rloo", "ktae": {}, "hicra": {"alpha": 0}}, {}),
 }
 
@@ -363,6 +373,10 @@ EDGE_ESTIMATORS = {
     "grpo_s+whiten": {"outcome": {"name": "grpo_s"}, "whiten": True},
     "grpo+hicra": "hicra",
     "gtpo+hicra+forking": {"outcome": "gtpo", "hicra": {}, "forking": {}},
+    "grpo(std_scope=request, eps=0)+cscr": {
+        "outcome": {"name": "grpo", "std_scope": "request", "epsilon": 0.0},
+        "cscr": {},
+    },
 }
 EDGE_CASES = [(g, e) for g in EDGE_GROUPS for e in EDGE_ESTIMATORS]
 

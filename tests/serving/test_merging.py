@@ -37,6 +37,8 @@ COMPOSITIONS: list[Any] = [
     {"outcome": {"name": "gtpo", "scope": "request"}, "ktae": {}},
     {"outcome": {"name": "gtpo", "scope": "request", "alpha2": 0.5}, "hicra": {}, "whiten": True},
     {"outcome": "gpg", "hicra": {}, "whiten": True},
+    # GRPO's std over the request (TRL's scale_rewards="batch"): each request's own std.
+    {"outcome": {"name": "grpo", "std_scope": "request"}, "ktae": {}},
 ]
 
 
@@ -106,6 +108,7 @@ def test_whitening_and_gpg_stay_per_request() -> None:
         {"outcome": "gpg"},
         {"outcome": "grpo", "whiten": True},
         "reinforce_pp_baseline",
+        {"outcome": {"name": "grpo", "std_scope": "request"}},
     ):
         reqs = [parse_request({**b, "estimator": estimator}) for b in (small, large)]
         batch = merge(reqs)

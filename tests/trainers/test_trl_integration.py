@@ -27,7 +27,7 @@ from advantage_client.integrations import fallback
 from advantage_client.integrations.trl import AdvantageGRPOTrainer, prompt_key
 from datasets import Dataset
 from process_support import free_port
-from trl import GRPOConfig
+from trl import GRPOConfig, GRPOTrainer
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "clients" / "examples"
@@ -290,10 +290,59 @@ def test_scale_rewards_none_is_honoured(tmp_path: Path, service: Any) -> None:
     assert np.allclose(values, [-0.75, 1.25, -0.75, 0.25] * 2, atol=1e-6), values
 
 
+class TrlOwn(GRPOTrainer):  # type: ignore[misc]
+    """TRL's own trainer, keeping the advantages it computed."""
+
+    def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
+        output: dict[str, Any] = super()._generate_and_score_completions(inputs)
+        self.own = output["advantages"].detach().clone()
+        return output
+
+
+@pytest.mark.integration
+def test_scale_rewards_batch_is_trls_own(tmp_path: Path, service: Any) -> None:
+    """Each group's mean, the whole batch's std (groups of different spreads, an unscored row
+    left out of both): TRL's own advantages, from the same rewards."""
+    reward = cycling([None, 2.0, 0.0, 1.0, 3.0, 0.5, 3.0, 3.0])
+    options = {"scale_rewards": "batch"}
+    ours = trainer_of(
+        tmp_path,
+        reward=reward,
+        cls=Recording,
+        config_options=options,
+        advantage_estimator={"outcome": {"name": "grpo", "epsilon": 1e-4}},
+        advantage_url=service.url,
+    )
+    ours.train()
+    own = trainer_of(tmp_path, reward=reward, cls=TrlOwn, config_options=options)
+    own.train()
+    expected = own.own.double().numpy()
+    rewards = np.array([np.nan, 2.0, 0.0, 1.0, 3.0, 0.5, 3.0, 3.0])
+    scored = rewards[1:]
+    assert np.allclose(expected[1:4], (scored[:3] - 1.0) / (scored.std(ddof=1) + 1e-4))
+    values = np.asarray(row_values(ours.last_all_advantages, ours.outputs[0]["completion_mask"]))
+    assert np.abs(values - expected).max() <= 1e-5 * np.abs(expected).max(), (values, expected)
+
+
 @pytest.mark.parametrize(
     ("options", "estimator", "says"),
     [
-        ({"scale_rewards": "batch"}, "grpo", "scale_rewards='batch'"),
+        ({"scale_rewards": "batch"}, "dr_grpo", "only the grpo outcome"),
+        (
+            {"scale_rewards": "batch"},
+            {"outcome": {"name": "grpo", "norm_by_std": False}},
+            "norm_by_std=False",
+        ),
+        (
+            {"scale_rewards": "batch"},
+            {"outcome": {"name": "grpo", "std_scope": "group"}},
+            "std_scope='group'",
+        ),
+        (
+            {"scale_rewards": "group"},
+            {"outcome": {"name": "grpo", "std_scope": "request"}},
+            "scale_rewards='batch'",
+        ),
         ({"multi_objective_aggregation": "normalize_then_sum"}, "grpo", "normalize_then_sum"),
         (
             {"scale_rewards": "none"},
@@ -312,6 +361,18 @@ def test_trl_settings_the_service_cannot_honour_are_refused(
             args=config(tmp_path, **options),
             advantage_estimator=estimator,
             advantage_transport="inprocess",
+        )
+
+
+def test_the_local_fallback_cannot_stand_in_for_batch_scaling(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="advantage_fallback='local' divides by each group's"):
+        AdvantageGRPOTrainer(
+            model="no/such-model",
+            reward_funcs=odd_words,
+            args=config(tmp_path, scale_rewards="batch"),
+            advantage_estimator="grpo",
+            advantage_transport="inprocess",
+            advantage_fallback="local",
         )
 
 

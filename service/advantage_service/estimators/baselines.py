@@ -3,6 +3,10 @@
 Each reproduces verl's ``core_algos`` estimator of the same name (rloo: the vectorized variant).
 Group statistics are segment sums over ``group_index``; a group of one rollout has mean 0 and
 std 1 (verl's convention). All functions return float64 (B,).
+
+GRPO's ``std_scope: "request"`` (TRL's ``scale_rewards="batch"``) divides by the standard
+deviation of all the request's rewards instead of the group's: "the request" is each request of
+a merged batch (``batch.segments``), never the merged batch.
 """
 
 from __future__ import annotations
@@ -18,6 +22,19 @@ from .registry import Param, register_outcome
 NORM_PARAMS = (
     Param("norm_by_std", bool, True, "divide by the group's sample standard deviation"),
     Param("epsilon", float, 1e-6, "added to the standard deviation", minimum=0.0),
+)
+STD_SCOPES = ("group", "request")
+GRPO_PARAMS = (
+    *NORM_PARAMS,
+    Param(
+        "std_scope",
+        str,
+        "group",
+        "the rewards the standard deviation is taken over: the group's, or all of the "
+        "request's (TRL's scale_rewards='batch'; the group's mean is still the baseline); a "
+        "request merged with others keeps its own; a request of one rollout has std 1",
+        choices=STD_SCOPES,
+    ),
 )
 
 
@@ -42,6 +59,24 @@ def group_mean_std(
     return mean.masked_fill(single, 0.0), std.masked_fill(single, 1.0)
 
 
+def request_std(batch: RolloutBatch) -> torch.Tensor:
+    """Each rollout's request's sample std of the rewards, float64 (B,): of the whole batch, or
+    of each request of a merged batch; 1 for a request of one rollout (as for a group of one)."""
+    r = batch.rewards.double()
+    segment = batch.segment_of_rollout()
+    if segment is None:
+        segment = torch.zeros_like(batch.group_index)
+    count = 1 if batch.segments is None else batch.segments.numel() - 1
+    # The same sums (index_add_, in rollout order) alone and merged: the same std bit for bit.
+    n = torch.zeros(count, dtype=r.dtype, device=r.device)
+    n.index_add_(0, segment, torch.ones_like(r))
+    total = torch.zeros_like(n).index_add_(0, segment, r)
+    mean = total / n.clamp(min=1)
+    sq = torch.zeros_like(n).index_add_(0, segment, (r - mean[segment]) ** 2)
+    std = torch.sqrt(sq / (n - 1).clamp(min=1)).masked_fill(n == 1, 1.0)
+    return std[segment]
+
+
 def divide_by_spread(values: torch.Tensor, spread: torch.Tensor) -> torch.Tensor:
     """values / spread, with 0 / 0 = 0: with epsilon 0, a group of equal rewards has no spread
     and no deviation from its mean, and gets no advantage (not NaN)."""
@@ -56,16 +91,18 @@ def centered(batch: RolloutBatch) -> torch.Tensor:
 
 @register_outcome(
     "grpo",
-    formula="a_i = (r_i - mean_g) / (std_g + eps)",
+    formula="a_i = (r_i - mean_g) / (std + eps), std the group's (std_g) or the request's",
     paper="Shao et al. 2024, DeepSeekMath (GRPO)",
-    params=NORM_PARAMS,
+    params=GRPO_PARAMS,
 )
 def grpo(batch: RolloutBatch, params: Mapping[str, Any]) -> torch.Tensor:
     """Group-normalised reward: the GRPO outcome advantage."""
     mean, std = group_mean_std(batch)
     a = batch.rewards.double() - mean[batch.group_index]
     if params["norm_by_std"]:
-        a = divide_by_spread(a, std[batch.group_index] + params["epsilon"])
+        request = params["std_scope"] == "request"
+        spread = request_std(batch) if request else std[batch.group_index]
+        a = divide_by_spread(a, spread + params["epsilon"])
     return a
 
 

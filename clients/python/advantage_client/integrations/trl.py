@@ -23,7 +23,9 @@ loss accepts from subclasses. What it sends and why:
   or the value of a dataset column (``advantage_prompt_key="id"``);
 - one call per generation batch for the whole batch: with several processes, rank 0 calls and
   broadcasts the advantages (every rank trains on the same numbers, each rollout is counted
-  once), with a request id per call so that a retried call is never counted twice;
+  once), with a request id per call so that a retried call is never counted twice. The call
+  holds every rank's rows, so ``scale_rewards="batch"`` (``grpo``'s ``std_scope: "request"``)
+  divides by the std of the batch TRL gathers and scales over;
 - rows every reward function scored ``None`` are left out of the call (so out of their group's
   baseline) and given advantage 0, as TRL does;
 - the per-token inputs an estimator reads: TRL's old log-probs when it computed them, else (and
@@ -158,9 +160,22 @@ class AdvantageGRPOTrainer(GRPOTrainer):
         self.advantage_estimator, self._resolved = self._with_trl_settings(
             advantage_estimator, resolved, scale, aggregation
         )
+        batch_scaled = self._resolved["outcome"].get("std_scope") == "request"
+        if batch_scaled and self._listing is not None:
+            try:  # (a service from before std_scope refuses it: say so now, not at step 1)
+                checks.resolve(self._listing, self.advantage_estimator)
+            except Exception as exc:
+                raise ValueError(
+                    f"scale_rewards='batch' needs the service's grpo std_scope 'request': {exc}"
+                ) from exc
         if advantage_fallback is not None and (why := fallback.unsupported(self._resolved)):
             raise ValueError(
                 f"advantage_fallback='local' cannot stand in for this estimator: {why}"
+            )
+        if advantage_fallback is not None and batch_scaled:
+            raise ValueError(
+                "advantage_fallback='local' divides by each group's std only: it cannot stand "
+                "in for scale_rewards='batch' (std_scope 'request'); drop one of them"
             )
         self._prompt_key_column = advantage_prompt_key
         self._extra_forward = advantage_extra_forward
@@ -203,8 +218,10 @@ class AdvantageGRPOTrainer(GRPOTrainer):
     ) -> tuple[Any, dict[str, Any]]:
         """TRL's ``scale_rewards`` and ``multi_objective_aggregation`` honoured or refused:
         ``"group"`` (TRL's default) leaves the estimator as it is; ``"none"`` turns off the
-        outcome's division by the group's std; ``"batch"`` and ``normalize_then_sum`` have no
-        estimator in the service and are refused."""
+        outcome's division by the std; ``"batch"`` makes ``grpo`` divide by the std of the whole
+        batch (``std_scope: "request"``: the call holds the whole batch TRL scales over, every
+        rank's rows); ``normalize_then_sum`` has no estimator in the service and is refused. An
+        estimator whose own setting contradicts ``scale_rewards`` is refused."""
         scale = {True: "group", False: "none"}.get(scale, scale)
         if aggregation != "sum_then_normalize":
             raise ValueError(
@@ -212,19 +229,38 @@ class AdvantageGRPOTrainer(GRPOTrainer):
                 "advantages: they take one reward per completion (the reward functions' weighted "
                 "sum, TRL's 'sum_then_normalize'); normalise each reward function in it yourself"
             )
-        if scale == "batch":
-            raise ValueError(
-                "scale_rewards='batch' (dividing by the whole batch's std) is not an estimator of "
-                "the service; use scale_rewards='group' (GRPO's per-group std) or 'none' (no "
-                "division: dr_grpo, or norm_by_std false)"
-            )
-        if scale not in ("group", "none"):
+        if scale not in ("group", "none", "batch"):
             raise ValueError(f"scale_rewards must be 'group', 'none' or 'batch', got {scale!r}")
         outcome = resolved.get("outcome") or {}
+        given = estimator.get("outcome") if isinstance(estimator, Mapping) else None
+        given = given if isinstance(given, Mapping) else {}
+        if scale == "batch":
+            if outcome.get("name") != "grpo":
+                raise ValueError(
+                    "scale_rewards='batch' divides by the std of the whole batch, which only the "
+                    f"grpo outcome does (std_scope 'request'), not {outcome.get('name')!r}: use "
+                    "an estimator with outcome grpo, or scale_rewards='group' or 'none'"
+                )
+            if given.get("norm_by_std") is False or given.get("std_scope") == "group":
+                raise ValueError(
+                    "scale_rewards='batch' but the estimator's outcome sets "
+                    f"norm_by_std={given.get('norm_by_std')!r}, "
+                    f"std_scope={given.get('std_scope')!r}: choose one (scale_rewards='group' "
+                    "or 'none', or drop them)"
+                )
+            changed = {
+                **resolved,
+                "outcome": {**outcome, "norm_by_std": True, "std_scope": "request"},
+            }
+            return changed, changed
+        if given.get("std_scope") == "request" and given.get("norm_by_std") is not False:
+            raise ValueError(
+                f"scale_rewards={scale!r} but the estimator's outcome sets std_scope='request' "
+                "(the batch's std): choose one (scale_rewards='batch', or drop std_scope)"
+            )
         if scale == "group" or "norm_by_std" not in outcome or not outcome["norm_by_std"]:
             return estimator, resolved
-        given = estimator.get("outcome") if isinstance(estimator, Mapping) else None
-        if isinstance(given, Mapping) and given.get("norm_by_std") is True:
+        if given.get("norm_by_std") is True:
             raise ValueError(
                 "scale_rewards='none' but the estimator's outcome sets norm_by_std=True: "
                 "choose one (scale_rewards='group', or drop norm_by_std)"
