@@ -480,14 +480,10 @@ def test_resolve_estimator_token_presets():
     assert hicra["outcome"] == FULL_DOC_EXAMPLE["outcome"]
     assert hicra["hicra"] == DOC_EXAMPLE["hicra"] == {"alpha": 0.2, "phrases": None}
     assert oracle.resolve_estimator("maxrl")["outcome"] == {"name": "maxrl", "epsilon": 0.0}
-    for name in ("gtpo", "grpo_s"):
-        assert oracle.resolve_estimator(name)["outcome"] == {
-            "name": name,
-            "alpha1": 1.0,
-            "alpha2": 0.1,
-            "correct_threshold": 0.0,
-            "epsilon": 1e-6,
-        }
+    shaping = {"alpha1": 1.0, "alpha2": 0.1, "correct_threshold": 0.0, "epsilon": 1e-6}
+    gtpo = {"name": "gtpo", **shaping, "scope": "group"}
+    assert oracle.resolve_estimator("gtpo")["outcome"] == gtpo
+    assert oracle.resolve_estimator("grpo_s")["outcome"] == {"name": "grpo_s", **shaping}
 
 
 def test_reference_compute_otb_and_forking_follow_their_group_oracles():

@@ -116,7 +116,9 @@ def test_stateful_sequences_following_the_documented_links_never_answer_5xx(
             calls[f"{case.method} {case.path} {response.status_code}"] += 1
             case.validate_response(response, checks=CHECKS)
 
-    run_state_machine_as_test(Machine, settings=bounded(25, stateful_step_count=4))
+    # (60 sequences: which of them reach a computed request, and follow its link, depends on
+    # what the generator drew before in the process; 25 did not always)
+    run_state_machine_as_test(Machine, settings=bounded(60, stateful_step_count=4))
     # The link was followed: statistics read after a computed request.
     assert calls["GET /v1/stats/tokens 200"] > 0, calls
     assert calls["POST /v1/advantages 200"] > 0, calls
