@@ -24,6 +24,7 @@ from fractions import Fraction
 from typing import Any
 
 import numpy as np
+from gdpo_oracle import gdpo_reference
 
 # ---------------------------------------------------------------------------------------------
 # Estimator configuration (docs/estimator-config.md)
@@ -48,11 +49,22 @@ TOKEN_OUTCOME_NAMES = ("otb", "gtpo", "grpo_s")
 TOKEN_TERM_PRESETS = ("forking", "hicra")
 NONNEGATIVE_OUTCOME_NAMES = ("maxrl",)
 TOKEN_PRESETS = TOKEN_OUTCOME_NAMES + TOKEN_TERM_PRESETS
-ALL_PRESETS = PRESETS + NONNEGATIVE_OUTCOME_NAMES + TOKEN_PRESETS
+# Outcomes over named reward components (a request without them is refused).
+COMPONENT_OUTCOME_NAMES = ("gdpo",)
+ALL_PRESETS = PRESETS + NONNEGATIVE_OUTCOME_NAMES + TOKEN_PRESETS + COMPONENT_OUTCOME_NAMES
 
 # Outcome parameters with their defaults; outcomes not listed here take no parameters.
 OUTCOME_PARAM_DEFAULTS: dict[str, dict[str, Any]] = {
-    "grpo": {"norm_by_std": True, "epsilon": 1e-6, "std_scope": "group"},
+    "grpo": {
+        "norm_by_std": True,
+        "epsilon": 1e-6,
+        "std_scope": "group",
+        "mean_scope": "group",
+        "leave_one_out": False,
+        "std_unbiased": True,
+        "std_center": "mean",
+        "zero_signal": "keep",
+    },
     "grpo_passk": {"norm_by_std": True, "epsilon": 1e-6},
     "otb": {"epsilon": 1e-8, "handle_zero_tail": True},
     "maxrl": {"epsilon": 0.0},
@@ -64,6 +76,7 @@ OUTCOME_PARAM_DEFAULTS: dict[str, dict[str, Any]] = {
         "scope": "group",
     },
     "grpo_s": {"alpha1": 1.0, "alpha2": 0.1, "correct_threshold": 0.0, "epsilon": 1e-6},
+    "gdpo": {"weights": {}, "normalization": "verl"},
 }
 
 KTAE_DEFAULTS: dict[str, Any] = {
@@ -143,7 +156,10 @@ def _resolve_outcome(outcome: Any) -> dict[str, Any]:
     if not isinstance(outcome, dict) or "name" not in outcome:
         raise ValueError(f"outcome must be a name or an object with a name, got {outcome!r}")
     name = outcome["name"]
-    if name not in OUTCOME_NAMES + NONNEGATIVE_OUTCOME_NAMES + TOKEN_OUTCOME_NAMES:
+    known = (
+        OUTCOME_NAMES + NONNEGATIVE_OUTCOME_NAMES + TOKEN_OUTCOME_NAMES + COMPONENT_OUTCOME_NAMES
+    )
+    if name not in known:
         raise ValueError(f"unknown outcome {name!r}")
     params = {k: v for k, v in outcome.items() if k != "name"}
     filled = _fill_params(params, OUTCOME_PARAM_DEFAULTS.get(name, {}), f"outcome {name}")
@@ -654,6 +670,17 @@ def reference_compute(request: dict[str, Any]) -> dict[str, Any]:
     if outcome["name"] == "gtpo" and outcome.get("scope") == "request":
         pooled = gtpo_request([group["rollouts"] for group in groups], **shaping)
 
+    gdpo_scalars: list[float] = []
+    if outcome["name"] == "gdpo":
+        gdpo_scalars = gdpo_reference(
+            [
+                [(r.get("reward_components") or {}, len(r["tokens"])) for r in g["rollouts"]]
+                for g in groups
+            ],
+            outcome["weights"],
+            outcome["normalization"],
+        )
+
     out_groups = []
     for index, group in enumerate(groups):
         rollouts = group["rollouts"]
@@ -669,6 +696,9 @@ def reference_compute(request: dict[str, Any]) -> dict[str, Any]:
             per_token = gtpo_group(rollouts, **shaping) if pooled is None else pooled[index]
             token_outcome = [a for _, a in per_token]
             scalars = [float(np.mean(a)) if a.size else 0.0 for a in token_outcome]
+        elif outcome["name"] == "gdpo":
+            scalars, gdpo_scalars = gdpo_scalars[: len(rollouts)], gdpo_scalars[len(rollouts) :]
+            token_outcome = [np.full(t, float(s)) for s, t in zip(scalars, lengths, strict=True)]
         elif outcome["name"] == "grpo_s":
             per_rollout = grpo_s_group(rollouts, **shaping)
             scalars = [a for _, a in per_rollout]
@@ -846,6 +876,15 @@ def diagnostic_fields(resolved: dict[str, Any]) -> list[str]:
     return fields
 
 
+def _random_components(rng: np.random.Generator, reward: float) -> dict[str, float | None]:
+    """Two named rewards for GDPO: the request's reward and a binary one, each missing (None)
+    now and then, as TRL's reward functions may answer None."""
+    return {
+        "accuracy": None if rng.random() < 0.1 else float(reward),
+        "format": None if rng.random() < 0.1 else float(rng.integers(0, 2)),
+    }
+
+
 def random_request(
     rng: np.random.Generator,
     *,
@@ -922,6 +961,8 @@ def random_request(
                 "tokens": [int(v) for v in rng.integers(0, vocab, size=t)],
                 "reward": rewards[i],
             }
+            if outcome_name in COMPONENT_OUTCOME_NAMES:
+                rollout["reward_components"] = _random_components(rng, rewards[i])
             if logprobs:
                 rollout["logprobs"] = _random_logprobs(rng, t)
             if teachers:

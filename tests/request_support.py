@@ -32,6 +32,11 @@ def token_inputs(rng: np.random.Generator, logprobs: np.ndarray) -> dict[str, li
     }
 
 
+def uses_components(estimator: str | dict[str, Any]) -> bool:
+    """Whether the estimator reads named reward components (gdpo)."""
+    return resolve_estimator(estimator).outcome == "gdpo"
+
+
 def uses_token_inputs(estimator: str | dict[str, Any]) -> bool:
     """Whether the estimator reads entropy, sum_pi_squared or planning_mask (forking, otb,
     gtpo, grpo_s, hicra)."""
@@ -45,9 +50,11 @@ def random_rollout(
     max_len: int = 40,
     with_token_inputs: bool = False,
     vocab: int = 300,
+    with_components: bool = False,
 ) -> dict[str, Any]:
-    """A rollout with logprobs and pos/neg teacher log-probs (so every preset applies), and
-    with entropy, sum_pi_squared, is_weights and planning_mask when ``with_token_inputs``."""
+    """A rollout with logprobs and pos/neg teacher log-probs (so every preset applies), with
+    entropy, sum_pi_squared, is_weights and planning_mask when ``with_token_inputs``, and two
+    named rewards (one of them now and then None) when ``with_components``."""
     n = int(rng.integers(0, max_len))
     tokens = rng.integers(0, vocab, size=n).tolist()
     logprobs = -rng.exponential(1.0, size=n)
@@ -62,6 +69,11 @@ def random_rollout(
     }
     if with_token_inputs:
         rollout.update(token_inputs(rng, logprobs))
+    if with_components:  # (drawn last: requests without them are as before)
+        rollout["reward_components"] = {
+            "accuracy": float(reward),
+            "format": None if rng.random() < 0.15 else float(rng.integers(0, 2)),
+        }
     return rollout
 
 
@@ -71,6 +83,7 @@ def random_groups(
     prefix: str = "prompt",
     with_token_inputs: bool = False,
     vocab: int = 300,
+    with_components: bool = False,
 ) -> list[dict[str, Any]]:
     """Groups of 2-5 rollouts, mixed and zero-signal rewards, some empty rollouts."""
     rng = np.random.default_rng(seed)
@@ -79,7 +92,13 @@ def random_groups(
         size = int(rng.integers(2, 6))
         rewards = rng.integers(0, 2, size=size).astype(float) if g % 3 else np.ones(size)
         rollouts = [
-            random_rollout(rng, r, with_token_inputs=with_token_inputs, vocab=vocab)
+            random_rollout(
+                rng,
+                r,
+                with_token_inputs=with_token_inputs,
+                vocab=vocab,
+                with_components=with_components,
+            )
             for r in rewards
         ]
         out.append({"id": f"{prefix}-{seed}-{g}", "rollouts": rollouts})

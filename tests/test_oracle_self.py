@@ -423,6 +423,12 @@ def doc_example() -> dict:
 DOC_EXAMPLE = doc_example()
 # What a spec naming only the KTAE, CSCR and OPSD terms resolves to: the token-level terms off.
 FULL_DOC_EXAMPLE = {**DOC_EXAMPLE, "forking": None, "hicra": None}
+# grpo's scaling parameters at their defaults (the std's and the mean's scopes, ...).
+GRPO_SCALING = {
+    k: v
+    for k, v in oracle.OUTCOME_PARAM_DEFAULTS["grpo"].items()
+    if k not in ("norm_by_std", "epsilon")
+}
 
 
 def test_resolve_estimator_fills_every_default():
@@ -455,7 +461,7 @@ def test_resolve_estimator_presets(preset):
         assert resolved["ktae"] is resolved["cscr"] is resolved["opsd"] is None
     assert resolved["whiten"] is (preset == "reinforce_pp_baseline")
     if preset in ("grpo", "grpo_passk"):
-        scope = {"std_scope": "group"} if preset == "grpo" else {}
+        scope = GRPO_SCALING if preset == "grpo" else {}
         assert resolved["outcome"] == {
             "name": preset,
             "norm_by_std": True,
@@ -523,7 +529,7 @@ def test_resolve_estimator_partial_objects():
         "name": "grpo",
         "norm_by_std": False,
         "epsilon": 1e-6,
-        "std_scope": "group",
+        **GRPO_SCALING,
     }
 
 

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from .errors import LimitExceeded
+from .errors import SPLIT_HINT, LimitExceeded
 from .estimators.state import Compression
 
 MIB = 1024 * 1024
@@ -344,7 +344,7 @@ class RequestLimits:
         if rollouts > self.max_rollouts:
             raise LimitExceeded(
                 f"the request has {rollouts} rollouts; the limit is {self.max_rollouts} "
-                "(ADV_MAX_REQUEST_ROLLOUTS): split the batch",
+                f"(ADV_MAX_REQUEST_ROLLOUTS): {SPLIT_HINT}",
                 field="rollouts",
             )
 
@@ -352,7 +352,7 @@ class RequestLimits:
         if tokens > self.max_tokens:
             raise LimitExceeded(
                 f"the request has {tokens} tokens; the limit is {self.max_tokens} "
-                "(ADV_MAX_REQUEST_TOKENS): split the batch",
+                f"(ADV_MAX_REQUEST_TOKENS): {SPLIT_HINT}",
                 field="tokens",
             )
 

@@ -120,6 +120,14 @@ class RequestError(AdvantageError, ValueError):
         return f"RequestError({self.to_dict()!r})"
 
 
+# What a request over the request-wide limits may do (never split for it by the clients or the
+# scheduler: a request-wide mean, std or scope would change the answer).
+SPLIT_HINT = (
+    "raise the limit, or split the batch where the estimator is group-scoped (a request-wide "
+    "mean, std or scope would change)"
+)
+
+
 class LimitExceeded(RequestError):
     """A request over a configured size limit (HTTP 413, gRPC RESOURCE_EXHAUSTED)."""
 

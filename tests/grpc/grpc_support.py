@@ -6,7 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 from advantage_service import presets
-from request_support import content_key, diagnostics_for, random_groups, uses_token_inputs
+from request_support import (
+    content_key,
+    diagnostics_for,
+    random_groups,
+    uses_components,
+    uses_token_inputs,
+)
 
 ALL_PRESETS = sorted(presets())
 
@@ -21,7 +27,11 @@ def random_request(seed: int, estimator: str | dict[str, Any] = "grpo") -> dict[
         "estimator": estimator,
         "ignore_token_ids": [0],
         "return": diagnostics_for(estimator),
-        "groups": random_groups(seed, with_token_inputs=uses_token_inputs(estimator)),
+        "groups": random_groups(
+            seed,
+            with_token_inputs=uses_token_inputs(estimator),
+            with_components=uses_components(estimator),
+        ),
     }
 
 

@@ -16,7 +16,13 @@ import httpx
 import pyarrow as pa
 from advantage_service import presets
 from process_support import ServiceProcess, launch_service
-from request_support import content_key, diagnostics_for, random_groups, uses_token_inputs
+from request_support import (
+    content_key,
+    diagnostics_for,
+    random_groups,
+    uses_components,
+    uses_token_inputs,
+)
 
 ARROW = "application/vnd.apache.arrow.stream"
 
@@ -62,7 +68,13 @@ def random_request(
         "estimator": estimator,
         "ignore_token_ids": [0],
         "return": diagnostics_for(estimator),
-        "groups": random_groups(seed, groups, with_token_inputs=with_token_inputs, vocab=500),
+        "groups": random_groups(
+            seed,
+            groups,
+            with_token_inputs=with_token_inputs,
+            vocab=500,
+            with_components=uses_components(estimator),
+        ),
     }
 
 
@@ -85,6 +97,10 @@ def arrow_request(request: dict[str, Any], order: list[int] | None = None) -> by
     for name in sorted(rows[0][1].get("teacher_logprobs", {}) if rows else ()):
         columns[f"teacher.{name}"] = pa.array(
             [r["teacher_logprobs"][name] for _, r in rows], pa.list_(pa.float32())
+        )
+    for name in sorted(rows[0][1].get("reward_components", {}) if rows else ()):
+        columns[f"component.{name}"] = pa.array(
+            [r["reward_components"][name] for _, r in rows], pa.float64()
         )
     options = {k: v for k, v in request.items() if k != "groups"}
     table = pa.table(columns).replace_schema_metadata({"advantage.request": json.dumps(options)})

@@ -163,7 +163,16 @@ def test_estimators_listing_is_generated_from_the_registry(server: Server) -> No
     tf_b = next(p for p in ktae["parameters"] if p["name"] == "tf_b")
     assert (tf_b["default"], tf_b["minimum"], tf_b["maximum"]) == (0.5, 0.0, 1.0)
     grpo = next(o for o in listing["outcomes"] if o["name"] == "grpo")
-    assert {p["name"] for p in grpo["parameters"]} == {"norm_by_std", "epsilon", "std_scope"}
+    assert {p["name"] for p in grpo["parameters"]} == {
+        "norm_by_std",
+        "epsilon",
+        "std_scope",
+        "mean_scope",
+        "leave_one_out",
+        "std_unbiased",
+        "std_center",
+        "zero_signal",
+    }
     assert "ktae_score" in ktae["diagnostics"]
     assert {p["name"] for p in listing["options"]} == {"whiten", "clip"}
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from gdpo_oracle import weighted_sums
 from integration.http_support import Server, start_server
 from oracle import ktae_group_statistics, resolve_estimator
 from stats.redis_support import RedisServer
@@ -260,6 +261,28 @@ def test_the_new_methods_explain_each_tokens_share(
     assert float(shown["maxrl_rate"]) == pytest.approx(1 / 3)
     assert float(shown["scalar"]) == pytest.approx(2.0)  # (N - K) / K = 2
     assert float(shown["advantage"]) == pytest.approx(2.0)
+
+    # GDPO: each component's weighted normalised share, against the slow reference.
+    components = [
+        {"accuracy": 1.0, "format": 1.0},
+        {"accuracy": 0.0, "format": 0.0},
+        {"accuracy": 0.0, "format": None},
+    ]
+    weights = {"format": 0.5}
+    gdpo = {"namespace": "team-a", "estimator": {"outcome": {"name": "gdpo", "weights": weights}},
+            "groups": [{"id": "d", "rollouts": [
+                {"tokens": ids, "reward_components": c}
+                for ids, c in zip(tokens, components, strict=True)
+            ]}]}  # fmt: skip
+    paste_and_compute(browser, viewer_server, gdpo)
+    browser.find_elements(By.CSS_SELECTOR, '[data-group="d"] .tok')[0].click()
+    shown = browser.execute_script(DETAILS)
+    group = [(c, len(ids)) for c, ids in zip(components, tokens, strict=True)]
+    sums, _ = weighted_sums([group], weights, "verl")
+    accuracy_only, _ = weighted_sums([group], {"format": 0.0}, "verl")
+    assert float(shown["gdpo_sum"]) == pytest.approx(sums[0], rel=1e-5)
+    assert float(shown["gdpo_share_accuracy"]) == pytest.approx(accuracy_only[0], rel=1e-5)
+    assert float(shown["gdpo_share_format"]) == pytest.approx(sums[0] - accuracy_only[0], abs=1e-5)
 
 
 def test_a_namespace_the_token_may_not_read_is_a_403_on_the_page(

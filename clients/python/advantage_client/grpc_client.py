@@ -36,7 +36,7 @@ from .grpc_codec import (
     to_tensor,
 )
 from .grpc_stream import StreamState
-from .retry import Retryable, RetryPolicy
+from .retry import Retryable, RetryLog, RetryPolicy, RetryStats
 
 __all__ = [
     "CHANNEL_OPTIONS",
@@ -137,6 +137,8 @@ class GrpcClient(RemoteBackend):
         self.timeout = timeout
         self.stream_timeout = stream_timeout
         self.retry = RetryPolicy(retries, backoff, max_backoff, retry_for)
+        # Retries over this client's life (each also logged): a trainer's metric.
+        self.retry_stats = RetryStats()
 
     def close(self) -> None:
         self.channel.close()
@@ -151,7 +153,10 @@ class GrpcClient(RemoteBackend):
                     raise Retryable(error, error.retry_after, error.retry_after_ms) from None
                 raise error from None
 
-        return self.retry.run(attempt)
+        path = getattr(method, "_method", None)  # (b"/advantage.v1.AdvantageService/Compute")
+        name = path.decode().rsplit("/", 1)[-1] if isinstance(path, bytes) else "call"
+        what = f"gRPC {name} to {self.target}"
+        return self.retry.run(attempt, what=what, stats=self.retry_stats)
 
     def compute(self, request: Mapping[str, Any]) -> dict[str, Any]:
         """The HTTP JSON request in (lists or numpy arrays), the JSON response out with numpy
@@ -201,6 +206,7 @@ class GrpcClient(RemoteBackend):
         )
         state = StreamState(iter(rollouts))
         failures, waited = 0, 0.0
+        retry_log = RetryLog(self.retry, f"gRPC StreamCompute to {self.target}", self.retry_stats)
         while True:
             attempt, replay = state.begin()
             call = self.stub.StreamCompute(
@@ -225,6 +231,7 @@ class GrpcClient(RemoteBackend):
                 if not is_retryable(error) or self.retry.exhausted(failures, waited):
                     raise error from None
                 wait = self.retry.delay(failures, error.retry_after, error.retry_after_ms)
+                retry_log.retrying(error, failures, waited, wait)
                 time.sleep(wait)
                 waited += wait
                 failures += 1

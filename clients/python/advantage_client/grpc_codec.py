@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from advantage_contract.arrays import to_number, values_1d
 from advantage_contract.errors import AdvantageError
 from advantage_contract.flat import (
     TOKEN_FIELDS,
@@ -36,6 +37,7 @@ from advantage_contract.grpc_wire import (
     WIRE_DTYPES,
 )
 from advantage_contract.padded import FlatRequest, PaddedResult, WireRequest, result_from_flat
+from advantage_contract.rewards import check_component_name, check_reward
 
 STREAM_ROLLOUT_FIELDS = (
     "group_id",
@@ -46,6 +48,7 @@ STREAM_ROLLOUT_FIELDS = (
     *TOKEN_FIELDS,
     "teacher_logprobs",
     "prompt_key",
+    "reward_components",
 )
 
 
@@ -123,6 +126,8 @@ def request_message(wire: WireRequest) -> pb.ComputeRequest:
         getattr(message, name).CopyFrom(to_tensor(values))
     for name, values in wire.teacher_logprobs.items():
         message.teacher_logprobs[name].CopyFrom(to_tensor(values))
+    for name, values in wire.reward_components.items():
+        message.reward_components[name].CopyFrom(to_tensor(values))
     return message
 
 
@@ -155,7 +160,17 @@ def summary_dict(summary: pb.Summary) -> dict[str, Any]:
     if summary.group_history:
         # (per group, what its history read gave; the JSON answer has it on each group)
         out["group_history"] = list(summary.group_history)
+    if summary.reward_components:
+        # (NaN on the wire: null in the JSON answer)
+        out["reward_components"] = {
+            name: {"mean": _finite(stats.mean), "std": _finite(stats.std)}
+            for name, stats in summary.reward_components.items()
+        }
     return out
+
+
+def _finite(value: float) -> float | None:
+    return value if np.isfinite(value) else None
 
 
 def compute_response_dict(response: pb.ComputeResponse) -> dict[str, Any]:
@@ -189,7 +204,8 @@ def compute_response_dict(response: pb.ComputeResponse) -> dict[str, Any]:
 def rollout_message(rollout: Mapping[str, Any]) -> pb.Rollout:
     """A stream rollout dict (``group_id``, ``group_size``, optional ``rollout_id``,
     ``tokens``, ``reward``, optional ``logprobs``, ``entropy``, ``sum_pi_squared``,
-    ``is_weights``, ``teacher_logprobs`` and ``prompt_key``) as a ``Rollout``."""
+    ``is_weights``, ``teacher_logprobs``, ``prompt_key`` and ``reward_components``: name -> a
+    number or None; ``reward`` may then be left out) as a ``Rollout``."""
     if not isinstance(rollout, Mapping):
         raise AdvantageError("invalid_type", "a rollout must be a dict", field="rollouts")
     gid = rollout.get("group_id")
@@ -206,7 +222,7 @@ def rollout_message(rollout: Mapping[str, Any]) -> pb.Rollout:
         raise AdvantageError(
             "invalid_type", f"group_id must be a string, got {gid!r}", field="group_id"
         )
-    size = rollout.get("group_size")
+    size = to_number(rollout.get("group_size"))
     if not isinstance(size, int | np.integer) or isinstance(size, bool) or size < 1:
         raise AdvantageError(
             "invalid_type",
@@ -216,8 +232,9 @@ def rollout_message(rollout: Mapping[str, Any]) -> pb.Rollout:
         )
     if "tokens" not in rollout:
         raise AdvantageError("missing_input", "tokens is required", field="tokens", **where)
-    reward = rollout.get("reward")
-    if not is_number(reward):
+    reward = to_number(rollout.get("reward"))
+    components = rollout.get("reward_components")
+    if not is_number(reward) and not (reward is None and components is not None):
         raise AdvantageError(
             "invalid_type", f"reward must be a number, got {reward!r}", field="reward", **where
         )
@@ -235,12 +252,15 @@ def rollout_message(rollout: Mapping[str, Any]) -> pb.Rollout:
         group_size=int(size),
         rollout_id="" if rid is None else str(rid),
         tokens=to_tensor(narrow_tokens(token_array(rollout["tokens"], field="tokens", **where))),
-        reward=float(reward),
         prompt_key=key or "",
     )
+    if reward is not None:
+        message.reward = float(reward)
+    if components is not None:
+        _put_components(message, components, where)
     for name in TOKEN_FIELDS:
         if rollout.get(name) is not None:
-            values = np.asarray(rollout[name], dtype=np.float32)
+            values = values_1d(rollout[name], name, np.float32)
             getattr(message, name).CopyFrom(to_tensor(values))
     teacher = rollout.get("teacher_logprobs") or {}
     if not isinstance(teacher, Mapping):
@@ -252,9 +272,29 @@ def rollout_message(rollout: Mapping[str, Any]) -> pb.Rollout:
         )
     for name, values in teacher.items():
         message.teacher_logprobs[str(name)].CopyFrom(
-            to_tensor(np.asarray(values, dtype=np.float32))
+            to_tensor(values_1d(values, f"teacher_logprobs.{name}", np.float32))
         )
     return message
+
+
+def _put_components(message: pb.Rollout, components: Any, where: dict[str, Any]) -> None:
+    """A stream rollout's ``reward_components`` (name -> number or None) into ``message``."""
+    if not isinstance(components, Mapping):
+        raise AdvantageError(
+            "invalid_type",
+            "reward_components must map component names to numbers (or None)",
+            field="reward_components",
+            **where,
+        )
+    for name, value in components.items():
+        check_component_name(name, **where)
+        value = to_number(value)
+        entry = message.reward_components[name]
+        if value is None or (isinstance(value, float) and np.isnan(value)):
+            entry.SetInParent()  # (present, without a value: None)
+            continue
+        check_reward(value, f"reward_components.{name}", where)
+        entry.value = float(value)
 
 
 def error_dict(error: pb.Error) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import httpx
 import numpy as np
 
 from advantage_contract import arrow as contract_arrow
+from advantage_contract.arrays import json_value
 from advantage_contract.backend import RemoteBackend, check_contract
 from advantage_contract.errors import AdvantageError
 from advantage_contract.flat import nest_rows, split_rows
@@ -21,7 +22,7 @@ from advantage_contract.padded import (
     result_from_flat,
 )
 
-from .retry import Retryable, RetryPolicy
+from .retry import Retryable, RetryPolicy, RetryStats
 
 JSON = "application/json"
 ARROW = contract_arrow.MEDIA_TYPE
@@ -33,11 +34,8 @@ RETRY_STATUSES = (429, 503)
 
 
 def _json_default(value: Any) -> Any:
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, np.generic):
-        return value.item()
-    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+    # (arrays and numbers of any framework: numpy, torch, JAX)
+    return json_value(value)
 
 
 def arrow_request_body(request: Mapping[str, Any]) -> bytes:
@@ -66,6 +64,7 @@ def arrow_body(wire: WireRequest) -> bytes:
             teacher_logprobs=wire.teacher_logprobs,
             prompt_keys=wire.prompt_keys,
             options_json=json.dumps(wire.options, default=_json_default),
+            reward_components=wire.reward_components,
         )
     )
 
@@ -234,6 +233,8 @@ class HttpClient(RemoteBackend):
             verify=verify,
         )
         self.retry = RetryPolicy(retries, backoff, max_backoff, retry_for)
+        # Retries over this client's life (each also logged): a trainer's metric.
+        self.retry_stats = RetryStats()
 
     def close(self) -> None:
         self.http.close()
@@ -254,7 +255,8 @@ class HttpClient(RemoteBackend):
                 raise Retryable(error, error.retry_after, error.retry_after_ms)
             raise error
 
-        return self.retry.run(attempt)
+        what = f"{method} {self.http.base_url.join(path)}"
+        return self.retry.run(attempt, what=what, stats=self.retry_stats)
 
     def compute(self, request: Mapping[str, Any]) -> dict[str, Any]:
         """The JSON request in (lists or numpy arrays inside), the JSON response out with numpy

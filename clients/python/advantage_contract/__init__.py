@@ -13,6 +13,7 @@ It imports neither the service nor the clients (numpy only, and protobuf for ``g
 
 # The version of this contract: the service lists it (``GET /v1/estimators``'s ``contract``)
 # and a client of another version warns. Raise it when a field, a limit or a layout changes.
-CONTRACT_VERSION = 2
+# (3: reward_components on every wire, and the summary's per-component statistics)
+CONTRACT_VERSION = 3
 
 __all__ = ["CONTRACT_VERSION"]

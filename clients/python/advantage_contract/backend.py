@@ -52,6 +52,7 @@ class Backend(Protocol):
         namespace: str | None = None,
         request_id: str | None = None,
         prompt_keys: Any = None,
+        reward_components: Mapping[str, Any] | None = None,
     ) -> PaddedResult:
         """Per-token advantages of a padded (B, T) batch (see
         :meth:`RemoteBackend.compute_padded`)."""
@@ -105,6 +106,7 @@ class RemoteBackend(ABC):
         namespace: str | None = None,
         request_id: str | None = None,
         prompt_keys: Any = None,
+        reward_components: Mapping[str, Any] | None = None,
     ) -> PaddedResult:
         """Advantages for a trainer's padded batch, sent as the flat layout: Arrow columns over
         HTTP (whatever ``wire`` says: the padded path has no per-rollout dicts to send as
@@ -118,8 +120,9 @@ class RemoteBackend(ABC):
         estimator with no token-level term sends zeros for the token ids (``tokens`` may be
         None). ``prompt_keys`` (B,): per row, the key of its group's history (KTAE
         ``history: "prompt"``; every row of a group the same), so that one prompt's visits under
-        new group ids share it; None keys history by the group ids. Raises
-        :class:`AdvantageError`.
+        new group ids share it; None keys history by the group ids. ``reward_components``
+        {name: (B,)}: named rewards per row (NaN where a row has none); a row whose reward is
+        NaN gets the weighted sum of its components. Raises :class:`AdvantageError`.
         """
         req = flat_request(
             tokens,
@@ -140,6 +143,7 @@ class RemoteBackend(ABC):
             namespace=namespace,
             request_id=request_id,
             prompt_keys=prompt_keys,
+            reward_components=reward_components,
         )
         return self._compute_flat(req)
 

@@ -3,7 +3,8 @@ both clients, the padded API and the integrations read them from here.
 
 A request carries groups of rollouts. Per rollout: ``tokens`` (int32 ids), ``reward`` (one
 number), the optional per-token inputs of :data:`TOKEN_FIELDS` (one float per token each) and
-``teacher_logprobs`` (condition name -> one float per token). Per group: ``id``, ``rollouts``
+``teacher_logprobs`` (condition name -> one float per token) and ``reward_components``
+(component name -> one number or None). Per group: ``id``, ``rollouts``
 and an optional ``prompt_key`` (the key of its history).
 """
 
@@ -27,7 +28,10 @@ TOP_LEVEL_FIELDS = (
 # at the end: the order is part of the request digests the service stores.
 TOKEN_FIELDS = ("logprobs", "entropy", "sum_pi_squared", "is_weights", "returns", "planning_mask")
 TEACHER_FIELD = "teacher_logprobs"
-ROLLOUT_FIELDS = ("tokens", "reward", *TOKEN_FIELDS, TEACHER_FIELD)
+# Named rewards per rollout beside ``reward`` (component name -> a number, or None where the
+# rollout has none): a rollout that gives them and no reward has their (weighted) sum as reward.
+REWARD_COMPONENTS_FIELD = "reward_components"
+ROLLOUT_FIELDS = ("tokens", "reward", *TOKEN_FIELDS, TEACHER_FIELD, REWARD_COMPONENTS_FIELD)
 GROUP_FIELDS = ("id", "rollouts", "prompt_key")
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -43,3 +47,6 @@ MAX_GROUP_ID_LENGTH = 256
 MAX_CONDITION_NAME_LENGTH = 64
 # Distinct teacher_logprobs conditions in a request (every rollout gives the same ones).
 MAX_TEACHER_CONDITIONS = 64
+# Reward components of a request (every rollout gives the same names), named like conditions.
+MAX_REWARD_COMPONENTS = 16
+MAX_COMPONENT_NAME_LENGTH = MAX_CONDITION_NAME_LENGTH

@@ -13,29 +13,28 @@ numpy only.
 from __future__ import annotations
 
 import math
-import numbers
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import chain
-from typing import Any, TypeGuard
+from typing import Any
 
 import numpy as np
 
+from .arrays import is_array, to_number, to_numpy, widen
 from .errors import AdvantageError
 from .fields import (
-    EXACT_INTEGER_LIMIT,
-    FLOAT32_MAX,
     INT32_MAX,
     INT32_MIN,
     MAX_CONDITION_NAME_LENGTH,
     MAX_GROUP_ID_LENGTH,
     MAX_TEACHER_CONDITIONS,
+    REWARD_COMPONENTS_FIELD,
     ROLLOUT_FIELDS,
     TOKEN_FIELDS,
     TOKEN_ID_LIMIT,
     TOP_LEVEL_FIELDS,
 )
+from .rewards import check_reward, component_arrays, is_integer, is_number, rollout_components
 
 
 @dataclass
@@ -45,6 +44,8 @@ class FlatGroups:
     From :func:`flatten_groups`: ``tokens`` int64 (N,), ``rewards`` float64 (B,), per-token
     values float64 (N,) when the rollouts gave lists; values given as numpy arrays keep their
     dtypes (numpy's promotion of them). :meth:`for_wire` casts to the wire's dtypes.
+    ``reward_components``: name -> float64 (B,), NaN where a rollout gave None; where the
+    request has components, a rollout's NaN reward is one it did not give (their sum then).
     """
 
     group_ids: list[str]
@@ -67,6 +68,7 @@ class FlatGroups:
         return prompt_ids(self.group_ids, self.prompt_keys)
 
     planning_mask: np.ndarray | None = None  # numbers (N,), 0 or 1
+    reward_components: dict[str, np.ndarray] = field(default_factory=dict)  # float64 (B,)
 
     def token_values(self) -> dict[str, np.ndarray]:
         """The per-token values of :data:`TOKEN_FIELDS` the rollouts gave (name -> (N,)), in
@@ -97,6 +99,10 @@ class FlatGroups:
             teacher_logprobs={
                 name: values.astype(np.float32, copy=False)
                 for name, values in self.teacher_logprobs.items()
+            },
+            reward_components={
+                name: values.astype(np.float32, copy=False)
+                for name, values in self.reward_components.items()
             },
         )
 
@@ -166,22 +172,9 @@ def _error(code: str, message: str, **where: Any) -> AdvantageError:
     return AdvantageError(code, message, **where)
 
 
-def is_number(x: Any) -> TypeGuard[float]:
-    """A real number (numpy scalars too), not a boolean."""
-    if isinstance(x, bool | np.bool_):
-        return False
-    return isinstance(x, (int, float, numbers.Real))  # in this order: the ABC check is slow
-
-
-def _is_integer(x: Any) -> bool:
-    if isinstance(x, bool | np.bool_):
-        return False
-    return isinstance(x, (int, numbers.Integral))
-
-
 def token_array(values: Any, **where: Any) -> np.ndarray:
     """A rollout's token ids as a one-dimensional integer array."""
-    array = np.asarray(values)
+    array = to_numpy(values, "tokens") if is_array(values) else np.asarray(values)
     if array.size == 0:
         return np.zeros(0, dtype=np.int32)
     if array.ndim != 1:
@@ -207,14 +200,16 @@ def _sequence(value: Any) -> bool:
 def _per_rollout(value: Any) -> list[Any] | np.ndarray | None:
     """A rollout's list of values as given (JSON lists stay lists: they are converted all at
     once), an array as an ndarray; None for anything that is neither."""
-    if isinstance(value, list | np.ndarray):
+    if isinstance(value, list):
         return value
+    if isinstance(value, np.ndarray):
+        return widen(value)  # (ml_dtypes' bfloat16: numpy does not compute with it)
     if isinstance(value, tuple):
         return list(value)
-    if hasattr(value, "__array__"):  # torch, jax, pyarrow arrays
+    if is_array(value):  # torch, jax, pyarrow arrays
         try:
-            return np.asarray(value)
-        except (TypeError, ValueError):
+            return to_numpy(value)
+        except AdvantageError:
             return None
     return None
 
@@ -230,7 +225,7 @@ def _check_token_range(pieces: list[list[Any] | np.ndarray], name: str, where: A
     """Integers past int64 (numpy made them uint64): the first one's error, its true value."""
     for r, piece in enumerate(pieces):
         for t, x in enumerate(piece):
-            if _is_integer(x) and not -(2**63) <= int(x) < TOKEN_ID_LIMIT:
+            if is_integer(x) and not -(2**63) <= int(x) < TOKEN_ID_LIMIT:
                 raise _error(
                     "token_out_of_range",
                     f"token id {int(x)} at token {t} is not in [0, {TOKEN_ID_LIMIT})",
@@ -292,7 +287,7 @@ def _flat_values(
                 continue
             piece = piece.tolist()
         for t, x in enumerate(piece):
-            if not (_is_integer(x) if integer else is_number(x)):
+            if not (is_integer(x) if integer else is_number(x)):
                 raise _error(
                     "invalid_type", f"{name}[{t}] must be {kind}, got {x!r}", field=name, **where(r)
                 )
@@ -366,6 +361,9 @@ def flatten_groups(groups: Any) -> FlatGroups:
 
     token_lists: list[list[Any] | np.ndarray] = []
     rewards = []
+    # Per rollout, its components (name -> value, None kept) from the first that gave any.
+    component_rows: list[dict[str, Any]] = []
+    component_names: dict[str, None] = {}  # (in the order first given)
     teacher_names: set[str] = set()
     given: set[str] = set()  # the TOKEN_FIELDS some rollout gives
     for r, rollout in enumerate(rollouts):
@@ -385,37 +383,16 @@ def flatten_groups(groups: Any) -> FlatGroups:
             raise _error(
                 "invalid_type", "tokens must be a list of token ids", field="tokens", **where(r)
             )
-        reward = rollout.get("reward")
-        if not is_number(reward):
-            raise _error(
-                "invalid_type",
-                f"reward must be a number, got {reward!r:.80}",
-                field="reward",
-                **where(r),
-            )
-        if isinstance(reward, int) and abs(reward) > sys.float_info.max:  # JSON allows it
-            raise _error(
-                "invalid_value",
-                "reward is out of range; it must be finite",
-                field="reward",
-                **where(r),
-            )
-        if _is_integer(reward) and abs(int(reward)) > EXACT_INTEGER_LIMIT:
-            raise _error(
-                "invalid_value",
-                "reward is an integer beyond 2**53 (9007199254740992), which a float64 cannot "
-                "hold exactly; send it as a float",
-                field="reward",
-                **where(r),
-            )
-        if abs(float(reward)) > FLOAT32_MAX and math.isfinite(float(reward)):
-            # (rewards are float32 on the wire and in the batch: it would become inf)
-            raise _error(
-                "invalid_value",
-                f"reward {float(reward):g} is out of float32's range (|reward| <= 3.4e38)",
-                field="reward",
-                **where(r),
-            )
+        components = rollout.get(REWARD_COMPONENTS_FIELD)
+        if components is not None:
+            component_rows.append(rollout_components(components, component_names, r, where))
+        elif component_rows:
+            component_rows.append({})
+        reward = to_number(rollout.get("reward"))  # (a 0-d array of any framework too)
+        if reward is None and components is not None:
+            reward = math.nan  # (their sum: the service's, with the estimator's weights)
+        else:
+            check_reward(reward, "reward", where(r))
         if isinstance(tokens, np.ndarray) and tokens.ndim != 1:
             raise _error(
                 "invalid_shape",
@@ -504,6 +481,7 @@ def flatten_groups(groups: Any) -> FlatGroups:
         for name in sorted(teacher_names)
     }
     flat_tokens = _flat_values(token_lists, True, "tokens", where)
+    reward_components = component_arrays(component_rows, component_names, len(rollouts), where)
     # Nested lists convert to more than one dimension.
     for name, values in (
         ("tokens", flat_tokens),
@@ -524,6 +502,7 @@ def flatten_groups(groups: Any) -> FlatGroups:
         rewards=np.asarray(rewards, dtype=np.float64),
         teacher_logprobs=teacher_logprobs,
         prompt_keys=keys if any(k is not None for k in keys) else None,
+        reward_components=reward_components,
         **token_values,
     )
 

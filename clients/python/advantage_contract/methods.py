@@ -17,6 +17,7 @@ OUTCOMES: tuple[str, ...] = (
     "maxrl",
     "gtpo",
     "grpo_s",
+    "gdpo",
 )
 TERMS: tuple[str, ...] = ("ktae", "cscr", "opsd", "forking", "hicra")
 # Optional input -> the outcomes and terms that read it (an estimator with none of them
@@ -42,4 +43,5 @@ OUTCOME_ONLY_PRESETS: tuple[str, ...] = (
     "gpg",
     "grpo_passk",
     "maxrl",
+    "gdpo",
 )

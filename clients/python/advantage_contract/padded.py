@@ -20,10 +20,12 @@ from typing import Any
 
 import numpy as np
 
+from . import arrays as _arrays
 from . import flat as _flat
 from .errors import AdvantageError
-from .fields import TOKEN_FIELDS
+from .fields import REWARD_COMPONENTS_FIELD, TOKEN_FIELDS
 from .methods import OUTCOME_ONLY_PRESETS
+from .rewards import check_component_count, check_component_name
 
 # The per-token inputs of compute_padded, by keyword (their names on every wire too).
 PER_TOKEN_INPUTS = TOKEN_FIELDS
@@ -49,22 +51,9 @@ class PaddedResult:
 
 def as_numpy(values: Any, name: str = "values") -> np.ndarray:
     """``values`` (numpy, torch on any device, JAX, anything with ``__array__`` or DLPack) as
-    a numpy array, without a copy where the source allows it. No torch import: a torch tensor
-    is recognised by its methods."""
-    if isinstance(values, np.ndarray):
-        return values
-    if hasattr(values, "detach") and hasattr(values, "cpu"):  # torch
-        tensor = values.detach().cpu()
-        if str(tensor.dtype) == "torch.bfloat16":  # numpy has no bfloat16
-            tensor = tensor.float()
-        return np.asarray(tensor.numpy())
-    if hasattr(values, "__array__") or isinstance(values, list | tuple):
-        return np.asarray(values)
-    if hasattr(values, "__dlpack__"):
-        return np.from_dlpack(values)
-    raise AdvantageError(
-        "invalid_type", f"{name} is not an array (numpy, torch, DLPack)", field=name
-    )
+    a numpy array, half precision widened to float32, without a copy where the source allows
+    it: :func:`.arrays.to_numpy`."""
+    return _arrays.to_numpy(values, name)
 
 
 def group_index_of(group_ids: Any) -> tuple[list[str], np.ndarray]:
@@ -286,6 +275,8 @@ class FlatRequest:
     options: dict[str, Any]  # the JSON request's top-level fields
     # Per group (layout.group_ids order): the key of its history, None for none; None: no keys.
     prompt_keys: list[str | None] | None = None
+    # Component name -> float64 (B,), NaN where a row has no value.
+    reward_components: dict[str, np.ndarray] = field(default_factory=dict)
 
     def wire(self) -> WireRequest:
         """What the wires send of this call (the layout and token ids stay to read the answer)."""
@@ -296,6 +287,7 @@ class FlatRequest:
             self.teacher_logprobs,
             self.prompt_keys,
             self.options,
+            self.reward_components,
         )
 
 
@@ -303,8 +295,9 @@ class FlatRequest:
 class WireRequest:
     """A request as both binary wires carry it (gRPC tensors, Arrow columns): ``rows`` where
     the rollouts lie (their groups, offsets and rewards), the flat ``tokens`` and per-token
-    arrays in the wires' dtypes, the prompt keys (one per group, None: none), and ``options``
-    the JSON request's top-level fields (everything but ``groups``)."""
+    arrays in the wires' dtypes, the prompt keys (one per group, None: none), ``options``
+    the JSON request's top-level fields (everything but ``groups``), and the reward components
+    (name -> (B,), NaN where a rollout has none)."""
 
     rows: _flat.FlatGroups | PaddedLayout
     tokens: np.ndarray
@@ -312,6 +305,7 @@ class WireRequest:
     teacher_logprobs: Mapping[str, np.ndarray]
     prompt_keys: Sequence[str | None] | None
     options: Mapping[str, Any]
+    reward_components: Mapping[str, np.ndarray] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, request: Mapping[str, Any]) -> WireRequest:
@@ -327,6 +321,7 @@ class WireRequest:
             flat.teacher_logprobs,
             flat.prompt_keys,
             options,
+            flat.reward_components,
         )
 
 
@@ -380,6 +375,7 @@ def flat_request(
     client: str,
     prompt_keys: Any = None,
     returns: Any = None,
+    reward_components: Mapping[str, Any] | None = None,
 ) -> FlatRequest:
     """Check a padded call's arrays (per-token inputs ``client``, e.g. "the HTTP client",
     cannot carry yet are refused) and gather them into the flat layout. ``prompt_keys`` (B,):
@@ -393,6 +389,7 @@ def flat_request(
         "planning_mask": planning_mask,
     }
     unsupported_inputs(per_token, TOKEN_FIELDS, client)
+    components = row_components(reward_components, int(as_numpy(mask, "mask").shape[0]))
     layout = PaddedLayout.from_padded(mask, rewards, group_ids)
     token_ids = needs_token_ids(estimator)
     flat_tokens, inputs, teachers = padded_inputs(
@@ -413,4 +410,46 @@ def flat_request(
             request_id=request_id,
         ),
         prompt_keys=group_keys(layout, prompt_keys),
+        reward_components=components,
     )
+
+
+def row_components(components: Mapping[str, Any] | None, rows: int) -> dict[str, np.ndarray]:
+    """A padded call's ``reward_components`` ({name: (B,)}) checked: bounded names, one number
+    per row (NaN: none), as float64 arrays."""
+    if components is None:
+        return {}
+    if not isinstance(components, Mapping):
+        raise AdvantageError(
+            "invalid_type",
+            "reward_components must map component names to (B,) arrays",
+            field=REWARD_COMPONENTS_FIELD,
+        )
+    check_component_count(len(components))
+    out = {}
+    for name, values in components.items():
+        check_component_name(name)
+        where = f"{REWARD_COMPONENTS_FIELD}.{name}"
+        array = as_numpy(values, where)
+        if array.shape != (rows,):
+            raise AdvantageError(
+                "invalid_shape",
+                f"{where} must have shape ({rows},), one per row, got {array.shape}",
+                field=where,
+            )
+        if array.dtype.kind not in "iuf":
+            raise AdvantageError(
+                "invalid_type", f"{where} must be numbers, got {array.dtype}", field=where
+            )
+        array = array.astype(np.float64, copy=False)
+        infinite = np.flatnonzero(np.isinf(array))
+        if infinite.size:
+            row = int(infinite[0])
+            raise AdvantageError(
+                "invalid_value",
+                f"{where} of row {row} is {array[row]}; it must be finite (NaN where the row has "
+                "none)",
+                field=where,
+            )
+        out[name] = array
+    return out

@@ -4,9 +4,14 @@ Each reproduces verl's ``core_algos`` estimator of the same name (rloo: the vect
 Group statistics are segment sums over ``group_index``; a group of one rollout has mean 0 and
 std 1 (verl's convention). All functions return float64 (B,).
 
-GRPO's ``std_scope: "request"`` (TRL's ``scale_rewards="batch"``) divides by the standard
-deviation of all the request's rewards instead of the group's: "the request" is each request of
-a merged batch (``batch.segments``), never the merged batch.
+GRPO's scaling parameters say where its baseline and its standard deviation are taken:
+``mean_scope`` and ``std_scope`` (the group, the request, or none), ``leave_one_out``,
+``std_unbiased``, ``std_center`` and ``epsilon``. They cover TRL's ``scale_rewards`` (group:
+the defaults; batch: ``std_scope: "request"``; none: ``std_scope: "none"``) and AReaL 1.0.4's
+``NormConfig`` (``areal/utils/data.py``, ``Normalization``: ``mean_level``, ``mean_leave1out``,
+``std_level``, ``std_unbiased``, ``eps``; its std is taken about the mean it subtracted,
+``std_center: "baseline"``). "The request" is each request of a merged batch
+(``batch.segments``), never the merged batch.
 """
 
 from __future__ import annotations
@@ -23,19 +28,65 @@ NORM_PARAMS = (
     Param("norm_by_std", bool, True, "divide by the group's sample standard deviation"),
     Param("epsilon", float, 1e-6, "added to the standard deviation", minimum=0.0),
 )
-STD_SCOPES = ("group", "request")
+SCOPES = ("group", "request", "none")
+STD_CENTERS = ("mean", "baseline")
+ZERO_SIGNAL = ("keep", "zero")
 GRPO_PARAMS = (
     *NORM_PARAMS,
     Param(
         "std_scope",
         str,
         "group",
-        "the rewards the standard deviation is taken over: the group's, or all of the "
-        "request's (TRL's scale_rewards='batch'; the group's mean is still the baseline); a "
-        "request merged with others keeps its own; a request of one rollout has std 1",
-        choices=STD_SCOPES,
+        "the rewards the standard deviation is taken over: the group's, all of the request's "
+        "(TRL's scale_rewards='batch', AReaL's std_level='batch'), or none (no division: "
+        "TRL's scale_rewards='none', as norm_by_std false); a request merged with others keeps "
+        "its own; a group or request of one rollout has std 1",
+        choices=SCOPES,
+    ),
+    Param(
+        "mean_scope",
+        str,
+        "group",
+        "the rewards the baseline (the mean subtracted) is taken over: the group's, all of the "
+        "request's (AReaL's mean_level='batch'), or none (baseline 0); a group or request of "
+        "one rollout has mean 0",
+        choices=SCOPES,
+    ),
+    Param(
+        "leave_one_out",
+        bool,
+        False,
+        "the baseline of rollout i leaves r_i out: the mean of the other rewards of its scope "
+        "(AReaL's mean_leave1out; 0 for a scope of one)",
+    ),
+    Param(
+        "std_unbiased",
+        bool,
+        True,
+        "the sample standard deviation (divides by n - 1); false: the population one (by n)",
+    ),
+    Param(
+        "std_center",
+        str,
+        "mean",
+        "what the deviations are taken from: each std scope's own mean of the rewards (GRPO, "
+        "TRL), or the baseline each rollout had subtracted (AReaL's Normalization: 0 with "
+        "mean_scope 'none', the other rewards' mean with leave_one_out); the same when both "
+        "scopes agree and leave_one_out is off",
+        choices=STD_CENTERS,
+    ),
+    Param(
+        "zero_signal",
+        str,
+        "keep",
+        "a group whose rollouts all have the same reward (the summary's zero_signal_groups): "
+        "'keep' gives it what the formula gives; 'zero' gives every token of it advantage 0, "
+        "terms and whitening included (DAPO's and TRL's behaviour)",
+        choices=ZERO_SIGNAL,
     ),
 )
+
+GRPO_DEFAULTS = {p.name: p.default for p in GRPO_PARAMS}
 
 
 def group_sum(batch: RolloutBatch, values: torch.Tensor) -> torch.Tensor:
@@ -89,20 +140,95 @@ def centered(batch: RolloutBatch) -> torch.Tensor:
     return batch.rewards.double() - mean[batch.group_index]
 
 
+def scope_index(batch: RolloutBatch, scope: str) -> tuple[torch.Tensor, int]:
+    """Each rollout's scope (int64 (B,)) and the number of scopes: its group, or its request
+    (each request of a merged batch)."""
+    if scope == "group":
+        return batch.group_index, batch.num_groups
+    segment = batch.segment_of_rollout()
+    if segment is None:
+        return torch.zeros_like(batch.group_index), 1
+    return segment, len(batch.spans())
+
+
+def scope_sum(index: torch.Tensor, count: int, values: torch.Tensor) -> torch.Tensor:
+    """(count,) sums of ``values`` (B,) over each scope, in rollout order (the same sums alone
+    and merged: the same bits)."""
+    out = torch.zeros(count, dtype=values.dtype, device=values.device)
+    return out.index_add_(0, index, values)
+
+
+def scope_baseline(batch: RolloutBatch, scope: str, leave_one_out: bool) -> torch.Tensor:
+    """Each rollout's baseline b_i, float64 (B,): the mean reward of its scope (of the scope's
+    other rollouts with ``leave_one_out``); 0 for a scope of one, and for scope ``none``."""
+    r = batch.rewards.double()
+    if scope == "none":
+        return torch.zeros_like(r)
+    index, count = scope_index(batch, scope)
+    n = scope_sum(index, count, torch.ones_like(r))[index]
+    total = scope_sum(index, count, r)[index]
+    if leave_one_out:
+        return torch.where(n > 1, (total - r) / (n - 1).clamp(min=1), torch.zeros_like(r))
+    return torch.where(n > 1, total / n, torch.zeros_like(r))
+
+
+def scope_std(
+    batch: RolloutBatch, scope: str, deviations: torch.Tensor | None, unbiased: bool
+) -> torch.Tensor:
+    """Each rollout's std scope's standard deviation, float64 (B,): of the rewards about the
+    scope's mean (``deviations`` None), or the root of the summed squared ``deviations`` (B,)
+    over the scope; divided by n - 1 (``unbiased``) or n; 1 for a scope of one."""
+    r = batch.rewards.double()
+    index, count = scope_index(batch, scope)
+    n = scope_sum(index, count, torch.ones_like(r))
+    if deviations is None:
+        mean = scope_sum(index, count, r) / n.clamp(min=1)
+        deviations = r - mean[index]
+    sq = scope_sum(index, count, deviations**2)
+    std = torch.sqrt(sq / ((n - 1) if unbiased else n).clamp(min=1))
+    return std.masked_fill(n <= 1, 1.0)[index]
+
+
+def grpo_spread(
+    batch: RolloutBatch, params: Mapping[str, Any], baseline: torch.Tensor
+) -> torch.Tensor:
+    """The standard deviation GRPO divides rollout i by, float64 (B,) (``std_scope`` not
+    ``none``)."""
+    scope, unbiased = params["std_scope"], params["std_unbiased"]
+    if params["std_center"] == "baseline":
+        return scope_std(batch, scope, batch.rewards.double() - baseline, unbiased)
+    # The rewards about their own mean: GRPO's and TRL's std, computed as it always was.
+    if unbiased and scope == "group":
+        return group_mean_std(batch)[1][batch.group_index]
+    if unbiased:
+        return request_std(batch)
+    return scope_std(batch, scope, None, unbiased)
+
+
 @register_outcome(
     "grpo",
-    formula="a_i = (r_i - mean_g) / (std + eps), std the group's (std_g) or the request's",
+    formula="a_i = (r_i - b_i) / (std + eps), b_i the mean of the group's (or the request's) "
+    "rewards, std the group's (std_g) or the request's",
     paper="Shao et al. 2024, DeepSeekMath (GRPO)",
     params=GRPO_PARAMS,
 )
 def grpo(batch: RolloutBatch, params: Mapping[str, Any]) -> torch.Tensor:
     """Group-normalised reward: the GRPO outcome advantage."""
-    mean, std = group_mean_std(batch)
-    a = batch.rewards.double() - mean[batch.group_index]
-    if params["norm_by_std"]:
-        request = params["std_scope"] == "request"
-        spread = request_std(batch) if request else std[batch.group_index]
+    # (a caller of the function itself may pass only the parameters it sets)
+    params = {**GRPO_DEFAULTS, **params}
+    if params["mean_scope"] == "group" and not params["leave_one_out"]:
+        mean, _ = group_mean_std(batch)
+        baseline = mean[batch.group_index]
+    else:
+        baseline = scope_baseline(batch, params["mean_scope"], params["leave_one_out"])
+    a = batch.rewards.double() - baseline
+    if params["norm_by_std"] and params["std_scope"] != "none":
+        spread = grpo_spread(batch, params, baseline)
         a = divide_by_spread(a, spread + params["epsilon"])
+    if params["zero_signal"] == "zero":
+        # (the pipeline zeroes these groups' tokens after the terms too; here for a caller of
+        # the outcome alone)
+        a = a.masked_fill(batch.zero_signal[batch.group_index], 0.0)
     return a
 
 

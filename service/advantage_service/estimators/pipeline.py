@@ -1,6 +1,7 @@
 """The one formula: A_it = a_it w_it + sum_k c_k b^(k)_it, then optional whitening and clipping,
 then the terms' amplifications, A_it <- A_it + k_it |A_it| (HICRA), then the terms' masks,
-A_it <- m_it A_it.
+A_it <- m_it A_it, then, with the outcome's ``zero_signal: "zero"``, A_it <- 0 on every token
+of a group whose rewards are all equal.
 
 a_it is the outcome baseline's a_i on every token of rollout i, or, for an outcome that is per
 token (OTB, GTPO), its own a_it.
@@ -209,6 +210,15 @@ def check_inputs(batch: RolloutBatch, spec: EstimatorSpec, diagnostics: Iterable
             raise RequestError("invalid_parameter", f"cannot return {d!r}: {why}", field="return")
 
 
+def zero_signal_rollouts(batch: RolloutBatch, spec: EstimatorSpec) -> torch.Tensor | None:
+    """bool (B,): the rollouts whose advantage the estimator's ``zero_signal: "zero"`` sets to 0
+    on every token (those of a group whose rewards are all equal, ``batch.zero_signal``), after
+    the terms, whitening, clipping and masks; None when it keeps them (the default)."""
+    if spec.outcome_params.get("zero_signal", "keep") != "zero" or not batch.num_groups:
+        return None
+    return batch.zero_signal[batch.group_index]
+
+
 def _tensor(value: torch.Tensor | Callable[[], torch.Tensor]) -> torch.Tensor:
     """A diagnostic, computed now if it was left for when asked for."""
     return value if isinstance(value, torch.Tensor) else value()
@@ -364,6 +374,10 @@ def compute_batch(
     for out in outputs.values():
         if out.mask is not None:
             advantages.masked_fill_(~out.mask, 0.0)
+    zero = zero_signal_rollouts(batch, spec)
+    if zero is not None:
+        advantages.masked_fill_(batch.per_token(zero.to(torch.int32)).bool(), 0.0)
+        scalars = scalars.masked_fill(zero, 0.0)
     return AdvantageResult(
         advantages=advantages,
         scalars=scalars.float(),

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ..batch import RolloutBatch
 from ..errors import RequestError
 from ..estimators import AdvantageResult, TermContext, compute_batch, resolve_device
 from ..wire.request import ComputeRequest, parse_request
@@ -88,7 +89,25 @@ def summarize(
     }
     if group_history is not None:
         summary["group_history"] = group_history
+    if batch.reward_components:
+        summary["reward_components"] = component_statistics(batch)
     return summary
+
+
+def component_statistics(batch: RolloutBatch) -> dict[str, dict[str, float | None]]:
+    """Per reward component of a request: the mean and std of its rollouts' values, those
+    without one left out; std with Bessel's correction (TRL logs ``rewards/<name>/std`` so).
+    None where no rollout (std: fewer than two) has a value."""
+    out: dict[str, dict[str, float | None]] = {}
+    for name in sorted(batch.reward_components):
+        values = batch.reward_components[name].detach().double().cpu()
+        values = values[~torch.isnan(values)]
+        count = int(values.numel())
+        out[name] = {
+            "mean": float(values.mean()) if count else None,
+            "std": float(values.std()) if count > 1 else None,
+        }
+    return out
 
 
 def compute(request: Mapping[str, Any], device: str = "auto") -> dict[str, Any]:

@@ -66,10 +66,12 @@ class StreamRollout:
 
     rollout_id: str
     tokens: np.ndarray
-    reward: float
+    reward: float | None  # (None: not given, the sum of its reward components)
     # The optional per-token inputs given (logprobs, entropy, ...: batch.TOKEN_INPUTS).
     token_inputs: dict[str, np.ndarray]
     teacher_logprobs: dict[str, np.ndarray]
+    # Named rewards (None for a component without a value); None: none given.
+    reward_components: dict[str, float | None] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -126,6 +128,11 @@ class StreamGroup:
                 "reward": r.reward,
                 **r.token_inputs,
                 "teacher_logprobs": r.teacher_logprobs,
+                **(
+                    {}
+                    if r.reward_components is None
+                    else {"reward_components": r.reward_components}
+                ),
             }
             for r in self.rollouts
         ]

@@ -141,6 +141,11 @@ def request_digest(req: ComputeRequest) -> str:
         (name, getattr(batch, name)) for name in _DIGESTED
     ]
     tensors += [(f"teacher:{n}", batch.teacher_logprobs[n]) for n in sorted(batch.teacher_logprobs)]
+    # (after every field of earlier releases, and only where given: a request without reward
+    # components keeps the digest it had)
+    tensors += [
+        (f"component:{n}", batch.reward_components[n]) for n in sorted(batch.reward_components)
+    ]
     for name, tensor in tensors:
         if tensor is None:
             continue

@@ -17,13 +17,19 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from advantage_contract.arrow import (
+    COMPONENT_PREFIX,
     PROMPT_KEY_COLUMN,
     REQUEST_METADATA,
     REQUIRED_COLUMNS,
     TEACHER_PREFIX,
 )
 from advantage_contract.errors import AdvantageError
-from advantage_contract.fields import EXACT_INTEGER_LIMIT
+from advantage_contract.fields import (
+    EXACT_INTEGER_LIMIT,
+    MAX_COMPONENT_NAME_LENGTH,
+    MAX_REWARD_COMPONENTS,
+    REWARD_COMPONENTS_FIELD,
+)
 from advantage_contract.flat import (
     MAX_CONDITION_NAME_LENGTH,
     MAX_GROUP_ID_LENGTH,
@@ -174,11 +180,21 @@ def plan_columns(schema: pa.Schema) -> list[_Column]:
     for name in names:
         if name in REQUIRED_COLUMNS or name in TOKEN_INPUTS or name == PROMPT_KEY_COLUMN:
             continue
+        if name.startswith(COMPONENT_PREFIX) and name != COMPONENT_PREFIX:
+            if len(name) - len(COMPONENT_PREFIX) > MAX_COMPONENT_NAME_LENGTH:
+                raise LimitExceeded(
+                    f"a reward component name (column component.<name>) has "
+                    f"{len(name) - len(COMPONENT_PREFIX)} characters; the limit is "
+                    f"{MAX_COMPONENT_NAME_LENGTH}",
+                    field=REWARD_COMPONENTS_FIELD,
+                )
+            continue
         if not name.startswith(TEACHER_PREFIX) or name == TEACHER_PREFIX:
             raise RequestError(
                 "unknown_field",
                 f"unknown column {echo(name)}; known: "
-                f"{[*REQUIRED_COLUMNS, PROMPT_KEY_COLUMN, *TOKEN_INPUTS]} and teacher.<condition>",
+                f"{[*REQUIRED_COLUMNS, PROMPT_KEY_COLUMN, *TOKEN_INPUTS]}, teacher.<condition> "
+                "and component.<name>",
                 field=name[:64],
             )
         condition = name[len(TEACHER_PREFIX) :]
@@ -193,6 +209,11 @@ def plan_columns(schema: pa.Schema) -> list[_Column]:
         raise LimitExceeded(  # (the words of the other transports)
             f"the request has more than {MAX_TEACHER_CONDITIONS} teacher_logprobs conditions",
             field="teacher_logprobs",
+        )
+    if sum(name.startswith(COMPONENT_PREFIX) for name in names) > MAX_REWARD_COMPONENTS:
+        raise LimitExceeded(
+            f"the request has more than {MAX_REWARD_COMPONENTS} reward components",
+            field=REWARD_COMPONENTS_FIELD,
         )
     for name in REQUIRED_COLUMNS:
         if name not in names:
@@ -218,10 +239,13 @@ def _plan_column(field: pa.Field) -> _Column:
                 field=PROMPT_KEY_COLUMN,
             )
         return _Column(name, "prompt_key", 1, 3)
-    if name == "reward":
+    if name == "reward" or name.startswith(COMPONENT_PREFIX):
+        field = _component_field(name)
+        if pa.types.is_null(kind) and name != "reward":
+            return _Column(name, "null", 1, 0)
         if not (pa.types.is_floating(kind) or pa.types.is_integer(kind)):
             raise RequestError(
-                "invalid_type", f"reward must be a number column, got {kind}", field="reward"
+                "invalid_type", f"{field} must be a number column, got {kind}", field=field
             )
         return _Column(name, "reward", 1, 2)
     if pa.types.is_null(kind):
@@ -394,11 +418,24 @@ def _group_column(table: pa.Table) -> tuple[list[str], np.ndarray]:
     return distinct.dictionary.take(pa.array(order)).to_pylist(), rank[row_codes]
 
 
-def _rewards(table: pa.Table, rows: _Rows) -> np.ndarray:
-    reward = _column(table, "reward")
-    if reward.null_count:
+def _component_field(name: str) -> str:
+    """The request field a number column carries: ``reward`` or ``reward_components.<name>``
+    (column ``component.<name>``)."""
+    if name.startswith(COMPONENT_PREFIX):
+        return f"{REWARD_COMPONENTS_FIELD}.{name[len(COMPONENT_PREFIX) :]}"
+    return name
+
+
+def _rewards(table: pa.Table, rows: _Rows, name: str = "reward", nulls: bool = False) -> np.ndarray:
+    """A number column as float64 (B,): the rewards, or a reward component's values (NaN where
+    null: none; ``nulls``: a reward may be null where the request has components)."""
+    field = _component_field(name)
+    reward = _column(table, name)
+    if pa.types.is_null(reward.type):
+        return np.full(len(reward), np.nan)
+    if reward.null_count and not nulls:
         row = _first(reward.is_null())
-        raise RequestError("invalid_type", "reward is null", field="reward", **rows.where(row))
+        raise RequestError("invalid_type", f"{field} is null", field=field, **rows.where(row))
     if pa.types.is_int64(reward.type) or pa.types.is_uint64(reward.type):
         values = reward.to_numpy(zero_copy_only=False)
         inexact = values > EXACT_INTEGER_LIMIT
@@ -408,12 +445,15 @@ def _rewards(table: pa.Table, rows: _Rows) -> np.ndarray:
             row = _first(inexact)
             raise RequestError(
                 "out_of_range",
-                f"reward {int(values[row])} is an integer a float64 cannot hold exactly "
+                f"{field} {int(values[row])} is an integer a float64 cannot hold exactly "
                 f"(beyond +-2^53); send it as a float",
-                field="reward",
+                field=field,
                 **rows.where(row),
             )
-    return reward.cast(pa.float64()).to_numpy(zero_copy_only=False)
+    values = reward.cast(pa.float64())
+    if values.null_count:
+        values = values.fill_null(np.nan)
+    return values.to_numpy(zero_copy_only=False)
 
 
 def _list_column(
@@ -470,7 +510,12 @@ def batch_from_valid(table: pa.Table, vocab_size: int | None) -> RolloutBatch:
     names = table.column_names
     group_ids, group_index = _group_column(table)
     rows = _Rows(group_ids, group_index)
-    rewards = _rewards(table, rows)
+    components = {
+        name[len(COMPONENT_PREFIX) :]: _rewards(table, rows, name, nulls=True)
+        for name in names
+        if name.startswith(COMPONENT_PREFIX)
+    }
+    rewards = _rewards(table, rows, nulls=bool(components))
 
     tokens = _list_column(table, "tokens", rows, integer=True)
     if tokens is None:
@@ -515,6 +560,7 @@ def batch_from_valid(table: pa.Table, vocab_size: int | None) -> RolloutBatch:
         teacher_logprobs=teacher,
         vocab_size=vocab_size,
         prompt_ids=_prompt_ids(table, group_ids, group_index),
+        reward_components=components,
         **token_inputs,
     )
 

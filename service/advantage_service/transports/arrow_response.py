@@ -73,12 +73,21 @@ def request_table(batch: RolloutBatch, options: Mapping[str, Any] | None = None)
         group_index=batch.group_index.cpu().numpy(),
         offsets=batch.offsets.cpu().numpy(),
         tokens=batch.tokens.cpu().numpy().astype(np.int32),
-        rewards=batch.rewards.cpu().numpy(),
+        rewards=_given_rewards(batch),
         per_token={name: v.cpu().numpy() for name, v in batch.token_inputs().items()},
         teacher_logprobs={name: v.cpu().numpy() for name, v in batch.teacher_logprobs.items()},
         options_json=jsonio.dumps(dict(options)) if options else None,
+        reward_components={n: v.cpu().numpy() for n, v in batch.reward_components.items()},
     )
     return table
+
+
+def _given_rewards(batch: RolloutBatch) -> np.ndarray:
+    """The rewards the client gave: NaN (null) where a rollout gave only components."""
+    rewards = batch.rewards.cpu().numpy()
+    if batch.reward_derived is None:
+        return rewards
+    return np.where(batch.reward_derived.cpu().numpy(), np.nan, rewards)
 
 
 def read_response(body: bytes | bytearray | memoryview) -> tuple[dict[str, Any], pa.Table]:

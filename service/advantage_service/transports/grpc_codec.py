@@ -4,6 +4,7 @@ parse."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import grpc
 import numpy as np
 from advantage_contract.errors import AdvantageError
-from advantage_contract.fields import EXACT_INTEGER_LIMIT
+from advantage_contract.fields import EXACT_INTEGER_LIMIT, REWARD_COMPONENTS_FIELD
 from advantage_contract.flat import check_prompt_key, prompt_ids
 from advantage_contract.grpc_gen import advantage_pb2 as pb
 from advantage_contract.grpc_wire import (
@@ -197,6 +198,10 @@ def decode_compute_request(request: pb.ComputeRequest) -> ComputeRequest:
         },
         vocab_size=options.vocab_size,
         prompt_ids=_prompt_ids(request),
+        reward_components={
+            name: read_tensor(values, f"{REWARD_COMPONENTS_FIELD}.{name}", integer=False)
+            for name, values in sorted(request.reward_components.items())
+        },
         **{
             name: read_tensor(getattr(request, name), name, integer=False)
             for name in TOKEN_INPUTS
@@ -258,7 +263,19 @@ def _check_integer_rewards(
 def summary_message(summary: Mapping[str, Any]) -> pb.Summary:
     """The summary's fields the message has (a newer summary key is not an error here)."""
     fields = pb.Summary.DESCRIPTOR.fields_by_name
-    return pb.Summary(**{k: v for k, v in summary.items() if k in fields and v is not None})
+    message = pb.Summary(
+        **{
+            k: v
+            for k, v in summary.items()
+            if k in fields and v is not None and k != REWARD_COMPONENTS_FIELD
+        }
+    )
+    for name, stats in (summary.get(REWARD_COMPONENTS_FIELD) or {}).items():
+        # (None, no value to take the statistic of: NaN on the wire)
+        entry = message.reward_components[name]
+        entry.mean = math.nan if stats["mean"] is None else stats["mean"]
+        entry.std = math.nan if stats["std"] is None else stats["std"]
+    return message
 
 
 def encode_compute_response(

@@ -126,7 +126,7 @@ def decode_rollout(
     where: dict[str, Any] = {"group_id": rollout.group_id, "rollout_index": rollout_index}
     if not rollout.HasField("tokens"):
         raise RequestError("missing_input", "tokens is required", field="tokens", **where)
-    if not rollout.HasField("reward"):
+    if not rollout.HasField("reward") and not rollout.reward_components:
         raise RequestError("missing_input", "reward is required", field="reward", **where)
     tokens = read_tensor(rollout.tokens, "tokens", integer=True, **where)
     if room is not None and tokens.size > room:
@@ -152,7 +152,7 @@ def decode_rollout(
     return StreamRollout(
         rollout_id=rollout.rollout_id,
         tokens=tokens,
-        reward=rollout.reward,
+        reward=rollout.reward if rollout.HasField("reward") else None,
         token_inputs={
             name: per_token(getattr(rollout, name), name)
             for name in TOKEN_INPUTS
@@ -162,6 +162,11 @@ def decode_rollout(
             name: per_token(values, f"teacher_logprobs.{name}")
             for name, values in rollout.teacher_logprobs.items()
         },
+        reward_components={
+            name: value.value if value.HasField("value") else None
+            for name, value in rollout.reward_components.items()
+        }
+        or None,
     )
 
 

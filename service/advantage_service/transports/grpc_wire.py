@@ -25,16 +25,19 @@ from typing import Any
 
 import numpy as np
 from advantage_contract.fields import (
+    MAX_COMPONENT_NAME_LENGTH,
     MAX_CONDITION_NAME_LENGTH,
     MAX_GROUP_ID_LENGTH,
+    MAX_REWARD_COMPONENTS,
     MAX_TEACHER_CONDITIONS,
+    REWARD_COMPONENTS_FIELD,
     TOKEN_FIELDS,
 )
 from advantage_contract.grpc_gen import advantage_pb2 as pb
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from ..config import RequestLimits
-from ..errors import LimitExceeded, RequestError
+from ..errors import SPLIT_HINT, LimitExceeded, RequestError
 from ..wire.request import (
     MAX_ESTIMATOR_JSON_BYTES,
     MAX_IGNORE_TOKEN_IDS,
@@ -49,9 +52,16 @@ from ..wire.text import invalid_utf8
 # source): the request's layout tensors and the contract's per-token inputs.
 _REQUEST = pb.ComputeRequest.DESCRIPTOR.fields_by_name
 _OPTIONS = pb.ComputeOptions.DESCRIPTOR.fields_by_name
-REQUEST_ID, OPTIONS, GROUP_IDS, TEACHER_LOGPROBS, PROMPT_KEYS = (
+REQUEST_ID, OPTIONS, GROUP_IDS, TEACHER_LOGPROBS, PROMPT_KEYS, REWARD_COMPONENTS = (
     _REQUEST[name].number
-    for name in ("request_id", "options", "group_ids", "teacher_logprobs", "prompt_keys")
+    for name in (
+        "request_id",
+        "options",
+        "group_ids",
+        "teacher_logprobs",
+        "prompt_keys",
+        REWARD_COMPONENTS_FIELD,
+    )
 )
 TENSORS = {
     _REQUEST[name].number: name
@@ -197,6 +207,7 @@ class _Tensor:
 class _Request:
     tensors: dict[str, _Tensor] = field(default_factory=dict)
     teachers: dict[bytes, _Tensor] = field(default_factory=dict)
+    components: dict[bytes, _Tensor] = field(default_factory=dict)
     group_ids: array[int] = field(default_factory=lambda: array("q"))  # start, stop, ...
 
 
@@ -213,6 +224,7 @@ TEXT_FIELDS = {
     "rollout.rollout_id": "rollout_id",
     "rollout.prompt_key": "prompt_key",
     "rollout.teacher_logprobs": "teacher_logprobs",
+    "rollout.reward_components": REWARD_COMPONENTS_FIELD,
 }
 
 
@@ -298,6 +310,8 @@ def _check(data: bytes, limits: RequestLimits) -> MessageShape:
             request.tensors.setdefault(TENSORS[number], _Tensor()).merge(data, start, stop)
         elif number == TEACHER_LOGPROBS:
             _check_teacher(data, start, stop, request.teachers)
+        elif number == REWARD_COMPONENTS:
+            _check_teacher(data, start, stop, request.components, components=True)
         elif number == PROMPT_KEYS and (length := over(data, start, stop, MAX_GROUP_ID_LENGTH)):
             # (not echoed: it is too long to be a key)
             raise LimitExceeded(
@@ -374,7 +388,7 @@ def _check_group_id(data: bytes, start: int, stop: int, index: int, limits: Requ
         raise LimitExceeded(
             f"the request has more than {limits.max_rollouts} group_ids, and a group has at "
             f"least one rollout; the limit is {limits.max_rollouts} rollouts "
-            "(ADV_MAX_REQUEST_ROLLOUTS): split the batch",
+            f"(ADV_MAX_REQUEST_ROLLOUTS): {SPLIT_HINT}",
             field="group_ids",
         )
     if start == stop:
@@ -388,26 +402,45 @@ def _check_group_id(data: bytes, start: int, stop: int, index: int, limits: Requ
         )
 
 
-def _check_teacher(data: bytes, start: int, stop: int, teachers: dict[bytes, _Tensor]) -> None:
+def _check_teacher(
+    data: bytes,
+    start: int,
+    stop: int,
+    teachers: dict[bytes, _Tensor],
+    components: bool = False,
+) -> None:
+    """A map entry of named tensors: a teacher condition, or (``components``) a reward
+    component; its name's length and the count of names within the limits."""
+    field, what, name_limit, count_limit = (
+        (
+            REWARD_COMPONENTS_FIELD,
+            "reward components",
+            MAX_COMPONENT_NAME_LENGTH,
+            MAX_REWARD_COMPONENTS,
+        )
+        if components
+        else (
+            "teacher_logprobs",
+            "teacher_logprobs conditions",
+            MAX_CONDITION_NAME_LENGTH,
+            MAX_TEACHER_CONDITIONS,
+        )
+    )
     key = b""
     value = _Tensor()
     for number, kind, _value, a, b in fields(data, start, stop):
         if number == MAP_KEY and kind == LEN:
-            if length := over(data, a, b, MAX_CONDITION_NAME_LENGTH):
+            if length := over(data, a, b, name_limit):
+                name = "reward component" if components else "teacher_logprobs condition"
                 raise LimitExceeded(
-                    f"a teacher_logprobs condition name has {length}; the limit is "
-                    f"{MAX_CONDITION_NAME_LENGTH}",
-                    field="teacher_logprobs",
+                    f"a {name} name has {length}; the limit is {name_limit}", field=field
                 )
             key = data[a:b]
         elif number == MAP_VALUE and kind == LEN:
             value.merge(data, a, b)  # (within an entry a message field merges ...)
     teachers[key] = value  # (... and an entry replaces one of the same key)
-    if len(teachers) > MAX_TEACHER_CONDITIONS:
-        raise LimitExceeded(
-            f"the request has more than {MAX_TEACHER_CONDITIONS} teacher_logprobs conditions",
-            field="teacher_logprobs",
-        )
+    if len(teachers) > count_limit:
+        raise LimitExceeded(f"the request has more than {count_limit} {what}", field=field)
 
 
 def _check_counts(data: bytes, request: _Request, limits: RequestLimits) -> MessageShape:
@@ -424,6 +457,14 @@ def _check_counts(data: bytes, request: _Request, limits: RequestLimits) -> Mess
         (f"teacher_logprobs.{key.decode(errors='replace')}", t.count())
         for key, t in request.teachers.items()
     ]
+    for key, t in request.components.items():
+        if t.count() > limits.max_rollouts:  # (one value per rollout)
+            name = f"{REWARD_COMPONENTS_FIELD}.{key.decode(errors='replace')}"
+            raise LimitExceeded(
+                f"{name} has {t.count()} values, one per rollout; the rollout limit is "
+                f"{limits.max_rollouts} (ADV_MAX_REQUEST_ROLLOUTS)",
+                field=name,
+            )
     for name, values in per_token:
         if values > limits.max_tokens:  # (one value per token: more is never right)
             raise LimitExceeded(

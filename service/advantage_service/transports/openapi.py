@@ -65,8 +65,10 @@ PlanningFlag = Annotated[float, Field(ge=0.0, le=1.0)]
 class RolloutIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     tokens: list[TokenId] = Field(description="token ids of the completion")
-    reward: Annotated[float, Field(allow_inf_nan=False)] = Field(
-        description="verifier reward; correct means reward > 0"
+    reward: Annotated[float, Field(allow_inf_nan=False)] | None = Field(
+        None,
+        description="verifier reward; correct means reward > 0. Required unless the rollout "
+        "gives reward_components",
     )
     logprobs: list[LogProb] | None = Field(
         None, description="the policy's log-probability of each token (one per token)"
@@ -99,6 +101,14 @@ class RolloutIn(BaseModel):
     teacher_logprobs: dict[str, list[LogProb]] | None = Field(
         None, description="condition name (e.g. pos, neg) -> log-probabilities, one per token"
     )
+    reward_components: dict[str, float | None] | None = Field(
+        None,
+        description="named rewards (e.g. format, accuracy; at most 16 names of at most 64 "
+        "characters, the same names on every rollout of the request), null where the rollout "
+        "has no value (left out of that component's statistics); with them `reward` may be "
+        "left out: the sum of the components, weighted by the outcome's `weights` if it has "
+        "them",
+    )
 
 
 class GroupIn(BaseModel):
@@ -128,6 +138,11 @@ class AdvantageRequest(BaseModel):
     groups: list[GroupIn]
 
 
+class ComponentStats(BaseModel):
+    mean: float | None = Field(description="null when no rollout has a value")
+    std: float | None = Field(description="null when fewer than two rollouts have a value")
+
+
 class Summary(BaseModel):
     tokens: int
     rollouts: int
@@ -151,6 +166,11 @@ class Summary(BaseModel):
         "statistics), written after the answer; they are lost only if the stats store becomes "
         "unreachable or the process dies first, both counted in metrics. false: not accepted "
         "(the store is unreachable, or the service is shutting down). null: nothing is recorded"
+    )
+    reward_components: dict[str, ComponentStats] | None = Field(
+        None,
+        description="per reward component of the request: the mean and std (Bessel-corrected) "
+        "of the rollouts' values, those without one left out; absent without components",
     )
 
 
@@ -188,7 +208,7 @@ class AdvantageResponse(BaseModel):
 
 class ParamInfo(BaseModel):
     name: str
-    type: Literal["boolean", "number", "string", "array"]
+    type: Literal["boolean", "number", "string", "array", "object"]
     default: Any
     description: str
     nullable: bool
@@ -300,8 +320,12 @@ EXAMPLE_REQUEST: dict[str, Any] = {
 
 def param_json_schema(p: Param) -> dict[str, Any]:
     """JSON Schema of one estimator parameter, from its registry declaration."""
-    kind = {bool: "boolean", float: "number", str: "string", list: "array"}[p.kind]
+    kind = {bool: "boolean", float: "number", str: "string", list: "array", dict: "object"}[p.kind]
     schema: dict[str, Any] = {"type": kind, "description": p.doc}
+    if p.kind is dict:  # (gdpo's weights: name -> number)
+        schema["additionalProperties"] = {"type": "number"}
+        schema["propertyNames"] = {"minLength": 1, "maxLength": p.max_length}
+        schema["maxProperties"] = p.max_items
     if p.kind is list:
         schema["items"] = {"type": "string", "minLength": 1, "maxLength": p.max_length}
         schema["maxItems"] = p.max_items

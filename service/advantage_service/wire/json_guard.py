@@ -24,7 +24,11 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 import numpy as np
-from advantage_contract.fields import GROUP_FIELDS
+from advantage_contract.fields import (
+    GROUP_FIELDS,
+    MAX_REWARD_COMPONENTS,
+    REWARD_COMPONENTS_FIELD,
+)
 from advantage_contract.flat import (
     MAX_GROUP_ID_LENGTH,
     MAX_TEACHER_CONDITIONS,
@@ -87,23 +91,29 @@ def check_body(body: bytes, limits: BodyLimits) -> BodyShape:
 # What a value is expected to be, from where it sits (the roles of frames and values).
 _ROOT, _GROUPS, _GROUP, _ROLLOUTS, _ROLLOUT, _TEACHER, _ESTIMATOR, _RETURN, _OTHER = range(9)
 _PER_TOKEN, _IGNORE, _REQUEST_ID, _NAMESPACE, _GROUP_ID, _NAME, _ANY = range(9, 16)
+_COMPONENTS = 16  # a rollout's reward_components: names -> numbers (or null)
 _PER_TOKEN_FIELDS = ("tokens", *TOKEN_FIELDS)
 # The role of an object's field's value, and of an array's elements.
 _FIELD_ROLES = {
     _ROOT: {"groups": _GROUPS, "estimator": _ESTIMATOR, "return": _RETURN},
     _GROUP: {"id": _GROUP_ID, "rollouts": _ROLLOUTS},
-    _ROLLOUT: {**dict.fromkeys(_PER_TOKEN_FIELDS, _PER_TOKEN), "teacher_logprobs": _TEACHER},
+    _ROLLOUT: {
+        **dict.fromkeys(_PER_TOKEN_FIELDS, _PER_TOKEN),
+        "teacher_logprobs": _TEACHER,
+        REWARD_COMPONENTS_FIELD: _COMPONENTS,
+    },
 }
 _FIELD_ROLES[_ROOT].update(ignore_token_ids=_IGNORE, request_id=_REQUEST_ID, namespace=_NAMESPACE)
 _ELEMENTS = {_GROUPS: (_GROUP, "groups"), _ROLLOUTS: (_ROLLOUT, "rollouts")}
 _ELEMENTS[_RETURN] = (_NAME, "return")
-_OBJECT_ROLES = (_ROOT, _GROUP, _ROLLOUT, _TEACHER)
+_OBJECT_ROLES = (_ROOT, _GROUP, _ROLLOUT, _TEACHER, _COMPONENTS)
 _COUNTED = (_GROUPS, _ROLLOUTS, _RETURN)  # arrays whose elements are counted from their commas
 _KNOWN = {_ROOT: TOP_LEVEL_FIELDS, _GROUP: GROUP_FIELDS, _ROLLOUT: ROLLOUT_FIELDS}
 _RANKS = {role: {name: i for i, name in enumerate(_KNOWN[role])} for role in (_GROUP, _ROLLOUT)}
 _ROLLOUT_RANKS = _RANKS[_ROLLOUT]
 # Where a string too long is, in json_limits' words (by the role of its object, or its own).
 _KEY_PLACES = {_TEACHER: "teacher_logprobs", _ROOT: "request", _ESTIMATOR: "estimator"}
+_KEY_PLACES[_COMPONENTS] = REWARD_COMPONENTS_FIELD
 _KEY_PLACES.update({_GROUP: "group", _ROLLOUT: "rollout"})
 _VALUE_PLACES = {_NAMESPACE: "namespace", _GROUP_ID: "id", _REQUEST_ID: "request_id"}
 _VALUE_PLACES.update({_ESTIMATOR: "name", _NAME: "name"})
@@ -149,6 +159,7 @@ class _Guard:
         self.tokens = 0
         self.values: dict[str, int] = {}  # per-token field -> values counted
         self.conditions: set[str] = set()
+        self.components: set[str] = set()  # reward component names
         self.unexpected = 0  # bytes of JSON where the schema has none so far
         self.region: _Frame | None = None  # the estimator or unexpected value being passed
         self.keys: dict[bytes, str | None] = {}  # keys decoded so far
@@ -348,6 +359,11 @@ class _Guard:
                 self.conditions.add(key)
                 if len(self.conditions) > MAX_TEACHER_CONDITIONS:
                     raise json_limits.too_many_conditions(self._where())
+        elif role == _COMPONENTS:
+            if key not in self.components or frame.keys > MAX_REWARD_COMPONENTS:
+                self.components.add(key)
+                if len(self.components) > MAX_REWARD_COMPONENTS:
+                    raise json_limits.too_many_components(self._where())
         elif role in _OBJECT_ROLES and frame.keys > MAX_FIELDS:
             what = {_ROOT: "the request", _GROUP: "a group", _ROLLOUT: "a rollout"}[role]
             raise json_limits.too_many_fields(what, key, MAX_FIELDS, self._where())

@@ -12,13 +12,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from advantage_contract.fields import (
+    MAX_COMPONENT_NAME_LENGTH,
+    MAX_REWARD_COMPONENTS,
+    REWARD_COMPONENTS_FIELD,
+)
 from advantage_contract.flat import (
     MAX_CONDITION_NAME_LENGTH,
     MAX_TEACHER_CONDITIONS,
     TOP_LEVEL_FIELDS,
 )
 
-from ..errors import LimitExceeded, RequestError, shown
+from ..errors import SPLIT_HINT, LimitExceeded, RequestError, shown
 from .request import (
     MAX_ESTIMATOR_JSON_BYTES,
     MAX_IGNORE_TOKEN_IDS,
@@ -84,10 +89,18 @@ def too_many_conditions(where: Where) -> LimitExceeded:
     )
 
 
+def too_many_components(where: Where) -> LimitExceeded:
+    return LimitExceeded(
+        f"the request has more than {MAX_REWARD_COMPONENTS} reward components",
+        field=REWARD_COMPONENTS_FIELD,
+        **where,
+    )
+
+
 def too_many_groups(limit: int) -> LimitExceeded:
     return LimitExceeded(
         f"the request has more than {limit} groups, and a group has at least one rollout; the "
-        f"limit is {limit} rollouts (ADV_MAX_REQUEST_ROLLOUTS): split the batch",
+        f"limit is {limit} rollouts (ADV_MAX_REQUEST_ROLLOUTS): {SPLIT_HINT}",
         field="groups",
     )
 
@@ -125,13 +138,13 @@ def over_counts(
     if rollouts > max_rollouts:
         return LimitExceeded(
             f"the request has {rollouts} rollouts; the limit is {max_rollouts} "
-            "(ADV_MAX_REQUEST_ROLLOUTS): split the batch",
+            f"(ADV_MAX_REQUEST_ROLLOUTS): {SPLIT_HINT}",
             field="rollouts",
         )
     if tokens > max_tokens:
         return LimitExceeded(
             f"the request has {tokens} tokens; the limit is {max_tokens} "
-            "(ADV_MAX_REQUEST_TOKENS): split the batch",
+            f"(ADV_MAX_REQUEST_TOKENS): {SPLIT_HINT}",
             field="tokens",
         )
     name, count = max(values.items(), key=lambda item: item[1])
@@ -173,6 +186,12 @@ def long_key(place: str, field: str | None, chars: str, where: Where) -> Request
             f"a teacher_logprobs condition name has {chars}; the limit is "
             f"{MAX_CONDITION_NAME_LENGTH}",
             field="teacher_logprobs",
+            **where,
+        )
+    if place == REWARD_COMPONENTS_FIELD:
+        return LimitExceeded(
+            f"a reward component name has {chars}; the limit is {MAX_COMPONENT_NAME_LENGTH}",
+            field=REWARD_COMPONENTS_FIELD,
             **where,
         )
     if place == "request":

@@ -98,6 +98,7 @@ class _Rollout(msgspec.Struct, forbid_unknown_fields=True):
     returns: Raw = Raw()
     planning_mask: Raw = Raw()
     teacher_logprobs: dict[str, Raw] | UnsetType | None = UNSET
+    reward_components: dict[str, int | float | None] | UnsetType | None = UNSET
 
 
 class _Group(msgspec.Struct, forbid_unknown_fields=True):

@@ -27,15 +27,23 @@ from typing import Any
 
 import numpy as np
 import torch
+from advantage_contract.arrays import torch_tensor
 from advantage_contract.errors import AdvantageError
 from advantage_contract.fields import TOKEN_FIELDS
 from advantage_contract.flat import group_prompt_keys, prompt_ids
-from advantage_contract.padded import PaddedLayout, PaddedResult, as_numpy, group_index_of
+from advantage_contract.padded import (
+    PaddedLayout,
+    PaddedResult,
+    as_numpy,
+    group_index_of,
+    row_components,
+)
 
 from ..batch import RolloutBatch, fresh
+from ..batch.validation import component_weights
 from ..errors import RequestError
 from ..estimators import OUTCOMES, compute_batch, resolve_estimator
-from ..estimators.pipeline import check_inputs, whiten_and_clip
+from ..estimators.pipeline import check_inputs, whiten_and_clip, zero_signal_rollouts
 
 __all__ = ["PaddedResult", "compute_padded"]
 
@@ -93,11 +101,12 @@ class _Padded:
         else:
             layout = PaddedLayout.from_padded(mask, rewards, group_ids)
             self.layout = layout
-            self.mask_t = torch.from_numpy(layout.mask)
+            # (a JAX array's view is read-only: torch_tensor copies it rather than warn)
+            self.mask_t = torch_tensor(layout.mask)
             self.mask_raw = self.mask_t
             self.group_ids = layout.group_ids
             self.group_index = torch.from_numpy(layout.group_index)
-            self.rewards = torch.from_numpy(np.ascontiguousarray(layout.rewards))
+            self.rewards = torch_tensor(np.ascontiguousarray(layout.rewards))
             self.lengths = torch.from_numpy(layout.lengths)
 
     @functools.cached_property
@@ -122,7 +131,7 @@ class _Padded:
     def gather(self, values: Any, name: str) -> torch.Tensor:
         """(B, T) values at the mask: (N,) on the device."""
         if self.layout is not None:
-            return torch.from_numpy(self.layout.gather(values, name))
+            return torch_tensor(self.layout.gather(values, name))
         tensor = torch.as_tensor(values, device=self.device)
         if tensor.shape != self.mask_t.shape:
             raise RequestError(
@@ -184,7 +193,7 @@ class _RowsBatch(RolloutBatch):
     offsets (a pass over the whole (B, T) mask) made only if something reads them (OPO's
     length weights, whitening); the token ids, which no outcome reads, a view of one zero."""
 
-    def __init__(self, padded: _Padded) -> None:
+    def __init__(self, padded: _Padded, components: dict[str, torch.Tensor]) -> None:
         self._padded = padded
         super().__init__(
             tokens=_UNSET,
@@ -192,6 +201,7 @@ class _RowsBatch(RolloutBatch):
             group_index=padded.group_index,
             group_ids=padded.group_ids,
             rewards=padded.rewards.float(),
+            reward_components=components,
         )
 
     @property
@@ -216,11 +226,12 @@ _UNSET = torch.zeros(0)
 
 
 def _outcome_only(
-    padded: _Padded, spec: Any, wanted: tuple[str, ...]
+    padded: _Padded, spec: Any, wanted: tuple[str, ...], components: dict[str, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages (B, T), scalars (B,)) for an estimator without token-level terms: the flat
     pipeline's numbers with nothing gathered (each row's advantages are one value)."""
-    batch = _RowsBatch(padded)
+    batch = _RowsBatch(padded, components)
+    batch.fill_rewards(component_weights(spec.outcome_params))
     bad = torch.nonzero(~torch.isfinite(batch.rewards))
     if bad.numel():
         i = int(bad[0])
@@ -237,6 +248,9 @@ def _outcome_only(
     # token: its length, a pass over the mask only when whitening asks for it), then clipping.
     lengths = padded.lengths if spec.whiten else None
     per_row = whiten_and_clip(scalars.float(), spec, lengths)
+    zero = zero_signal_rollouts(batch, spec)
+    if zero is not None:  # (after whitening and clipping, as the flat pipeline does)
+        per_row = per_row.masked_fill(zero, 0.0)
     return padded.broadcast(per_row), scalars.float()
 
 
@@ -259,6 +273,7 @@ def compute_padded(
     namespace: str | None = None,
     request_id: str | None = None,
     prompt_keys: Any = None,
+    reward_components: Mapping[str, Any] | None = None,
 ) -> PaddedResult:
     """Per-token advantages for a padded batch, computed in this process.
 
@@ -269,6 +284,8 @@ def compute_padded(
     scalars (only those are computed). ``namespace``, ``request_id`` and ``prompt_keys`` (B,:
     per row, the key of its group's history; every row of a group the same) are accepted for the
     clients' signature and checked; in-process there is no stats store to read or write.
+    ``reward_components`` {name: (B,)}: named rewards per row, NaN where a row has none; a row
+    whose reward is NaN gets their sum, weighted by the estimator's ``weights``.
 
     Returns :class:`PaddedResult`: ``advantages`` float32 (B, T) with exact zeros off the mask,
     ``scalars`` float32 (B,), ``diagnostics`` {name: float32 (B, T)}: torch tensors on the
@@ -299,8 +316,14 @@ def compute_padded(
         token_level = _token_level(spec)
         padded = _Padded(mask, rewards, group_ids, gather=token_level)
         keys = _prompt_ids(padded, prompt_keys)
+        components = {
+            name: torch.as_tensor(values, dtype=torch.float32, device=padded.device)
+            for name, values in row_components(
+                reward_components, int(padded.group_index.numel())
+            ).items()
+        }
         if not token_level:
-            advantages, scalars = _outcome_only(padded, spec, wanted)
+            advantages, scalars = _outcome_only(padded, spec, wanted, components)
             return PaddedResult(padded.out(advantages), padded.out(scalars), {})
         if tokens is None:
             raise RequestError(
@@ -335,6 +358,8 @@ def compute_padded(
         logprobs=logprobs_flat,
         teacher_logprobs=teachers,
         prompt_ids=keys,
+        reward_components=components,
+        component_weights=component_weights(spec.outcome_params),
         **inputs,
     )
     result = compute_batch(

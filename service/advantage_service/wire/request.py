@@ -17,6 +17,7 @@ from advantage_contract.errors import AdvantageError
 from advantage_contract.flat import TOP_LEVEL_FIELDS, flatten_groups
 
 from ..batch import RolloutBatch
+from ..batch.validation import component_weights
 from ..errors import LimitExceeded, RequestError, shown
 from ..estimators import EstimatorSpec, resolve_estimator
 from ..estimators.pipeline import all_diagnostics
@@ -70,9 +71,11 @@ class RequestOptions:
     client_request_id: bool = False
 
     def with_batch(self, batch: RolloutBatch) -> ComputeRequest:
-        """The request of these options over ``batch``."""
+        """The request of these options over ``batch``: the rewards a rollout gave only as
+        reward components summed with the estimator's ``weights`` (when its outcome has
+        them)."""
         return ComputeRequest(
-            batch=batch,
+            batch=batch.with_component_weights(component_weights(self.estimator.outcome_params)),
             estimator=self.estimator,
             request_id=self.request_id,
             namespace=self.namespace,
@@ -238,7 +241,12 @@ def batch_from_groups(groups: Any, vocab_size: int | None) -> RolloutBatch:
     # answer, logged, kept as keys): one join where they are all text; the walk that names
     # the culprit only where one is not. (Every other string of the groups is one the builder
     # refuses, above.)
-    kept = [*flat.group_ids, *flat.teacher_logprobs, *(k for k in flat.prompt_keys or () if k)]
+    kept = [
+        *flat.group_ids,
+        *flat.teacher_logprobs,
+        *flat.reward_components,
+        *(k for k in flat.prompt_keys or () if k),
+    ]
     if not all_text(kept):
         check_tree(groups, "groups")
         raise invalid_text("groups")
@@ -251,5 +259,6 @@ def batch_from_groups(groups: Any, vocab_size: int | None) -> RolloutBatch:
         teacher_logprobs=flat.teacher_logprobs,
         vocab_size=vocab_size,
         prompt_ids=flat.prompt_ids(),
+        reward_components=flat.reward_components,
         **flat.token_values(),
     )

@@ -37,6 +37,12 @@ def _check_value(param: Mapping[str, Any], value: Any, where: str) -> None:
         if choices is not None and value not in choices:
             raise EstimatorCheckError(f"{where} must be one of {list(choices)}, got {value!r}")
         return
+    if kind == "object":  # (name -> number: gdpo's weights; the service checks the rest)
+        if not isinstance(value, Mapping):
+            raise EstimatorCheckError(f"{where} must be an object, got {value!r}")
+        for name, item in value.items():
+            _check_value({"type": "number"}, item, f"{where}.{name}")
+        return
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise EstimatorCheckError(f"{where} must be a number, got {value!r}")
     number = float(value)

@@ -16,6 +16,17 @@ from typing import Any
 import numpy as np
 
 OUTCOMES = ("grpo", "dr_grpo", "rloo", "reinforce")
+# grpo's scaling parameters and the values the stand-in computes (the service's defaults; a
+# group of equal rewards gets 0 either way, so both zero_signal values agree here). Any other
+# value (a request-wide mean or std, leave-one-out, ...) needs the service.
+GRPO_LOCAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "mean_scope": ("group",),
+    "std_scope": ("group",),
+    "leave_one_out": (False,),
+    "std_unbiased": (True,),
+    "std_center": ("mean",),
+    "zero_signal": ("keep", "zero"),
+}
 
 
 def unsupported(resolved: Mapping[str, Any]) -> str | None:
@@ -24,6 +35,10 @@ def unsupported(resolved: Mapping[str, Any]) -> str | None:
     name = outcome.get("name")
     if name not in OUTCOMES:
         return f"outcome {name!r} has no local stand-in (those that do: {list(OUTCOMES)})"
+    if name == "grpo":
+        for param, local in GRPO_LOCAL_VALUES.items():
+            if param in outcome and outcome[param] not in local:
+                return f"grpo's {param}={outcome[param]!r} has no local stand-in (it has {local})"
     terms = [k for k, v in resolved.items() if k not in ("outcome", "whiten", "clip") and v]
     if terms:
         return f"the token-level terms {terms} need the service"

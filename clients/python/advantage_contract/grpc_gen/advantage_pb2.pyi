@@ -45,8 +45,15 @@ class ComputeOptions(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., preset: _Optional[str] = ..., estimator_json: _Optional[str] = ..., ignore_token_ids: _Optional[_Iterable[int]] = ..., vocab_size: _Optional[int] = ..., returns: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ComputeRequest(_message.Message):
-    __slots__ = ("request_id", "options", "group_ids", "group_index", "offsets", "tokens", "rewards", "logprobs", "teacher_logprobs", "entropy", "sum_pi_squared", "is_weights", "returns", "prompt_keys", "planning_mask")
+    __slots__ = ("request_id", "options", "group_ids", "group_index", "offsets", "tokens", "rewards", "logprobs", "teacher_logprobs", "entropy", "sum_pi_squared", "is_weights", "returns", "prompt_keys", "planning_mask", "reward_components")
     class TeacherLogprobsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Tensor
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    class RewardComponentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +75,7 @@ class ComputeRequest(_message.Message):
     RETURNS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_KEYS_FIELD_NUMBER: _ClassVar[int]
     PLANNING_MASK_FIELD_NUMBER: _ClassVar[int]
+    REWARD_COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     options: ComputeOptions
     group_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -83,10 +91,32 @@ class ComputeRequest(_message.Message):
     returns: Tensor
     prompt_keys: _containers.RepeatedScalarFieldContainer[str]
     planning_mask: Tensor
-    def __init__(self, request_id: _Optional[str] = ..., options: _Optional[_Union[ComputeOptions, _Mapping]] = ..., group_ids: _Optional[_Iterable[str]] = ..., group_index: _Optional[_Union[Tensor, _Mapping]] = ..., offsets: _Optional[_Union[Tensor, _Mapping]] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ..., rewards: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., teacher_logprobs: _Optional[_Mapping[str, Tensor]] = ..., entropy: _Optional[_Union[Tensor, _Mapping]] = ..., sum_pi_squared: _Optional[_Union[Tensor, _Mapping]] = ..., is_weights: _Optional[_Union[Tensor, _Mapping]] = ..., returns: _Optional[_Union[Tensor, _Mapping]] = ..., prompt_keys: _Optional[_Iterable[str]] = ..., planning_mask: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    reward_components: _containers.MessageMap[str, Tensor]
+    def __init__(self, request_id: _Optional[str] = ..., options: _Optional[_Union[ComputeOptions, _Mapping]] = ..., group_ids: _Optional[_Iterable[str]] = ..., group_index: _Optional[_Union[Tensor, _Mapping]] = ..., offsets: _Optional[_Union[Tensor, _Mapping]] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ..., rewards: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., teacher_logprobs: _Optional[_Mapping[str, Tensor]] = ..., entropy: _Optional[_Union[Tensor, _Mapping]] = ..., sum_pi_squared: _Optional[_Union[Tensor, _Mapping]] = ..., is_weights: _Optional[_Union[Tensor, _Mapping]] = ..., returns: _Optional[_Union[Tensor, _Mapping]] = ..., prompt_keys: _Optional[_Iterable[str]] = ..., planning_mask: _Optional[_Union[Tensor, _Mapping]] = ..., reward_components: _Optional[_Mapping[str, Tensor]] = ...) -> None: ...
+
+class ComponentStats(_message.Message):
+    __slots__ = ("mean", "std")
+    MEAN_FIELD_NUMBER: _ClassVar[int]
+    STD_FIELD_NUMBER: _ClassVar[int]
+    mean: float
+    std: float
+    def __init__(self, mean: _Optional[float] = ..., std: _Optional[float] = ...) -> None: ...
+
+class ComponentValue(_message.Message):
+    __slots__ = ("value",)
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    value: float
+    def __init__(self, value: _Optional[float] = ...) -> None: ...
 
 class Summary(_message.Message):
-    __slots__ = ("tokens", "rollouts", "groups", "zero_signal_groups", "device", "compute_ms", "history", "batch_requests", "recorded", "group_history")
+    __slots__ = ("tokens", "rollouts", "groups", "zero_signal_groups", "device", "compute_ms", "history", "batch_requests", "recorded", "group_history", "reward_components")
+    class RewardComponentsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: ComponentStats
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[ComponentStats, _Mapping]] = ...) -> None: ...
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +127,7 @@ class Summary(_message.Message):
     BATCH_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RECORDED_FIELD_NUMBER: _ClassVar[int]
     GROUP_HISTORY_FIELD_NUMBER: _ClassVar[int]
+    REWARD_COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     tokens: int
     rollouts: int
     groups: int
@@ -107,7 +138,8 @@ class Summary(_message.Message):
     batch_requests: int
     recorded: bool
     group_history: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, tokens: _Optional[int] = ..., rollouts: _Optional[int] = ..., groups: _Optional[int] = ..., zero_signal_groups: _Optional[int] = ..., device: _Optional[str] = ..., compute_ms: _Optional[float] = ..., history: _Optional[str] = ..., batch_requests: _Optional[int] = ..., recorded: _Optional[bool] = ..., group_history: _Optional[_Iterable[str]] = ...) -> None: ...
+    reward_components: _containers.MessageMap[str, ComponentStats]
+    def __init__(self, tokens: _Optional[int] = ..., rollouts: _Optional[int] = ..., groups: _Optional[int] = ..., zero_signal_groups: _Optional[int] = ..., device: _Optional[str] = ..., compute_ms: _Optional[float] = ..., history: _Optional[str] = ..., batch_requests: _Optional[int] = ..., recorded: _Optional[bool] = ..., group_history: _Optional[_Iterable[str]] = ..., reward_components: _Optional[_Mapping[str, ComponentStats]] = ...) -> None: ...
 
 class ComputeResponse(_message.Message):
     __slots__ = ("request_id", "namespace", "estimator_json", "group_ids", "group_index", "offsets", "advantages", "scalars", "diagnostics", "summary")
@@ -141,7 +173,7 @@ class ComputeResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., namespace: _Optional[str] = ..., estimator_json: _Optional[str] = ..., group_ids: _Optional[_Iterable[str]] = ..., group_index: _Optional[_Union[Tensor, _Mapping]] = ..., offsets: _Optional[_Union[Tensor, _Mapping]] = ..., advantages: _Optional[_Union[Tensor, _Mapping]] = ..., scalars: _Optional[_Union[Tensor, _Mapping]] = ..., diagnostics: _Optional[_Mapping[str, Tensor]] = ..., summary: _Optional[_Union[Summary, _Mapping]] = ...) -> None: ...
 
 class Rollout(_message.Message):
-    __slots__ = ("group_id", "group_size", "rollout_id", "tokens", "reward", "logprobs", "teacher_logprobs", "entropy", "sum_pi_squared", "is_weights", "returns", "prompt_key", "planning_mask")
+    __slots__ = ("group_id", "group_size", "rollout_id", "tokens", "reward", "logprobs", "teacher_logprobs", "entropy", "sum_pi_squared", "is_weights", "returns", "prompt_key", "planning_mask", "reward_components")
     class TeacherLogprobsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +181,13 @@ class Rollout(_message.Message):
         key: str
         value: Tensor
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    class RewardComponentsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: ComponentValue
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[ComponentValue, _Mapping]] = ...) -> None: ...
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +201,7 @@ class Rollout(_message.Message):
     RETURNS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_KEY_FIELD_NUMBER: _ClassVar[int]
     PLANNING_MASK_FIELD_NUMBER: _ClassVar[int]
+    REWARD_COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     group_size: int
     rollout_id: str
@@ -175,7 +215,8 @@ class Rollout(_message.Message):
     returns: Tensor
     prompt_key: str
     planning_mask: Tensor
-    def __init__(self, group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., rollout_id: _Optional[str] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ..., reward: _Optional[float] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., teacher_logprobs: _Optional[_Mapping[str, Tensor]] = ..., entropy: _Optional[_Union[Tensor, _Mapping]] = ..., sum_pi_squared: _Optional[_Union[Tensor, _Mapping]] = ..., is_weights: _Optional[_Union[Tensor, _Mapping]] = ..., returns: _Optional[_Union[Tensor, _Mapping]] = ..., prompt_key: _Optional[str] = ..., planning_mask: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    reward_components: _containers.MessageMap[str, ComponentValue]
+    def __init__(self, group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., rollout_id: _Optional[str] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ..., reward: _Optional[float] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., teacher_logprobs: _Optional[_Mapping[str, Tensor]] = ..., entropy: _Optional[_Union[Tensor, _Mapping]] = ..., sum_pi_squared: _Optional[_Union[Tensor, _Mapping]] = ..., is_weights: _Optional[_Union[Tensor, _Mapping]] = ..., returns: _Optional[_Union[Tensor, _Mapping]] = ..., prompt_key: _Optional[str] = ..., planning_mask: _Optional[_Union[Tensor, _Mapping]] = ..., reward_components: _Optional[_Mapping[str, ComponentValue]] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
     __slots__ = ("options", "rollout")

@@ -152,7 +152,7 @@
         }
         rows.push({
           group: group.id, index: i, tokens: input.tokens || [], reward: input.reward,
-          scalar: out.scalar, values, element: null,
+          components: input.reward_components || null, scalar: out.scalar, values, element: null,
         });
       });
     });
@@ -288,6 +288,9 @@
       credit.push(["MaxRL success rate p", p, "maxrl_rate"]);
       credit.push(["MaxRL r − p", row.reward - p, "maxrl_centred"]);
     }
+    if (outcome === "gdpo" && row.components) {
+      gdpoShares(row, estimator.outcome).forEach((c) => credit.push(c));
+    }
     if (v("gtpo_reward") !== undefined) {
       credit.push(["GTPO shaped reward r̃ (entropy share)", v("gtpo_reward"), "gtpo_reward"]);
     }
@@ -319,6 +322,37 @@
       body.append(el("h3", {}, "CSCR"));
       body.append(dl([["sensitivity s", v("sensitivity"), "sensitivity"], ["weight w", weight, "cscr_weight"]]));
     }
+  }
+
+  // GDPO: each reward component normalised within the group, A_ik = (r_ik - mean) / (std + eps)
+  // over the rollouts that gave it (verl: eps 1e-6, a group of one mean 0 std 1; trl: eps 1e-4,
+  // 0 below two values), and its weighted share w_k A_ik of the sum the request then normalises.
+  function gdpoShares(row, outcome) {
+    const trl = outcome.normalization === "trl";
+    const eps = trl ? 1e-4 : 1e-6;
+    const weights = outcome.weights || {};
+    const group = state.view.rows.filter((r) => r.group === row.group);
+    const out = [];
+    let sum = 0;
+    for (const name of Object.keys(row.components).sort()) {
+      const own = row.components[name];
+      const w = weights[name] ?? 1;
+      const given = group.map((r) => (r.components || {})[name]).filter((x) => x !== null && x !== undefined);
+      let a = 0;
+      if (own !== null && own !== undefined && given.length > 0) {
+        if (given.length === 1) {
+          a = trl ? 0 : own / (1 + eps);
+        } else {
+          const mean = given.reduce((p, q) => p + q, 0) / given.length;
+          const sq = given.reduce((p, q) => p + (q - mean) ** 2, 0);
+          a = (own - mean) / (Math.sqrt(sq / (given.length - 1)) + eps);
+        }
+      }
+      sum += w * a;
+      out.push([`GDPO ${name}: w \u00b7 A (r = ${fmt(own)})`, w * a, `gdpo_share_${name}`]);
+    }
+    out.push(["GDPO sum S (then normalised over the request)", sum, "gdpo_sum"]);
+    return out;
   }
 
   function ktaeTable(v) {

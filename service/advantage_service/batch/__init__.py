@@ -7,6 +7,7 @@ rollout's dense group number into ``group_ids``. No padding anywhere.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -15,25 +16,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from advantage_contract.fields import TOKEN_FIELDS
+from advantage_contract.fields import REWARD_COMPONENTS_FIELD, TOKEN_FIELDS
 
-from .errors import RequestError
+from ..errors import RequestError
+from . import validation
+from .merge import concat_components, concat_token_inputs
 
-# A log-probability may exceed 0 by float rounding in the client's softmax; more is a bug there.
-LOGPROB_TOLERANCE = 1e-4
-# Token ids travel as int32 (as tokenizers and varlen kernels store them).
-INT32_LIMIT = 2**31
 # The optional per-token inputs beside the teachers' log-probabilities, each float32 (N,) or
 # None: the contract's per-token fields. They travel wherever logprobs travels.
 TOKEN_INPUTS = TOKEN_FIELDS
-# An entropy may fall below 0, and a sum of squared probabilities above 1, by float rounding
-# in the client; more is a bug there.
-RANGE_TOLERANCE = 1e-4
-# The value that leaves the math unchanged where one merged request lacks an optional input and
-# another has it (a weight of 1: x * 1 is x exactly). Inputs without one are dropped from a
-# merged batch when some request lacks them (no term needs them then: every request of the
-# merge passed the estimator's input check alone).
-NEUTRAL_VALUES = {"is_weights": 1.0}
 
 
 def _to_tensor(value: Any, dtype: torch.dtype, name: str) -> torch.Tensor:
@@ -142,7 +133,8 @@ class RolloutBatch:
     tokens: int32 (N,); offsets: int64 (B+1,); group_index: int64 (B,) in [0, G);
     group_ids: G distinct strings; rewards: float32 (B,); logprobs, entropy, sum_pi_squared,
     is_weights, planning_mask: float32 (N,) or None (:data:`TOKEN_INPUTS`); teacher_logprobs:
-    condition name -> float32 (N,).
+    condition name -> float32 (N,); reward_components: component name -> float32 (B,), NaN where
+    a rollout has no value for it.
     """
 
     tokens: torch.Tensor
@@ -165,6 +157,13 @@ class RolloutBatch:
     planning_mask: torch.Tensor | None = None
     # Prompt ids for state kept per prompt (history); defaults to the group ids.
     prompt_ids: list[str] | None = None
+    # Named rewards per rollout (a format and an accuracy reward, ...), NaN where a rollout gave
+    # none (null): left out of that component's statistics, as TRL leaves out None rewards.
+    # ``rewards`` stays what every outcome reads.
+    reward_components: dict[str, torch.Tensor] = field(default_factory=dict)
+    # bool (B,): the rollouts that gave components and no reward, whose reward is the weighted
+    # sum of their components (:meth:`with_component_weights` re-weighs them); None: none.
+    reward_derived: torch.Tensor | None = None
     # A batch that merges several requests (``concat``): int64 (S+1,) on the CPU, request s owns
     # rollouts [segments[s], segments[s + 1]). None: the batch is one request. Math over "the
     # whole request" (whitening, GPG's B) runs per segment.
@@ -188,6 +187,8 @@ class RolloutBatch:
         planning_mask: Any = None,
         vocab_size: int | None = None,
         prompt_ids: Sequence[str] | None = None,
+        reward_components: Mapping[str, Any] | None = None,
+        component_weights: Any = None,
     ) -> RolloutBatch:
         """Build and validate a batch from flat arrays (numpy, torch or lists).
 
@@ -195,18 +196,27 @@ class RolloutBatch:
         ``planning_mask``: (N,) each, or None.
         ``prompt_ids``: per group, the key of the state kept per prompt (history); None keys it
         by the group ids.
+        ``reward_components``: component name -> (B,) values, NaN (or None in a list) where a
+        rollout has none. Where it is given, a NaN reward is a missing one: the sum of the
+        rollout's components, each times its ``component_weights`` entry (name -> weight; 1
+        where it has none).
         Raises :class:`RequestError` naming the group, rollout and field of the first problem.
         """
 
         def optional(values: Any, name: str) -> torch.Tensor | None:
             return None if values is None else _to_tensor(values, torch.float32, name)
 
+        validation.check_component_names(list(reward_components or {}))
         batch = cls(
             tokens=_to_tensor(tokens, torch.int64, "tokens"),
             offsets=_to_tensor(offsets, torch.int64, "offsets"),
             group_index=_to_tensor(group_index, torch.int64, "group_index"),
             group_ids=[str(g) for g in group_ids],
-            rewards=_to_tensor(rewards, torch.float32, "reward"),
+            rewards=(
+                _component_tensor(rewards, "reward")
+                if reward_components
+                else _to_tensor(rewards, torch.float32, "reward")
+            ),
             logprobs=optional(logprobs, "logprobs"),
             teacher_logprobs={
                 str(k): _to_tensor(v, torch.float32, f"teacher_logprobs.{k}")
@@ -218,14 +228,22 @@ class RolloutBatch:
             returns=optional(returns, "returns"),
             prompt_ids=None if prompt_ids is None else [str(p) for p in prompt_ids],
             planning_mask=optional(planning_mask, "planning_mask"),
+            # (in name order, whatever order the wire gave: sums over them then agree bit
+            # for bit on every wire)
+            reward_components={
+                str(k): _component_tensor(v, f"{REWARD_COMPONENTS_FIELD}.{k}")
+                for k, v in sorted((reward_components or {}).items())
+            },
         )
+        validation.check_layout(batch)
+        batch.fill_rewards(component_weights or {})
         if batch.prompt_ids is not None and len(batch.prompt_ids) != len(batch.group_ids):
             raise RequestError(
                 "invalid_shape",
                 f"{len(batch.prompt_ids)} prompt keys for {len(batch.group_ids)} groups",
                 field="prompt_key",
             )
-        batch.validate(vocab_size=vocab_size)
+        validation.check_values(batch, vocab_size)
         batch.tokens = batch.tokens.to(torch.int32)
         return batch
 
@@ -361,8 +379,38 @@ class RolloutBatch:
             },
             prompt_ids=self.prompt_ids,
             segments=self.segments,
+            reward_components={
+                k: v.to(device, non_blocking=True) for k, v in self.reward_components.items()
+            },
+            reward_derived=(
+                None if self.reward_derived is None else self.reward_derived.to(device)
+            ),
             **{k: v.to(device, non_blocking=True) for k, v in self.token_inputs().items()},
         )
+
+    def fill_rewards(self, weights: Mapping[str, float]) -> None:
+        """Where the batch has reward components, each NaN reward (none given) becomes the sum
+        of the rollout's components times ``weights`` (1 where a name has none); a rollout
+        without a value of any is refused."""
+        if not self.reward_components:
+            return
+        missing = torch.isnan(self.rewards)
+        if bool(missing.any()):
+            self.reward_derived = missing
+            self.rewards = validation.summed_rewards(
+                self.rewards, missing, self.reward_components, weights
+            )
+            _refuse_rewardless(self)
+
+    def with_component_weights(self, weights: Mapping[str, float]) -> RolloutBatch:
+        """This batch with the rewards derived from components (rollouts that gave none)
+        summed with ``weights`` (name -> weight; 1 where a name has none): the estimator's."""
+        if self.reward_derived is None or not weights:
+            return self
+        rewards = validation.summed_rewards(
+            self.rewards, self.reward_derived, self.reward_components, weights
+        )
+        return dataclasses.replace(self, rewards=rewards)
 
     # ---- requests merged into one batch ---------------------------------------------------------
 
@@ -371,7 +419,9 @@ class RolloutBatch:
         """One batch holding ``batches`` one after another, each its own request (segment) and
         its groups its own, even where group ids collide. They must carry the same teacher
         conditions. An optional per-token input that some lack is filled with its neutral
-        value where it has one (:data:`NEUTRAL_VALUES`), else dropped."""
+        value where it has one (:data:`.merge.NEUTRAL_VALUES`), else dropped. Reward
+        components: the union of the names, NaN (none) for the rollouts of a request that lacks
+        one."""
         if not batches:
             raise ValueError("concat needs at least one batch")
         first = batches[0]
@@ -390,7 +440,7 @@ class RolloutBatch:
             group_index=group_index,
             group_ids=[gid for b in batches for gid in b.group_ids],
             rewards=torch.cat([b.rewards for b in batches]),
-            **_concat_token_inputs(batches),
+            **concat_token_inputs(batches),
             teacher_logprobs={
                 name: torch.cat([b.teacher_logprobs[name] for b in batches])
                 for name in first.teacher_logprobs
@@ -398,6 +448,7 @@ class RolloutBatch:
             prompt_ids=(
                 [p for b in batches for p in (b.prompt_ids or b.group_ids)] if per_prompt else None
             ),
+            **concat_components(batches),
             segments=torch.cat([torch.zeros(1, dtype=torch.int64), rollouts.cumsum(0)]),
         )
 
@@ -443,155 +494,29 @@ class RolloutBatch:
         return self.locate_rollout(self.token_position(position)[0], field)
 
     def validate(self, *, vocab_size: int | None = None) -> None:
-        """Check shapes and values; raise RequestError for the first problem found."""
-        n, b, g = self.num_tokens, self.num_rollouts, self.num_groups
-        if self.offsets.numel() != b + 1:
-            raise RequestError(
-                "invalid_shape",
-                f"offsets must have {b + 1} entries (rollouts + 1), got {self.offsets.numel()}",
-                field="offsets",
-            )
-        if self.group_index.numel() != b:
-            raise RequestError(
-                "invalid_shape",
-                f"group_index must have {b} entries, got {self.group_index.numel()}",
-                field="group_index",
-            )
-        if int(self.offsets[0]) != 0 or int(self.offsets[-1]) != n:
-            raise RequestError(
-                "invalid_shape",
-                f"offsets must start at 0 and end at the token count {n}",
-                field="offsets",
-            )
-        if b and bool((self.lengths < 0).any()):
-            raise RequestError("invalid_shape", "offsets must be non-decreasing", field="offsets")
-        if b and (int(self.group_index.min()) < 0 or int(self.group_index.max()) >= g):
-            raise RequestError(
-                "invalid_value", f"group_index must lie in [0, {g})", field="group_index"
-            )
-        seen: dict[str, int] = {}
-        for i, gid in enumerate(self.group_ids):
-            if gid in seen:
-                raise RequestError(
-                    "duplicate_group",
-                    f"group id {gid!r} appears twice (groups {seen[gid]} and {i})",
-                    group_id=gid,
-                    field="id",
-                )
-            seen[gid] = i
-        if g:
-            empty = torch.nonzero(self.group_sizes == 0)
-            if empty.numel():
-                gid = self.group_ids[int(empty[0])]
-                raise RequestError(
-                    "empty_group", f"group {gid!r} has no rollouts", group_id=gid, field="rollouts"
-                )
-        bad = torch.nonzero(~torch.isfinite(self.rewards))
-        if bad.numel():
-            i = int(bad[0])
-            raise RequestError(
-                "invalid_value",
-                f"reward is {float(self.rewards[i])}; it must be finite",
-                **self.locate_rollout(i, "reward"),
-            )
-        if n:
-            # (one pass for both bounds; the positions are looked for only where one is broken)
-            lowest, highest = (int(x) for x in torch.aminmax(self.tokens))
-            if lowest < 0:
-                p = int(torch.nonzero(self.tokens < 0)[0])
-                raise RequestError(
-                    "token_out_of_range",
-                    f"token id {int(self.tokens[p])} at token {self.token_position(p)[1]} "
-                    "is negative",
-                    **self.locate_token(p, "tokens"),
-                )
-            limit = min(vocab_size, INT32_LIMIT) if vocab_size is not None else INT32_LIMIT
-            if highest >= limit:
-                bad = torch.nonzero(self.tokens >= limit)
-                if bad.numel():
-                    p = int(bad[0])
-                    raise RequestError(
-                        "token_out_of_range",
-                        f"token id {int(self.tokens[p])} at token {self.token_position(p)[1]} is "
-                        f"not below {'vocab_size ' if limit == vocab_size else ''}{limit}",
-                        **self.locate_token(p, "tokens"),
-                    )
-        arrays = {"logprobs": self.logprobs} if self.logprobs is not None else {}
-        arrays.update({f"teacher_logprobs.{k}": v for k, v in self.teacher_logprobs.items()})
-        for name, values in arrays.items():
-            self._check_length(name, values)
-            bad = ~torch.isfinite(values) | (values > LOGPROB_TOLERANCE)
-            self._refuse_first(name, values, bad, "is a log-probability above 0")
-        for name, values in self.token_inputs().items():
-            if name == "logprobs":
-                continue
-            self._check_length(name, values)
-            bad, why = _out_of_range(name, values)
-            self._refuse_first(name, values, ~torch.isfinite(values) | bad, why)
-
-    def _check_length(self, name: str, values: torch.Tensor) -> None:
-        n = self.num_tokens
-        if values.numel() != n:
-            raise RequestError(
-                "length_mismatch",
-                f"{name} has {values.numel()} values for {n} tokens",
-                field=name,
-            )
-
-    def _refuse_first(self, name: str, values: torch.Tensor, bad: torch.Tensor, why: str) -> None:
-        """Raise for the first token where ``bad`` (non-finite, else out of range: ``why``)."""
-        found = torch.nonzero(bad)
-        if found.numel():
-            p = int(found[0])
-            value = float(values[p])
-            reason = "must be finite" if not np.isfinite(value) else why
-            raise RequestError(
-                "invalid_value",
-                f"{name} value {value} at token {self.token_position(p)[1]} {reason}",
-                **self.locate_token(p, name),
-            )
+        """Check shapes and values; raise RequestError for the first problem found
+        (:mod:`.validation`)."""
+        validation.validate(self, vocab_size)
 
 
-def _out_of_range(name: str, values: torch.Tensor) -> tuple[torch.Tensor, str]:
-    """(bool (N,) where a per-token input is outside its range, why) for ``name``. The bounds
-    that rounding can cross take :data:`RANGE_TOLERANCE`; sum_pi_squared is not compared with
-    pi_t^2 (a trainer's rounding may put it a little below)."""
-    if name == "entropy":
-        return values < -RANGE_TOLERANCE, "is a negative entropy"
-    if name == "sum_pi_squared":
-        return (values <= 0) | (values > 1 + RANGE_TOLERANCE), "must lie in (0, 1]"
-    if name == "is_weights":
-        return values < 0, "is a negative importance weight"
-    if name == "returns":
-        return torch.zeros_like(values, dtype=torch.bool), ""
-    if name == "planning_mask":
-        return (values != 0) & (values != 1), "must be 0 or 1"
-    raise ValueError(f"no range for {name!r}")
+def _component_tensor(values: Any, name: str) -> torch.Tensor:
+    """A component's per-rollout values as float32 (B,); None in a list is NaN (no value)."""
+    if isinstance(values, list | tuple):
+        values = [np.nan if v is None else v for v in values]
+    return _to_tensor(values, torch.float32, name)
 
 
-def _concat_token_inputs(batches: Sequence[RolloutBatch]) -> dict[str, torch.Tensor]:
-    """The merged batch's optional per-token inputs (see :meth:`RolloutBatch.concat`)."""
-    out = {}
-    for name in TOKEN_INPUTS:
-        parts = [getattr(b, name) for b in batches]
-        if all(p is not None for p in parts):
-            out[name] = torch.cat(parts)
-        elif name == "returns" and any(p is not None for p in parts):
-            # A request without returns has G_it = r_i: its rewards over its tokens.
-            out[name] = torch.cat(
-                [
-                    p if p is not None else b.per_token(b.rewards.float())
-                    for p, b in zip(parts, batches, strict=True)
-                ]
-            )
-        elif name in NEUTRAL_VALUES and any(p is not None for p in parts):
-            fill = NEUTRAL_VALUES[name]
-            out[name] = torch.cat(
-                [
-                    p
-                    if p is not None
-                    else torch.full((b.num_tokens,), fill, dtype=torch.float32, device=b.device)
-                    for p, b in zip(parts, batches, strict=True)
-                ]
-            )
-    return out
+def _refuse_rewardless(batch: RolloutBatch) -> None:
+    """The first rollout that gave neither a reward nor a value of any component."""
+    given = torch.zeros(batch.num_rollouts, dtype=torch.bool, device=batch.device)
+    for values in batch.reward_components.values():
+        given |= ~torch.isnan(values)
+    assert batch.reward_derived is not None
+    bad = torch.nonzero(batch.reward_derived & ~given)
+    if bad.numel():
+        raise RequestError(
+            "missing_input",
+            "reward is missing and every reward component is null; give a reward or a value "
+            "of some component",
+            **batch.locate_rollout(int(bad[0]), "reward"),
+        )

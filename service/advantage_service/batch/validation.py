@@ -1,0 +1,249 @@
+"""The checks a :class:`~advantage_service.batch.RolloutBatch` passes before any math reads it:
+shapes, ranges, finite values, and the reward of a rollout that gave only reward components.
+Each raises :class:`RequestError` naming the group, rollout and field of the first problem.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from advantage_contract.fields import (
+    MAX_COMPONENT_NAME_LENGTH,
+    MAX_REWARD_COMPONENTS,
+    REWARD_COMPONENTS_FIELD,
+)
+
+from ..errors import LimitExceeded, RequestError
+
+if TYPE_CHECKING:
+    from . import RolloutBatch
+
+# A log-probability may exceed 0 by float rounding in the client's softmax; more is a bug there.
+LOGPROB_TOLERANCE = 1e-4
+# Token ids travel as int32 (as tokenizers and varlen kernels store them).
+INT32_LIMIT = 2**31
+# An entropy may fall below 0, and a sum of squared probabilities above 1, by float rounding
+# in the client; more is a bug there.
+RANGE_TOLERANCE = 1e-4
+
+
+def component_weights(params: Mapping[str, Any]) -> dict[str, float]:
+    """The weights an estimator's parameters give the reward components (``weights``: name ->
+    number); empty when they give none (every component then weighs 1)."""
+    weights = params.get("weights")
+    if not isinstance(weights, Mapping):
+        return {}
+    return {str(k): float(v) for k, v in weights.items()}
+
+
+def summed_rewards(
+    rewards: torch.Tensor,
+    missing: torch.Tensor,
+    components: Mapping[str, torch.Tensor],
+    weights: Mapping[str, float],
+) -> torch.Tensor:
+    """``rewards`` (B,) with each ``missing`` rollout's reward replaced by the sum of its
+    components' values times their weights (1 for a name ``weights`` lacks), None (NaN) values
+    left out: TRL's ``sum_then_normalize``. Summed in float64, in name order."""
+    total = torch.zeros(rewards.shape, dtype=torch.float64, device=rewards.device)
+    for name in sorted(components):
+        values = components[name].double() * weights.get(name, 1.0)
+        total += torch.nan_to_num(values, nan=0.0)
+    return torch.where(missing, total.float(), rewards)
+
+
+def check_component_names(names: Any) -> None:
+    """At most :data:`MAX_REWARD_COMPONENTS` names of at most
+    :data:`MAX_COMPONENT_NAME_LENGTH` characters, each a non-empty string."""
+    if len(names) > MAX_REWARD_COMPONENTS:
+        raise LimitExceeded(
+            f"the request has {len(names)} reward components; the limit is {MAX_REWARD_COMPONENTS}",
+            field=REWARD_COMPONENTS_FIELD,
+        )
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise RequestError(
+                "invalid_type",
+                "a reward component name must be a non-empty string",
+                field=REWARD_COMPONENTS_FIELD,
+            )
+        if len(name) > MAX_COMPONENT_NAME_LENGTH:
+            raise LimitExceeded(
+                f"a reward component name has {len(name)} characters; the limit is "
+                f"{MAX_COMPONENT_NAME_LENGTH}",
+                field=REWARD_COMPONENTS_FIELD,
+            )
+
+
+def validate(batch: RolloutBatch, vocab_size: int | None = None) -> None:
+    """Check shapes and values; raise RequestError for the first problem found."""
+    check_layout(batch)
+    check_values(batch, vocab_size)
+
+
+def check_layout(batch: RolloutBatch) -> None:
+    """Offsets, group index, group ids and the components' names and shapes: what locating a
+    rollout (for an error) and deriving rewards from components need."""
+    n, b, g = batch.num_tokens, batch.num_rollouts, batch.num_groups
+    if batch.offsets.numel() != b + 1:
+        raise RequestError(
+            "invalid_shape",
+            f"offsets must have {b + 1} entries (rollouts + 1), got {batch.offsets.numel()}",
+            field="offsets",
+        )
+    if batch.group_index.numel() != b:
+        raise RequestError(
+            "invalid_shape",
+            f"group_index must have {b} entries, got {batch.group_index.numel()}",
+            field="group_index",
+        )
+    if int(batch.offsets[0]) != 0 or int(batch.offsets[-1]) != n:
+        raise RequestError(
+            "invalid_shape",
+            f"offsets must start at 0 and end at the token count {n}",
+            field="offsets",
+        )
+    if b and bool((batch.lengths < 0).any()):
+        raise RequestError("invalid_shape", "offsets must be non-decreasing", field="offsets")
+    if b and (int(batch.group_index.min()) < 0 or int(batch.group_index.max()) >= g):
+        raise RequestError(
+            "invalid_value", f"group_index must lie in [0, {g})", field="group_index"
+        )
+    seen: dict[str, int] = {}
+    for i, gid in enumerate(batch.group_ids):
+        if gid in seen:
+            raise RequestError(
+                "duplicate_group",
+                f"group id {gid!r} appears twice (groups {seen[gid]} and {i})",
+                group_id=gid,
+                field="id",
+            )
+        seen[gid] = i
+    if g:
+        empty = torch.nonzero(batch.group_sizes == 0)
+        if empty.numel():
+            gid = batch.group_ids[int(empty[0])]
+            raise RequestError(
+                "empty_group", f"group {gid!r} has no rollouts", group_id=gid, field="rollouts"
+            )
+    _check_components(batch)
+
+
+def check_values(batch: RolloutBatch, vocab_size: int | None = None) -> None:
+    """Rewards, token ids and per-token inputs in their ranges (after :func:`check_layout`)."""
+    n = batch.num_tokens
+    bad = torch.nonzero(~torch.isfinite(batch.rewards))
+    if bad.numel():
+        i = int(bad[0])
+        raise RequestError(
+            "invalid_value",
+            f"reward is {float(batch.rewards[i])}; it must be finite",
+            **batch.locate_rollout(i, "reward"),
+        )
+    if n:
+        _check_tokens(batch, vocab_size)
+    arrays = {"logprobs": batch.logprobs} if batch.logprobs is not None else {}
+    arrays.update({f"teacher_logprobs.{k}": v for k, v in batch.teacher_logprobs.items()})
+    for name, values in arrays.items():
+        _check_length(batch, name, values)
+        bad = ~torch.isfinite(values) | (values > LOGPROB_TOLERANCE)
+        _refuse_first(batch, name, values, bad, "is a log-probability above 0")
+    for name, values in batch.token_inputs().items():
+        if name == "logprobs":
+            continue
+        _check_length(batch, name, values)
+        bad, why = out_of_range(name, values)
+        _refuse_first(batch, name, values, ~torch.isfinite(values) | bad, why)
+
+
+def _check_components(batch: RolloutBatch) -> None:
+    """Reward components: bounded names, one value per rollout, each finite or NaN (None)."""
+    components = batch.reward_components
+    check_component_names(list(components))
+    b = batch.num_rollouts
+    for name, values in components.items():
+        field = f"{REWARD_COMPONENTS_FIELD}.{name}"
+        if values.numel() != b:
+            raise RequestError(
+                "length_mismatch",
+                f"{field} has {values.numel()} values for {b} rollouts",
+                field=field,
+            )
+        bad = torch.nonzero(torch.isinf(values))
+        if bad.numel():
+            i = int(bad[0])
+            raise RequestError(
+                "invalid_value",
+                f"{field} is {float(values[i])}; it must be finite (or null where the rollout "
+                "has none)",
+                **batch.locate_rollout(i, field),
+            )
+
+
+def _check_tokens(batch: RolloutBatch, vocab_size: int | None) -> None:
+    # (one pass for both bounds; the positions are looked for only where one is broken)
+    lowest, highest = (int(x) for x in torch.aminmax(batch.tokens))
+    if lowest < 0:
+        p = int(torch.nonzero(batch.tokens < 0)[0])
+        raise RequestError(
+            "token_out_of_range",
+            f"token id {int(batch.tokens[p])} at token {batch.token_position(p)[1]} is negative",
+            **batch.locate_token(p, "tokens"),
+        )
+    limit = min(vocab_size, INT32_LIMIT) if vocab_size is not None else INT32_LIMIT
+    if highest >= limit:
+        bad = torch.nonzero(batch.tokens >= limit)
+        if bad.numel():
+            p = int(bad[0])
+            raise RequestError(
+                "token_out_of_range",
+                f"token id {int(batch.tokens[p])} at token {batch.token_position(p)[1]} is "
+                f"not below {'vocab_size ' if limit == vocab_size else ''}{limit}",
+                **batch.locate_token(p, "tokens"),
+            )
+
+
+def _check_length(batch: RolloutBatch, name: str, values: torch.Tensor) -> None:
+    n = batch.num_tokens
+    if values.numel() != n:
+        raise RequestError(
+            "length_mismatch",
+            f"{name} has {values.numel()} values for {n} tokens",
+            field=name,
+        )
+
+
+def _refuse_first(
+    batch: RolloutBatch, name: str, values: torch.Tensor, bad: torch.Tensor, why: str
+) -> None:
+    """Raise for the first token where ``bad`` (non-finite, else out of range: ``why``)."""
+    found = torch.nonzero(bad)
+    if found.numel():
+        p = int(found[0])
+        value = float(values[p])
+        reason = "must be finite" if not np.isfinite(value) else why
+        raise RequestError(
+            "invalid_value",
+            f"{name} value {value} at token {batch.token_position(p)[1]} {reason}",
+            **batch.locate_token(p, name),
+        )
+
+
+def out_of_range(name: str, values: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """(bool (N,) where a per-token input is outside its range, why) for ``name``. The bounds
+    that rounding can cross take :data:`RANGE_TOLERANCE`; sum_pi_squared is not compared with
+    pi_t^2 (a trainer's rounding may put it a little below)."""
+    if name == "entropy":
+        return values < -RANGE_TOLERANCE, "is a negative entropy"
+    if name == "sum_pi_squared":
+        return (values <= 0) | (values > 1 + RANGE_TOLERANCE), "must lie in (0, 1]"
+    if name == "is_weights":
+        return values < 0, "is a negative importance weight"
+    if name == "returns":
+        return torch.zeros_like(values, dtype=torch.bool), ""
+    if name == "planning_mask":
+        return (values != 0) & (values != 1), "must be 0 or 1"
+    raise ValueError(f"no range for {name!r}")
