@@ -19,8 +19,9 @@ loss accepts from subclasses. What it sends and why:
   and summed as TRL does); each prompt's ``num_generations`` completions form a group;
 - a **prompt key** per group, so that history (KTAE's ``history: "prompt"``) means "earlier
   visits of this prompt": TRL's group ids are positions in the batch (``arange //
-  num_generations``), another prompt every step. The key is a hash of the prompt's token ids,
-  or the value of a dataset column (``advantage_prompt_key="id"``);
+  num_generations``), another prompt every step. The key is the contract's key of the prompt's
+  token ids (:mod:`advantage_contract.prompt_keys`, the one verl's integration sends too), or
+  the value of a dataset column (``advantage_prompt_key="id"``);
 - one call per generation batch for the whole batch: with several processes, rank 0 calls and
   broadcasts the advantages (every rank trains on the same numbers, each rollout is counted
   once), with a request id per call so that a retried call is never counted twice. The call
@@ -28,6 +29,10 @@ loss accepts from subclasses. What it sends and why:
   divides by the std of the batch TRL gathers and scales over;
 - rows every reward function scored ``None`` are left out of the call (so out of their group's
   baseline) and given advantage 0, as TRL does;
+- with ``multi_objective_aggregation="normalize_then_sum"`` (the ``gdpo`` outcome, TRL's
+  normalisation: ``advantage_estimator="gdpo"``), each reward function's rewards as a reward
+  component under its name (None: missing) and TRL's ``reward_weights`` as the outcome's
+  ``weights``;
 - the per-token inputs an estimator reads: TRL's old log-probs when it computed them, else (and
   for entropies and ``sum_pi_squared``, which TRL never computes before the advantages) one
   extra forward pass of the policy when ``advantage_extra_forward=True``; teacher log-probs from
@@ -40,7 +45,6 @@ The estimator, its parameters and the inputs it needs are checked against the se
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 import uuid
@@ -51,9 +55,10 @@ import numpy as np
 import torch
 from trl import GRPOTrainer
 
+from advantage_contract import prompt_keys
 from advantage_contract.errors import AdvantageError
 
-from . import backend, checks, fallback
+from . import backend, checks, fallback, trl_config
 
 log = logging.getLogger(__name__)
 
@@ -65,16 +70,9 @@ HISTORY_OUTCOMES = ("applied", "empty", "partial", "unavailable")
 TeacherHook = Callable[[list[dict[str, Any]], torch.Tensor, torch.Tensor], Mapping[str, Any]]
 
 
-def prompt_key(token_ids: Any) -> str:
-    """The key of a prompt for history: a hash of its token ids (the same ids, the same key, in
-    every process and run)."""
-    ids = np.ascontiguousarray(np.asarray(token_ids, dtype=np.int64).reshape(-1))
-    return hashlib.blake2b(ids.tobytes(), digest_size=12).hexdigest()
-
-
-def _config_value(args: tuple[Any, ...], kwargs: Mapping[str, Any], name: str, default: Any) -> Any:
-    config = kwargs.get("args", args[2] if len(args) > 2 else None)
-    return getattr(config, name, default)
+# The key of a prompt for history (the same ids, the same key, in every process, run and
+# trainer integration): the contract's.
+prompt_key = prompt_keys.prompt_key
 
 
 class AdvantageGRPOTrainer(GRPOTrainer):
@@ -86,8 +84,9 @@ class AdvantageGRPOTrainer(GRPOTrainer):
       service library in this process: ``pip install advantage-service``, no history). None
       (default): ``http`` when ``advantage_url`` is given, else ``inprocess``.
     - ``advantage_options``: ``ignore_token_ids``, ``namespace`` and ``request_id`` (a prefix:
-      each call's id is ``<prefix>:<mode>:<step>:<n>``) for every call, the rest for the client
-      (``timeout``, ``token``, ``retry_for``, ...).
+      each call's id is ``<prefix>:<mode>:<step>:<n>``) for every call; ``prompt_key_scheme``
+      (``"trl-0.1"``: the keys of client 0.1, for a run whose history started before the
+      contract's key); the rest for the client (``timeout``, ``token``, ``retry_for``, ...).
     - ``advantage_prompt_key``: a dataset column naming each row's prompt for history (None: a
       hash of the prompt's token ids).
     - ``advantage_extra_forward``: one forward pass of the policy (no gradient) per generation
@@ -103,7 +102,8 @@ class AdvantageGRPOTrainer(GRPOTrainer):
 
     After each generation batch: :attr:`last_advantages` (this process's rows),
     :attr:`last_all_advantages` (the whole batch) and :attr:`advantage_calls` (one record per
-    call: request id, history outcome, milliseconds, whether the fallback answered).
+    call: request id, history outcome, milliseconds, whether the fallback answered, the client's
+    retries), the retries also as the metric ``advantage_service/retries``.
     """
 
     def __init__(
@@ -131,6 +131,7 @@ class AdvantageGRPOTrainer(GRPOTrainer):
             "ignore_token_ids": options.pop("ignore_token_ids", None),
             "namespace": options.pop("namespace", None),
         }
+        self._key_of = prompt_keys.key_function(options.pop("prompt_key_scheme", None))
         prefix = options.pop("request_id", None)
         self._request_prefix = str(prefix) if prefix is not None else uuid.uuid4().hex
         self.advantage_transport = transport
@@ -153,8 +154,8 @@ class AdvantageGRPOTrainer(GRPOTrainer):
             log.warning("advantage service unreachable at start (%s): checked locally only", exc)
             self._listing = None
         resolved = self._resolve(advantage_estimator)
-        scale = _config_value(args, kwargs, "scale_rewards", "group")
-        aggregation = _config_value(
+        scale = trl_config.config_value(args, kwargs, "scale_rewards", "group")
+        aggregation = trl_config.config_value(
             args, kwargs, "multi_objective_aggregation", "sum_then_normalize"
         )
         self.advantage_estimator, self._resolved = self._with_trl_settings(
@@ -168,14 +169,14 @@ class AdvantageGRPOTrainer(GRPOTrainer):
                 raise ValueError(
                     f"scale_rewards='batch' needs the service's grpo std_scope 'request': {exc}"
                 ) from exc
-        if advantage_fallback is not None and (why := fallback.unsupported(self._resolved)):
-            raise ValueError(
-                f"advantage_fallback='local' cannot stand in for this estimator: {why}"
-            )
         if advantage_fallback is not None and batch_scaled:
             raise ValueError(
                 "advantage_fallback='local' divides by each group's std only: it cannot stand "
                 "in for scale_rewards='batch' (std_scope 'request'); drop one of them"
+            )
+        if advantage_fallback is not None and (why := fallback.unsupported(self._resolved)):
+            raise ValueError(
+                f"advantage_fallback='local' cannot stand in for this estimator: {why}"
             )
         self._prompt_key_column = advantage_prompt_key
         self._extra_forward = advantage_extra_forward
@@ -183,6 +184,16 @@ class AdvantageGRPOTrainer(GRPOTrainer):
 
         super().__init__(*args, **kwargs)
 
+        # normalize_then_sum (gdpo): each reward function's rewards sent under its name,
+        # weighted by TRL's reward_weights
+        self._gdpo = self._resolved["outcome"].get("name") == "gdpo"
+        if self._gdpo:
+            weights = trl_config.reward_components_weights(
+                self.reward_func_names, self.reward_weights.tolist(), advantage_estimator
+            )
+            outcome = {**self._resolved["outcome"], "weights": weights}
+            self._resolved = {**self._resolved, "outcome": outcome}
+            self.advantage_estimator = self._resolved
         self._needed = (
             checks.required_inputs(self._listing, self._resolved) if self._listing else set()
         )
@@ -212,61 +223,8 @@ class AdvantageGRPOTrainer(GRPOTrainer):
             raise ValueError(f"advantage_estimator {estimator!r}: {exc}") from exc
         return resolved
 
-    @staticmethod
-    def _with_trl_settings(
-        estimator: Any, resolved: dict[str, Any], scale: Any, aggregation: str
-    ) -> tuple[Any, dict[str, Any]]:
-        """TRL's ``scale_rewards`` and ``multi_objective_aggregation`` honoured or refused:
-        ``"group"`` (TRL's default) leaves the estimator as it is; ``"none"`` turns off the
-        outcome's division by the std; ``"batch"`` makes ``grpo`` divide by the std of the whole
-        batch (``std_scope: "request"``: the call holds the whole batch TRL scales over, every
-        rank's rows); ``normalize_then_sum`` has no estimator in the service and is refused. An
-        estimator whose own setting contradicts ``scale_rewards`` is refused."""
-        scale = {True: "group", False: "none"}.get(scale, scale)
-        if aggregation != "sum_then_normalize":
-            raise ValueError(
-                f"multi_objective_aggregation={aggregation!r} is not supported with the service's "
-                "advantages: they take one reward per completion (the reward functions' weighted "
-                "sum, TRL's 'sum_then_normalize'); normalise each reward function in it yourself"
-            )
-        if scale not in ("group", "none", "batch"):
-            raise ValueError(f"scale_rewards must be 'group', 'none' or 'batch', got {scale!r}")
-        outcome = resolved.get("outcome") or {}
-        given = estimator.get("outcome") if isinstance(estimator, Mapping) else None
-        given = given if isinstance(given, Mapping) else {}
-        if scale == "batch":
-            if outcome.get("name") != "grpo":
-                raise ValueError(
-                    "scale_rewards='batch' divides by the std of the whole batch, which only the "
-                    f"grpo outcome does (std_scope 'request'), not {outcome.get('name')!r}: use "
-                    "an estimator with outcome grpo, or scale_rewards='group' or 'none'"
-                )
-            if given.get("norm_by_std") is False or given.get("std_scope") == "group":
-                raise ValueError(
-                    "scale_rewards='batch' but the estimator's outcome sets "
-                    f"norm_by_std={given.get('norm_by_std')!r}, "
-                    f"std_scope={given.get('std_scope')!r}: choose one (scale_rewards='group' "
-                    "or 'none', or drop them)"
-                )
-            changed = {
-                **resolved,
-                "outcome": {**outcome, "norm_by_std": True, "std_scope": "request"},
-            }
-            return changed, changed
-        if given.get("std_scope") == "request" and given.get("norm_by_std") is not False:
-            raise ValueError(
-                f"scale_rewards={scale!r} but the estimator's outcome sets std_scope='request' "
-                "(the batch's std): choose one (scale_rewards='batch', or drop std_scope)"
-            )
-        if scale == "group" or "norm_by_std" not in outcome or not outcome["norm_by_std"]:
-            return estimator, resolved
-        if given.get("norm_by_std") is True:
-            raise ValueError(
-                "scale_rewards='none' but the estimator's outcome sets norm_by_std=True: "
-                "choose one (scale_rewards='group', or drop norm_by_std)"
-            )
-        changed = {**resolved, "outcome": {**outcome, "norm_by_std": False}}
-        return changed, changed
+    # (TRL's scale_rewards and multi_objective_aggregation: :mod:`.trl_config`)
+    _with_trl_settings = staticmethod(trl_config.with_trl_settings)
 
     def _trl_has_logprobs(self) -> bool:
         """Whether TRL computes ``old_per_token_logps`` before the advantages (its own rule)."""
@@ -343,7 +301,7 @@ class AdvantageGRPOTrainer(GRPOTrainer):
             return keys
         ids = output["prompt_ids"].cpu().numpy()
         mask = output["prompt_mask"].cpu().numpy().astype(bool)
-        return [prompt_key(row[m]) for row, m in zip(ids, mask, strict=True)]
+        return [self._key_of(row[m]) for row, m in zip(ids, mask, strict=True)]
 
     def _policy_forward(
         self,
@@ -456,6 +414,7 @@ class AdvantageGRPOTrainer(GRPOTrainer):
         per_token: Mapping[str, torch.Tensor],
         teachers: Mapping[str, torch.Tensor],
         request_id: str,
+        components: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[np.ndarray, dict[str, Any]]:
         """(advantages (B, T) float32, the call's record), on the process that calls."""
         scored = ~torch.isnan(rewards)
@@ -467,12 +426,15 @@ class AdvantageGRPOTrainer(GRPOTrainer):
             "history": "none",
             "ms": 0.0,
             "fallback": False,
+            "retries": 0,
         }
         if not keep.any():
             return advantages, record
         rows = torch.as_tensor(keep, device=mask.device)
         sent_keys = [k for k, kept in zip(keys, keep, strict=True) if kept]
         start = time.perf_counter()
+        stats = getattr(self.advantage_backend, "retry_stats", None)  # (none in-process)
+        retries_before = stats.retries if stats is not None else 0
         try:
             result = self._compute_padded(
                 ids[rows],
@@ -483,6 +445,11 @@ class AdvantageGRPOTrainer(GRPOTrainer):
                 prompt_keys=np.asarray(sent_keys, dtype=object),
                 teacher_logprobs={c: v[rows] for c, v in teachers.items()} or None,
                 request_id=request_id,
+                **(
+                    {"reward_components": {k: v[rows] for k, v in components.items()}}
+                    if components
+                    else {}
+                ),
                 **{name: values[rows] for name, values in per_token.items()},
                 **self._call_options,
             )
@@ -504,6 +471,7 @@ class AdvantageGRPOTrainer(GRPOTrainer):
             advantages[keep] = np.where(local_mask, scalars[:, None], 0.0).astype(np.float32)
             record["fallback"] = True
         record["ms"] = (time.perf_counter() - start) * 1000.0
+        record["retries"] = (stats.retries if stats is not None else 0) - retries_before
         return advantages, record
 
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
@@ -532,6 +500,12 @@ class AdvantageGRPOTrainer(GRPOTrainer):
         all_inputs = {name: self._gathered(v.float(), 0.0) for name, v in per_token.items()}
         all_teachers = {name: self._gathered(v.float(), 0.0) for name, v in teachers.items()}
         groups = (np.arange(all_ids.shape[0]) // generations).astype(np.int64)
+        # (gdpo: each function's own rewards, None as NaN: left out of its statistics)
+        components = (
+            {name: rewards_per_func[:, i] for i, name in enumerate(self.reward_func_names)}
+            if self._gdpo
+            else None
+        )
 
         # One call for the whole batch, from rank 0; the others receive its answer, or the
         # text of its error (every rank must reach the broadcast, or the others hang in it).
@@ -548,6 +522,7 @@ class AdvantageGRPOTrainer(GRPOTrainer):
                     all_inputs,
                     all_teachers,
                     self._request_id(mode),
+                    components,
                 )
             except Exception as exc:
                 error = exc
@@ -591,6 +566,7 @@ class AdvantageGRPOTrainer(GRPOTrainer):
                 float(record["history"] == outcome)
             )
         metrics["advantage_service/fallback"].append(float(record["fallback"]))
+        metrics["advantage_service/retries"].append(float(record["retries"]))
         values = advantages[mask]
         if values.numel():
             metrics["advantage_service/token_advantage_mean"].append(float(values.mean()))

@@ -41,8 +41,14 @@ Every outcome (and the terms built on it) uses each row's sum, as verl's own out
 do; OTB uses the reward-to-go of each token, as verl's ``optimal_token_baseline`` does.
 
 Prompt keys: verl's uid is a fresh uuid4 per step, so KTAE history keyed by it never applies.
-For an estimator with history, each group's ``prompt_key`` is a hash of its prompt's token ids
-(``prompt_key="hash"``, the default) or a ``non_tensor_batch`` field you name.
+For an estimator with history, each group's ``prompt_key`` is the contract's key of its
+prompt's token ids (:func:`advantage_contract.prompt_keys.prompt_key`, what every trainer
+integration sends; ``prompt_key="hash"``, the default) or a ``non_tensor_batch`` field you name.
+
+Failing early: the trainers' constructors check the ``adv_*`` name their config selects (one
+registered neither here nor with verl is an error then, not at the first advantage step) and
+the settings of a registered one. Retries: the client logs each wait
+(``advantage_client.retry``) and the step's metrics get ``advantage_service/retries``.
 
 Modules: :mod:`.estimator` (the estimators and :func:`register`), :mod:`.ray_env` (the Ray setup
 hook and its ``ADVANTAGE_VERL_*`` settings), :mod:`.compute_advantage` (verl's
@@ -69,6 +75,7 @@ from .compute_advantage import patched_compute_advantage as patched_compute_adva
 from .estimator import DEFAULT_RETRY_FOR as DEFAULT_RETRY_FOR
 from .estimator import FALLBACK_CALLS as FALLBACK_CALLS
 from .estimator import INPUT_HINTS as INPUT_HINTS
+from .estimator import LAST_CALL as LAST_CALL
 from .estimator import LOCAL_FALLBACK as LOCAL_FALLBACK
 from .estimator import PREFIX as PREFIX
 from .estimator import REGISTERED as REGISTERED
@@ -82,7 +89,11 @@ from .estimator import reward_to_go as reward_to_go
 from .patching import _ORIGINALS as _ORIGINALS
 from .patching import _checked_init as _checked_init
 from .patching import _replace as _replace
+from .patching import call_metrics as call_metrics
+from .patching import check_trainer_config as check_trainer_config
 from .patching import patch as patch
+from .patching import patched_here as patched_here
+from .patching import responses_missing as responses_missing
 from .patching import unpatch as unpatch
 from .prompt_keys import _as_numpy as _as_numpy
 from .prompt_keys import prompt_hashes as prompt_hashes
@@ -106,6 +117,8 @@ __all__ = [
     "REGISTERED",
     "VerlConfigError",
     "VerlEstimator",
+    "call_metrics",
+    "check_trainer_config",
     "patch",
     "register",
     "runtime_env",

@@ -18,7 +18,13 @@ BATCH_INPUTS = {
 }
 TEACHER_PREFIX = "teacher_log_probs."
 # Keywords the patched compute_advantage adds to verl's call of a registered estimator.
-EXTRA_KWARGS = ("responses", "teacher_log_probs", "prompt_keys", "norm_adv_by_std_in_grpo")
+EXTRA_KWARGS = (
+    "responses",
+    "teacher_log_probs",
+    "prompt_keys",
+    "norm_adv_by_std_in_grpo",
+    "reward_components",
+)
 
 
 class VerlConfigError(ValueError):

@@ -46,6 +46,17 @@ def _prompt_keys(data: Any, fn: VerlEstimator, uids: Any) -> np.ndarray | None:
     return prompt_hashes(prompts, uids, mask)
 
 
+def _reward_components(data: Any, fn: VerlEstimator, config: Any) -> dict[str, Any]:
+    """verl's ``gdpo_reward_keys`` -> each row's values: the v1 trainer's fetch took them off
+    its rows (:mod:`.v1`); the legacy trainer keeps them in ``non_tensor_batch``, where verl's
+    own gdpo reads them."""
+    step = _V1_STEP.get()
+    if step is not None and "reward_components" in step:
+        return dict(step["reward_components"])
+    keys = fn.reward_keys(config)
+    return {k: data.non_tensor_batch[k] for k in keys if k in data.non_tensor_batch}
+
+
 def _keys_of(uids: np.ndarray, known_uids: np.ndarray, known_keys: np.ndarray) -> np.ndarray:
     """The prompt key of each of ``uids`` among ``known_uids`` (with their ``known_keys``):
     one sort and one binary search, no loop over rows."""
@@ -113,6 +124,8 @@ def patched_compute_advantage(original: Callable[..., Any]) -> Callable[..., Any
         }
         if teachers:
             kwargs["teacher_log_probs"] = teachers
+        if fn.gdpo:
+            kwargs["reward_components"] = _reward_components(data, fn, config)
         advantages, returns = fn(**kwargs)
         batch["advantages"] = advantages
         batch["returns"] = returns

@@ -5,6 +5,11 @@ the service's listing) and :func:`register` (into verl's registry, as ``adv_<nam
 Rewards: ``token_level_rewards`` may be spread over tokens (verl's KL penalty in the reward).
 Every outcome (and the terms built on it) uses each row's sum, as verl's own outcome estimators
 do; OTB uses the reward-to-go of each token, as verl's ``optimal_token_baseline`` does.
+
+GDPO (``adv_gdpo``): verl's ``algorithm.gdpo_reward_keys`` name the reward components, read per
+row from ``non_tensor_batch`` (what ``compute_score`` returned in its dict) as verl's own
+``gdpo`` reads them, and ``algorithm.gdpo_reward_weights`` their weights; both are sent
+(``reward_components``, the outcome's ``weights``) and checked when the trainer is built.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from advantage_contract.errors import AdvantageError
 
 from .. import backend
 from ..checks import EstimatorCheckError, inputs_read, required_inputs, resolve, uses_history
-from .common import BATCH_INPUTS, HOOK, TEACHER_PREFIX, VerlConfigError, _setting
+from .common import BATCH_INPUTS, TEACHER_PREFIX, VerlConfigError, _setting
 
 log = logging.getLogger("advantage_client.verl")
 
@@ -88,6 +93,7 @@ class VerlEstimator:
         namespace: str | None = None,
         prompt_key: str | None = "hash",
         fallback: bool = False,
+        retry_stats: Any = None,
     ) -> None:
         from advantage_contract.padded import needs_token_ids
 
@@ -101,6 +107,8 @@ class VerlEstimator:
         self.prompt_key = prompt_key
         self.history = uses_history(full)
         self.outcome = str((full.get("outcome") or {}).get("name", "grpo"))
+        # (the outcome that reads verl's gdpo_reward_keys from the batch)
+        self.gdpo = self.outcome == "gdpo"
         self.token_ids = needs_token_ids(full)
         # Every input the estimator reads, required or optional (from the service's listing):
         # what the batch has of them is sent, what it lacks of the required is an error.
@@ -117,6 +125,7 @@ class VerlEstimator:
         # not counted again.
         self._request_prefix = uuid.uuid4().hex
         self._calls = itertools.count()
+        self.retry_stats = retry_stats  # (the client's: its retries counted per call)
         self.__name__ = f"compute_{name}_advantage"
         self.__doc__ = f"advantage-service estimator {given!r} as verl estimator {name!r}."
 
@@ -139,6 +148,8 @@ class VerlEstimator:
                 f"{self.name}: algorithm.use_pf_ppo reweights the batch in verl's gae branch only; "
                 "set algorithm.use_pf_ppo=false"
             )
+        if self.gdpo:
+            return self._gdpo_estimator(algorithm)
         if _setting(algorithm, "gdpo_reward_keys", None):
             raise VerlConfigError(
                 f"{self.name}: algorithm.gdpo_reward_keys is read by verl's gdpo estimator only; "
@@ -161,6 +172,60 @@ class VerlEstimator:
                 f"algorithm.norm_adv_by_std_in_grpo={norm}: make them agree"
             )
         return {**self.full, "outcome": {**outcome, "norm_by_std": bool(norm)}}
+
+    def reward_keys(self, algorithm: Any) -> list[str]:
+        """verl's ``algorithm.gdpo_reward_keys`` (the GDPO outcome needs them)."""
+        keys = _setting(algorithm, "gdpo_reward_keys", None)
+        if not keys:
+            raise VerlConfigError(
+                f"{self.name}: GDPO needs algorithm.gdpo_reward_keys listing the reward "
+                "components compute_score returns in its dict (e.g. ['format_reward', "
+                "'accuracy_reward']), as verl's own gdpo does"
+            )
+        return [str(k) for k in keys]
+
+    def _gdpo_estimator(self, algorithm: Any) -> dict[str, Any]:
+        """The GDPO estimator with verl's ``gdpo_reward_weights`` as its ``weights`` (verl's
+        default: 1 each); weights the estimator sets itself must agree with verl's."""
+        keys = self.reward_keys(algorithm)
+        weights = _setting(algorithm, "gdpo_reward_weights", None)
+        if weights is not None and len(list(weights)) != len(keys):
+            raise VerlConfigError(
+                f"{self.name}: algorithm.gdpo_reward_weights has {len(list(weights))} weights "
+                f"for {len(keys)} gdpo_reward_keys {keys}: give one weight per key"
+            )
+        verl_weights = {} if weights is None else dict(zip(keys, map(float, weights), strict=True))
+        given = self.given.get("outcome") if isinstance(self.given, Mapping) else None
+        own = given.get("weights") if isinstance(given, Mapping) else None
+        if not own:
+            outcome = dict(self.full["outcome"])
+            return {**self.full, "outcome": {**outcome, "weights": verl_weights}}
+        unknown = sorted(set(own) - set(keys))
+        if unknown:
+            raise VerlConfigError(
+                f"{self.name}: its estimator weighs {unknown}, which are not among "
+                f"algorithm.gdpo_reward_keys {keys}"
+            )
+        if weights is not None and any(float(own.get(k, 1.0)) != verl_weights[k] for k in keys):
+            raise VerlConfigError(
+                f"{self.name}: its estimator sets weights {dict(own)} but "
+                f"algorithm.gdpo_reward_weights gives {verl_weights}: make them agree"
+            )
+        return self.full
+
+    def gdpo_components(self, algorithm: Any, given: Mapping[str, Any] | None) -> dict[str, Any]:
+        """Each of verl's gdpo_reward_keys -> its per-row values, float64 (B,) (None: NaN, a
+        value the rollout lacks), from ``given`` (the batch's non_tensor_batch fields)."""
+        keys = self.reward_keys(algorithm)
+        given = given or {}
+        missing = [k for k in keys if k not in given]
+        if missing:
+            raise VerlConfigError(
+                f"{self.name}: GDPO reward key {missing[0]!r} is not in the batch "
+                f"(non_tensor_batch has {sorted(given)}): make compute_score return a dict "
+                f"containing {missing[0]!r}"
+            )
+        return {k: np.asarray(list(given[k]), dtype=np.float64) for k in keys}
 
     def check_config(self, config: Any) -> None:
         """Checks of a whole verl config before training starts (the trainer's constructor)."""
@@ -192,6 +257,7 @@ class VerlEstimator:
         teacher_log_probs: Mapping[str, Any] | None = None,
         prompt_keys: Any = None,
         norm_adv_by_std_in_grpo: bool | None = None,
+        reward_components: Mapping[str, Any] | None = None,
         **inputs: Any,
     ) -> tuple[Any, Any]:
         if index is None:
@@ -200,12 +266,9 @@ class VerlEstimator:
             )
         estimator = self.estimator_for(config, norm_adv_by_std_in_grpo)
         if self.token_ids and responses is None:
-            raise VerlConfigError(
-                f"{self.name} needs the response token ids: patch() must run in the process "
-                "that trains (the TaskRunner): use the Ray setup hook "
-                f"(worker_process_setup_hook={HOOK!r}) so that compute_advantage passes "
-                "data.batch['responses']"
-            )
+            from .patching import responses_missing
+
+            raise responses_missing(self.name)
         per_token = {
             BATCH_INPUTS[key]: value
             for key, value in inputs.items()
@@ -235,6 +298,11 @@ class VerlEstimator:
                 "['attention_mask']) or the non_tensor_batch field named by prompt_key"
             )
         rewards = token_level_rewards.sum(dim=-1)
+        components = {}
+        if self.gdpo:
+            components["reward_components"] = self.gdpo_components(config, reward_components)
+        retries_before = self.retry_stats.retries if self.retry_stats is not None else 0
+        LAST_CALL.clear()
         try:
             result = self.compute_padded(
                 responses if self.token_ids else None,
@@ -247,6 +315,7 @@ class VerlEstimator:
                 namespace=self.namespace,
                 request_id=f"verl:{self._request_prefix}:{self.name}:{next(self._calls)}",
                 prompt_keys=prompt_keys if self.history else None,
+                **components,
                 **per_token,
             )
         except AdvantageError as exc:
@@ -260,9 +329,16 @@ class VerlEstimator:
                 self.fallback,
             )
             FALLBACK_CALLS[self.name] = FALLBACK_CALLS.get(self.name, 0) + 1
+            self._record(retries_before, fallback=True)
             return self._local(estimator, token_level_rewards, response_mask, index, config)
+        self._record(retries_before, fallback=False)
         advantages = _to_torch(result.advantages, token_level_rewards)
         return advantages, advantages
+
+    def _record(self, retries_before: int, fallback: bool) -> None:
+        """The call's metrics (:data:`LAST_CALL`), read into the step's metrics by patch()."""
+        retries = self.retry_stats.retries if self.retry_stats is not None else 0
+        LAST_CALL.update(retries=float(retries - retries_before), fallback=float(fallback))
 
     def _local(
         self, estimator: Any, token_level_rewards: Any, response_mask: Any, index: Any, config: Any
@@ -288,6 +364,9 @@ class VerlEstimator:
 
 # Calls answered by the local fallback, per estimator name (a metric for the trainer's logs).
 FALLBACK_CALLS: dict[str, int] = {}
+# The last call's metrics (the client's retries, whether the fallback answered), which patch()
+# adds to the step's metrics as advantage_service/<name>; emptied when a call starts.
+LAST_CALL: dict[str, float] = {}
 
 
 def make_estimators(
@@ -342,8 +421,9 @@ def register(
     (``"hash"``, default: a hash of the prompt's token ids; a ``non_tensor_batch`` field name;
     None: the uid) for estimators with history; ``fallback=True`` to compute outcome-only
     estimators with verl's own when the service stays unreachable; ``retry_for`` (seconds,
-    default 60) that a call keeps retrying a service that is down; the rest for the client
-    (``timeout``, ``token``, ...). Registering a name again replaces it.
+    default 60) that a call keeps retrying a service that is down; ``estimators``
+    (``{name: estimator object}`` registered beside ``presets``, every preset when None); the
+    rest for the client (``timeout``, ``token``, ...). Registering a name again replaces it.
     """
     from verl.trainer.ppo import core_algos
 
@@ -353,9 +433,11 @@ def register(
         "prompt_key": client_options.pop("prompt_key", "hash"),
         "fallback": bool(client_options.pop("fallback", False)),
     }
+    extra = client_options.pop("estimators", None)
     if transport != "inprocess":
         client_options.setdefault("retry_for", DEFAULT_RETRY_FOR)
     chosen_backend = backend(transport, url, client_options)
+    options["retry_stats"] = getattr(chosen_backend, "retry_stats", None)
     listing = chosen_backend.list_estimators()
     if presets is None:
         chosen: dict[str, Any] = {name: name for name in listing.get("presets", {})}
@@ -363,6 +445,7 @@ def register(
         chosen = dict(presets)
     else:
         chosen = {name: name for name in presets}
+    chosen.update(extra or {})  # (named estimator objects beside the presets)
     made = make_estimators(chosen, listing, chosen_backend.compute_padded, **options)
     for verl_name, fn in made.items():
         # register_adv_est refuses a different function under a taken name: replace ours.

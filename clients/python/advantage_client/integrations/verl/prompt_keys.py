@@ -1,13 +1,16 @@
 """Prompt keys: verl's uid is a fresh uuid4 per step, so history keyed by it never applies; an
-estimator with history keys each group by a hash of its prompt's token ids instead."""
+estimator with history keys each group by the contract's key of its prompt's token ids instead
+(:func:`advantage_contract.prompt_keys.prompt_key`, the key every integration sends, so history
+carries across trainers in a namespace)."""
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from advantage_contract.prompt_keys import prompt_key
 
 
 def uid_names(uids: Any) -> np.ndarray:
@@ -27,14 +30,13 @@ def prompt_hashes(prompts: Sequence[Any], uids: Any, mask: Any = None) -> np.nda
     prompt tokens (padding removed from the rows hashed, and only from those)."""
     _, first, inverse = np.unique(uid_names(uids), return_index=True, return_inverse=True)
     keys = []
-    # One blake2b per distinct prompt (the keys history is stored under: a hash computed by
-    # numpy would move every stored prompt's history).
+    # One key per distinct prompt (the contract's: a hash computed by numpy would move every
+    # stored prompt's history, and differ from the other trainers').
     for row in first.tolist():
         ids = _as_numpy(prompts[row])
         if mask is not None:
             ids = ids[_as_numpy(mask[row]).astype(bool)]
-        digest = hashlib.blake2b(np.asarray(ids, dtype="<i8").tobytes(), digest_size=16)
-        keys.append("p:" + digest.hexdigest())
+        keys.append(prompt_key(ids))
     return np.asarray(keys, dtype=object)[inverse.reshape(-1)]
 
 

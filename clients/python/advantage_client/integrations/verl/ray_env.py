@@ -24,7 +24,8 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """:func:`register`'s arguments from ``ADVANTAGE_VERL_TRANSPORT`` (default inprocess),
     ``ADVANTAGE_VERL_URL``, ``ADVANTAGE_VERL_PRESETS`` (comma-separated names; default all) and
     ``ADVANTAGE_VERL_OPTIONS`` (a JSON object: the keyword options, and ``estimators``, a
-    ``{name: estimator object}`` registered beside the presets)."""
+    ``{name: estimator object}`` registered beside the presets: those named, or every preset
+    when none is named)."""
     env = os.environ if env is None else env
     options = json.loads(env.get(ENV_OPTIONS) or "{}")
     if not isinstance(options, dict):
@@ -32,8 +33,14 @@ def settings_from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     presets: Any = None
     names = [n.strip() for n in (env.get(ENV_PRESETS) or "").split(",") if n.strip()]
     objects = options.pop("estimators", None)
-    if names or objects:
+    if objects is not None and not isinstance(objects, dict):
+        raise VerlConfigError(
+            f"{ENV_OPTIONS}: estimators must be a JSON object {{name: estimator}}, got {objects!r}"
+        )
+    if names:
         presets = {**{n: n for n in names}, **(objects or {})}
+    elif objects:  # (every preset, and these beside them)
+        options["estimators"] = objects
     return {
         "transport": env.get(ENV_TRANSPORT) or "inprocess",
         "url": env.get(ENV_URL) or None,

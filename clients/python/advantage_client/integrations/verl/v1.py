@@ -5,7 +5,7 @@ prompts for the prompt key, ...), while the step's estimator is known (:data:`_V
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .common import BATCH_INPUTS, TEACHER_PREFIX, _estimator_name
@@ -35,8 +35,9 @@ V1_STEP_HAS = frozenset(
 )
 
 
-def v1_fields(fn: VerlEstimator) -> list[str]:
-    """The transfer-queue fields the v1 advantage step must also fetch for ``fn``."""
+def v1_fields(fn: VerlEstimator, reward_keys: Sequence[str] = ()) -> list[str]:
+    """The transfer-queue fields the v1 advantage step must also fetch for ``fn`` (and GDPO's
+    ``reward_keys``, which the reward step wrote beside ``rm_scores``)."""
     fields = ["responses"] if fn.token_ids else []
     fields += [
         key
@@ -50,7 +51,7 @@ def v1_fields(fn: VerlEstimator) -> list[str]:
     ]
     if fn.history and fn.prompt_key is not None:
         fields.append("prompts" if fn.prompt_key == "hash" else fn.prompt_key)
-    return fields
+    return fields + [k for k in reward_keys if k not in fields]
 
 
 class _TransferQueueFetch:
@@ -81,7 +82,8 @@ class _TransferQueueFetch:
             )
         assert step is not None
         fn: VerlEstimator = step["estimator"]
-        extra = [f for f in v1_fields(fn) if f not in select_fields]
+        reward_keys = step.get("reward_keys", ())
+        extra = [f for f in v1_fields(fn, reward_keys) if f not in select_fields]
         data = self._module.kv_batch_get(
             keys=keys, partition_id=partition_id, select_fields=[*select_fields, *extra]
         )
@@ -95,6 +97,12 @@ class _TransferQueueFetch:
             else:
                 keys_per_row = uid_names(values).astype(object)
             step["prompt_keys"] = (uids, keys_per_row)
+        if reward_keys:  # (per row, in the fetched rows' order: the rows the estimator gets)
+            step["reward_components"] = {
+                key: values.tolist() if hasattr(values, "tolist") else list(values)
+                for key in reward_keys
+                if (values := data.pop(key, None)) is not None
+            }
         return data
 
 
@@ -105,7 +113,10 @@ def _v1_compute_advantage(original: Callable[..., Any]) -> Callable[..., Any]:
         fn = REGISTERED.get(_estimator_name(self.config.algorithm.adv_estimator))
         if fn is None:
             return original(self, batch, metrics)
-        token = _V1_STEP.set({"estimator": fn})
+        step: dict[str, Any] = {"estimator": fn}
+        if fn.gdpo:
+            step["reward_keys"] = fn.reward_keys(self.config.algorithm)
+        token = _V1_STEP.set(step)
         try:
             return original(self, batch, metrics)
         finally:
