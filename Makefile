@@ -7,7 +7,7 @@ SERVE_STAMP := $(VENV)/.serve-installed
 PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints-dev.txt
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-unit test-deps bench demo lint format clean
+.PHONY: install serve test test-unit test-installs test-deps bench demo lint format clean
 
 install: $(STAMP)
 
@@ -56,6 +56,11 @@ test-deps:
 test: install test-deps
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+# Every install command of the README and docs/ in a clean virtual environment, then its example
+# (cached under ~/.cache/advantage-service: a cold cache takes about 25 minutes, a warm one 1).
+test-installs: install
+	$(BIN)/python -m pytest -q -m installs tests/installs $(PYTEST_ARGS)
+
 # The quick loop: the tests that start no process (no service, Redis, browser or trainer run;
 # those are marked `integration`). A test that starts one without the marker fails here.
 test-unit: install
@@ -77,7 +82,15 @@ bench: install
 # The learning demo (README, "A learning demo"): the tiny TRL model trained with GRPO and with
 # KTAE (history per prompt) through a service it starts; writes trl_demo.png and trl_demo.json.
 DEMO_OUT ?= demo-out
-demo: install
+DEMO_STAMP := $(VENV)/.demo-installed
+# What the demo needs and nothing more: the serving environment, TRL (torch as pinned) and
+# matplotlib for the plot.
+$(DEMO_STAMP): $(SERVE_STAMP) clients/python/pyproject.toml
+	@echo "make demo: adding TRL and matplotlib to $(VENV)"
+	@$(PIP) -e 'clients/python[trl]' matplotlib
+	@touch $@
+
+demo: $(DEMO_STAMP)
 	$(BIN)/python clients/examples/trl_demo.py --start-service --out $(DEMO_OUT)
 
 lint: install

@@ -51,11 +51,22 @@ def unit_tests_start_no_process(request: pytest.FixtureRequest) -> Iterator[None
         subprocess.Popen.__init__ = real  # type: ignore[method-assign]
 
 
+# Runs that only go when selected by their marker (``-m <marker>``): too long for every run.
+SELECTED_ONLY = {
+    "fuzz_long": "a long fuzzing run: select it with -m fuzz_long",
+    "installs": "the documented install commands in clean environments (minutes on a cold "
+    "cache): select them with -m installs (make test-installs)",
+}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Long fuzzing runs (marker ``fuzz_long``) run only when selected: ``-m fuzz_long``."""
-    if "fuzz_long" in (config.getoption("markexpr", "") or ""):
-        return
-    skip = pytest.mark.skip(reason="a long fuzzing run: select it with -m fuzz_long")
-    for item in items:
-        if "fuzz_long" in item.keywords:
-            item.add_marker(skip)
+    """Tests of the markers in :data:`SELECTED_ONLY` run only when selected with ``-m``."""
+    selected = config.getoption("markexpr", "") or ""
+    for marker, why in SELECTED_ONLY.items():
+        if marker in selected:
+            continue
+        skip = pytest.mark.skip(reason=why)
+        for item in items:
+            # (the marker itself: item.keywords also holds folder names, tests/installs)
+            if item.get_closest_marker(marker) is not None:
+                item.add_marker(skip)

@@ -160,6 +160,8 @@ def build(args: argparse.Namespace, output_dir: str, callbacks: list[Any]) -> An
         advantage_estimator=estimator_of(args.estimator),
         advantage_url=args.url,
         advantage_options={"namespace": args.namespace or f"trl-tiny-{time.time_ns()}"},
+        # GTPO and the other entropy readers need the policy's entropies: one extra forward pass
+        advantage_extra_forward=getattr(args, "extra_forward", False),
     )
 
 
@@ -176,6 +178,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--namespace", default=None, help="the service namespace (default: a new one)")
     p.add_argument("--output-dir", default="trl-tiny-out")
+    p.add_argument(
+        "--extra-forward",
+        action="store_true",
+        help="one extra forward pass per step for the entropies (GTPO, forking tokens, ...)",
+    )
     return p
 
 
