@@ -21,6 +21,7 @@ TRL = "pip install -e 'clients/python[trl]'"
 VERL = "pip install -e 'clients/python[verl]'"
 BOTH = "pip install -e 'clients/python[trl,verl]'"
 SERVICE = "pip install -e ."
+TUNIX = "pip install -e 'clients/python[tunix]'"
 
 ENVS = {
     "client": InstallEnv("client", (CLIENT,)),
@@ -29,6 +30,7 @@ ENVS = {
     "trl-then-verl": InstallEnv("trl-then-verl", (TORCH_CPU, TRL, VERL)),
     "trl-verl": InstallEnv("trl-verl", (TORCH_CPU, BOTH)),
     "service": InstallEnv("service", (TORCH_CPU, CLIENT, SERVICE)),
+    "tunix": InstallEnv("tunix", (TUNIX,)),
 }
 # Documented commands that are not a user's install (with why).
 NOT_RUN = {
@@ -111,6 +113,22 @@ data = DataProto.from_dict(
 )
 out = ray_trainer.compute_advantage(data, adv_estimator="adv_grpo", config=AlgoConfig())
 print(json.dumps(out.batch["advantages"][:, 0].tolist()))
+"""
+
+
+# The Tunix section's registration, then Tunix's own registry call of adv_grpo over HTTP, as
+# its GRPOLearner makes it (rewards (B,), num_generations), beside Tunix's own grpo.
+TUNIX_EXAMPLE = """
+import json, sys
+import jax.numpy as jnp
+from tunix.rl import function_registry
+from advantage_client.integrations import tunix as adv_tunix
+adv_tunix.register("http", sys.argv[1], presets=["grpo"])
+rewards = jnp.array([1.0, 0.0, 1.0, 0.0])
+ours = function_registry.get_advantage_estimator("adv_grpo")(rewards=rewards, num_generations=2)
+theirs = function_registry.get_advantage_estimator("grpo")(rewards=rewards, num_generations=2)
+assert abs(jnp.asarray(ours) - jnp.asarray(theirs)).max() < 1e-5, (ours, theirs)
+print(json.dumps([float(v) for v in jnp.asarray(ours)]))
 """
 
 
@@ -210,3 +228,14 @@ def test_trl_and_verl_in_one_command_then_both_examples(service: Service, tmp_pa
     assert package_version(python, "torch") == "2.13.0+cpu"
     verl_ray_example(python, service.url)
     trl_example(python, service.url, tmp_path)
+
+
+@pytest.mark.integration
+@pytest.mark.installs
+@pytest.mark.timeout(1800)
+def test_the_tunix_install_then_its_registry_example(service: Service) -> None:
+    python = ensure_install_env(ENVS["tunix"])
+    assert package_version(python, "google-tunix").startswith("0.1.")
+    done = run_in_env(python, TUNIX_EXAMPLE, service.url, timeout=300)
+    first, second, third, fourth = grpo_column(done.stdout)  # (equal to Tunix's own: above)
+    assert first > 0 > second and (first, second) == (third, fourth) and first == -second
