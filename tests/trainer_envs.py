@@ -58,6 +58,17 @@ def service_requirements() -> tuple[str, ...]:
     return (TORCH, *kept)
 
 
+def python_version(python: str | Path) -> str:
+    """``sys.version`` of an interpreter as it prints it (newline included): part of what keys
+    a cached environment."""
+    return subprocess.run(
+        [str(python), "-c", "import sys; print(sys.version)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+
+
 @dataclass(frozen=True)
 class EnvSpec:
     """What goes into one environment.
@@ -77,12 +88,7 @@ class EnvSpec:
     client_requirements: bool = True
 
     def digest(self) -> str:
-        version = subprocess.run(
-            [self.python, "-c", "import sys; print(sys.version)"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
+        version = python_version(self.python).strip()
         blob = json.dumps(
             {
                 "name": self.name,

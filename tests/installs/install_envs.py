@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer_envs import CACHE, ROOT
+from trainer_envs import CACHE, ROOT, python_version
 
 # The documented command for a CPU machine, and what stands in for it here (the same release,
 # from this machine's wheel folder, which pip's configuration names).
@@ -46,12 +46,7 @@ class InstallEnv:
     steps: tuple[str, ...]
 
     def digest(self) -> str:
-        version = subprocess.run(
-            [sys.executable, "-c", "import sys; print(sys.version)"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
+        version = python_version(sys.executable)
         read = {"client": (ROOT / "clients/python/pyproject.toml").read_text()}
         if any(step.split()[-1] == "." for step in self.steps):  # (the service itself)
             read["service"] = (ROOT / "pyproject.toml").read_text()

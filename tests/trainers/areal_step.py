@@ -24,6 +24,7 @@ import torch
 from advantage_client.integrations import areal as adv_areal
 from areal.api.cli_args import NormConfig, PPOActorConfig
 from areal.trainer.ppo.actor import PPOActor
+from step_support import each_transport
 
 N_SAMPLES = 4
 PROMPTS = 3
@@ -178,12 +179,7 @@ def main() -> None:
         "transports": {},
         "refusals": refusals(),
     }
-    for transport, url in config["transports"]:
-        os.environ[adv_areal.ENV_TRANSPORT] = transport
-        os.environ.pop(adv_areal.ENV_URL, None)
-        if url is not None:
-            os.environ[adv_areal.ENV_URL] = url
-        out["transports"][transport] = run_cases(config["cases"])
+    out["transports"] = each_transport(adv_areal, config["transports"], run_cases, config["cases"])
     print("RESULT " + json.dumps(out))
 
 

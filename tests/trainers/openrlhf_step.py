@@ -58,6 +58,7 @@ from advantage_client.integrations import openrlhf as adv_openrlhf  # noqa: E402
 from openrlhf.trainer.ppo_utils.experience import Experience  # noqa: E402
 from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker  # noqa: E402
 from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController  # noqa: E402
+from step_support import each_transport  # noqa: E402
 
 N_SAMPLES = 4
 PROMPTS = 3
@@ -240,12 +241,9 @@ def main() -> None:
         "refusals": refusals(),
         "prompts": PROMPT_IDS,
     }
-    for transport, url in config["transports"]:
-        os.environ[adv_openrlhf.ENV_TRANSPORT] = transport
-        os.environ.pop(adv_openrlhf.ENV_URL, None)
-        if url is not None:
-            os.environ[adv_openrlhf.ENV_URL] = url
-        out["transports"][transport] = run_cases(config["cases"])
+    out["transports"] = each_transport(
+        adv_openrlhf, config["transports"], run_cases, config["cases"]
+    )
     print("RESULT " + json.dumps(out))
 
 

@@ -8,7 +8,6 @@ reward-to-go."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,8 @@ import numpy as np
 import pytest
 from areal_env import AREAL_ENV, AREAL_VERSION
 from oracle import reference_compute
-from trainer_envs import ensure_env, package_version, run_in_env
+from trainer_envs import package_version
+from trainer_support import run_step
 
 pytestmark = pytest.mark.integration
 
@@ -52,16 +52,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def areal_run(service: Any) -> dict[str, Any]:
     """One run of the step script in the AReaL environment, every transport in it."""
-    python = ensure_env(AREAL_ENV)
-    transports = [["inprocess", None], ["http", service.url], ["grpc", service.target]]
-    before = service.requests()
-    config = {"transports": transports, "cases": CASES}
-    done = run_in_env(python, STEP, json.dumps(config), service=True, timeout=400)
-    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
-    result: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
-    result["service_requests"] = service.requests() - before
-    result["python"] = python
-    return result
+    return run_step(service, AREAL_ENV, STEP, CASES)
 
 
 def test_areal_version(areal_run: dict[str, Any]) -> None:

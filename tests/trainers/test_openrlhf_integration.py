@@ -7,7 +7,6 @@ and KL-in-reward kept); KTAE equals the oracle plus OpenRLHF's KL reward-to-go."
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,8 @@ import pytest
 from advantage_contract.prompt_keys import prompt_key
 from openrlhf_env import OPENRLHF_ENV, OPENRLHF_VERSION
 from oracle import reference_compute
-from trainer_envs import ensure_env, package_version, run_in_env
+from trainer_envs import package_version
+from trainer_support import run_step
 
 pytestmark = pytest.mark.integration
 
@@ -35,16 +35,7 @@ KTAE_CASE = ["ktae", None]
 def openrlhf_run(service: Any) -> dict[str, Any]:
     """One run of the step script in the OpenRLHF environment, every transport in it (importing
     OpenRLHF's experience maker takes most of the run's time)."""
-    python = ensure_env(OPENRLHF_ENV)
-    transports = [["inprocess", None], ["http", service.url], ["grpc", service.target]]
-    before = service.requests()
-    config = {"transports": transports, "cases": [*OUTCOME_CASES, KTAE_CASE]}
-    done = run_in_env(python, STEP, json.dumps(config), service=True, timeout=400)
-    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
-    result: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
-    result["service_requests"] = service.requests() - before
-    result["python"] = python
-    return result
+    return run_step(service, OPENRLHF_ENV, STEP, [*OUTCOME_CASES, KTAE_CASE])
 
 
 def ktae_expected(run: dict[str, Any], batch: dict[str, Any]) -> dict[str, np.ndarray]:

@@ -24,7 +24,7 @@ import torch
 from advantage_client.integrations import verl as adv_verl
 from advantage_client.integrations.trl import AdvantageGRPOTrainer
 from datasets import Dataset
-from trl import GRPOConfig
+from trainer_support import tiny_grpo_config
 from verl import DataProto
 from verl.trainer.config import AlgoConfig
 from verl.trainer.ppo import ray_trainer
@@ -71,18 +71,7 @@ def trl_run(tmp_path: Path, **advantage: Any) -> Recording:
     trainer = Recording(
         model=tiny_model(tokenizer, hidden=16),
         reward_funcs=lambda completions, **kw: [float(len(c) % 2) for c in completions],
-        args=GRPOConfig(
-            output_dir=str(tmp_path / uuid.uuid4().hex[:8]),
-            per_device_train_batch_size=8,
-            num_generations=4,
-            max_completion_length=8,
-            max_steps=1,
-            save_strategy="no",
-            report_to="none",
-            use_cpu=True,
-            disable_tqdm=True,
-            temperature=1.5,
-        ),
+        args=tiny_grpo_config(tmp_path, temperature=1.5),
         train_dataset=Dataset.from_dict({"prompt": [" ".join(WORDS[i : i + 3]) for i in (0, 4)]}),
         processing_class=tokenizer,
         **advantage,

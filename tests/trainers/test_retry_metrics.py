@@ -8,7 +8,6 @@ import logging
 import os
 import re
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -51,7 +50,7 @@ def test_trl_logs_the_wait_and_reports_the_retries(
     import torch
     from advantage_client.integrations.trl import AdvantageGRPOTrainer
     from datasets import Dataset
-    from trl import GRPOConfig
+    from trainer_support import tiny_grpo_config
 
     sys.path.insert(0, str(ROOT / "clients" / "examples"))
     from trl_tiny import tiny_model, tiny_tokenizer
@@ -62,18 +61,7 @@ def test_trl_logs_the_wait_and_reports_the_retries(
     trainer = AdvantageGRPOTrainer(
         model=tiny_model(tokenizer, hidden=16),
         reward_funcs=lambda completions, **kw: [float(len(c) % 2) for c in completions],
-        args=GRPOConfig(
-            output_dir=str(tmp_path / uuid.uuid4().hex[:8]),
-            per_device_train_batch_size=8,
-            num_generations=4,
-            max_completion_length=8,
-            max_steps=1,
-            logging_steps=1,
-            save_strategy="no",
-            report_to="none",
-            use_cpu=True,
-            disable_tqdm=True,
-        ),
+        args=tiny_grpo_config(tmp_path, logging_steps=1),
         train_dataset=Dataset.from_dict({"prompt": [" ".join(words[i : i + 3]) for i in range(8)]}),
         processing_class=tokenizer,
         advantage_estimator="grpo",

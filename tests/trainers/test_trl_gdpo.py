@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import sys
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 from advantage_client.integrations.trl import AdvantageGRPOTrainer
 from datasets import Dataset
+from trainer_support import tiny_grpo_config
 from trl import GRPOConfig, GRPOTrainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,23 +51,14 @@ BREVITY = cycling("brevity", [None, 30.0, None, 5.0, 12.0, 12.0, 40.0, 0.0])
 
 def config(tmp_path: Path, **overrides: Any) -> GRPOConfig:
     settings: dict[str, Any] = {
-        "output_dir": str(tmp_path / uuid.uuid4().hex[:8]),
-        "per_device_train_batch_size": 8,
-        "num_generations": 4,
         "max_completion_length": 6,
-        "max_steps": 1,
         "learning_rate": 1e-2,
         "logging_steps": 1,
-        "save_strategy": "no",
-        "report_to": "none",
-        "use_cpu": True,
         "seed": 0,
-        "disable_tqdm": True,
         "multi_objective_aggregation": "normalize_then_sum",
         "reward_weights": [1.0, 0.5],
     }
-    settings.update(overrides)
-    return GRPOConfig(**settings)
+    return tiny_grpo_config(tmp_path, **{**settings, **overrides})
 
 
 class Keeping:

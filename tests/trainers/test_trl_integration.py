@@ -27,6 +27,7 @@ from advantage_client.integrations import fallback
 from advantage_client.integrations.trl import AdvantageGRPOTrainer, prompt_key
 from datasets import Dataset
 from process_support import free_port
+from trainer_support import tiny_grpo_config
 from trl import GRPOConfig, GRPOTrainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,22 +57,12 @@ def cycling(values: list[float | None]) -> Callable[..., list[float | None]]:
 
 def config(tmp_path: Path, **overrides: Any) -> GRPOConfig:
     settings: dict[str, Any] = {
-        "output_dir": str(tmp_path / uuid.uuid4().hex[:8]),
-        "per_device_train_batch_size": 8,
-        "num_generations": 4,
-        "max_completion_length": 8,
-        "max_steps": 1,
         "learning_rate": 1e-2,
         "logging_steps": 1,
-        "save_strategy": "no",
-        "report_to": "none",
-        "use_cpu": True,
         "seed": 0,
         "temperature": 1.5,
-        "disable_tqdm": True,
     }
-    settings.update(overrides)
-    return GRPOConfig(**settings)
+    return tiny_grpo_config(tmp_path, **{**settings, **overrides})
 
 
 def trainer_of(

@@ -40,41 +40,25 @@ the service's estimators are model-free group baselines that do not discount.
 
 from __future__ import annotations
 
-import itertools
-import json
-import os
-import time
-import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
-from advantage_contract.prompt_keys import prompt_key
-
-from . import backend, checks
+from . import adapter, checks
+from .adapter import CALL_OPTIONS as CALL_OPTIONS
+from .adapter import group_keys as group_keys
 
 ENV_ESTIMATOR = "ADVANTAGE_AREAL_ESTIMATOR"
 ENV_TRANSPORT = "ADVANTAGE_AREAL_TRANSPORT"
 ENV_URL = "ADVANTAGE_AREAL_URL"
 ENV_OPTIONS = "ADVANTAGE_AREAL_OPTIONS"
-CALL_OPTIONS = ("ignore_token_ids", "namespace")
 # The per-token inputs AReaL has at its advantage step: the old policy's log-probs.
 AVAILABLE_INPUTS = frozenset(("logprobs",))
 SCOPES = {"group": "group", "batch": "request", None: "none"}
 SCALING = ("mean_scope", "std_scope", "leave_one_out", "std_unbiased", "epsilon", "std_center")
 
 _ORIGINALS: dict[str, Callable[..., Any]] = {}
-
-
-def group_keys(prompts: list[np.ndarray], groups: np.ndarray) -> np.ndarray:
-    """Per row, the contract's key of its group's prompt (its first row's prompt token ids), the
-    key every integration sends, so history carries across trainers in a namespace."""
-    first: dict[int, str] = {}
-    for row, group in enumerate(groups.tolist()):
-        if group not in first:
-            first[group] = prompt_key(prompts[row])
-    return np.asarray([first[g] for g in groups.tolist()], dtype=object)
 
 
 class AReaLConfigError(ValueError):
@@ -95,7 +79,7 @@ def norm_scaling(norm: Any) -> dict[str, Any]:
     }
 
 
-class ServiceAdvantages:
+class ServiceAdvantages(adapter.BatchCalls):
     """One actor's advantages from the service: the backend and the estimator (AReaL's
     ``reward_norm`` mapped onto it), checked against the service's listing and AReaL's
     ``PPOActorConfig`` when built."""
@@ -109,7 +93,6 @@ class ServiceAdvantages:
         group_size: int | None = None,
         **options: Any,
     ) -> None:
-        transport = transport or ("http" if url else "inprocess")
         for name in ("discount", "gae_lambda"):
             value = float(getattr(config, name, 1.0))
             if value != 1.0:
@@ -125,8 +108,7 @@ class ServiceAdvantages:
                 "give one of them"
             )
         self.group_size = int(group_size or (norm.group_size if norm is not None else 1))
-        self.call_options = {k: options.pop(k, None) for k in CALL_OPTIONS}
-        self.backend = backend(transport, url, options)
+        super().__init__(transport, url, options)
         listing = self.backend.list_estimators()
         try:
             resolved = checks.resolve(listing, estimator)
@@ -160,9 +142,6 @@ class ServiceAdvantages:
                 f"before its advantage step (it has {sorted(AVAILABLE_INPUTS)})"
             )
         self.reads = checks.inputs_read(listing, self.estimator)
-        self._request_prefix = uuid.uuid4().hex
-        self._calls = itertools.count()
-        self.calls: list[dict[str, Any]] = []
 
     def call(self, data: Mapping[str, Any], rewards: Any, old_logp: Any) -> Any:
         """The service's advantages (B, L) float32 aligned with ``input_ids`` (0 off the loss
@@ -182,23 +161,9 @@ class ServiceAdvantages:
         if "logprobs" in self.reads:
             # (AReaL's old log-probs are in its next-token layout: back onto the tokens)
             per_token["logprobs"] = torch.roll(old_logp.float(), shifts=1, dims=-1) * mask
-        start = time.perf_counter()
-        result = self.backend.compute_padded(
-            tokens,
-            mask,
-            rewards.double(),
-            groups,
-            estimator=self.estimator,
-            prompt_keys=group_keys([_prompt_ids(tokens, mask, r) for r in range(rows)], groups),
-            request_id=f"{self._request_prefix}:{next(self._calls)}",
-            **per_token,
-            **self.call_options,
-        )
-        self.calls.append(
-            {
-                "ms": (time.perf_counter() - start) * 1000.0,
-                "history": str(result.summary.get("history", "none")),
-            }
+        prompts = [_prompt_ids(tokens, mask, r) for r in range(rows)]
+        result = self.compute_batch(
+            tokens, mask, rewards.double(), groups, prompts, self.estimator, per_token
         )
         advantages = torch.as_tensor(np.asarray(result.advantages, dtype=np.float32))
         return advantages.to(tokens.device), torch.as_tensor(np.asarray(result.scalars))
@@ -298,9 +263,7 @@ def patch(
     from areal.utils.functional import reward_overlong_penalty
 
     actor_class = actor_module.PPOActor
-    if not _ORIGINALS:
-        _ORIGINALS["__init__"] = actor_class.__init__
-        _ORIGINALS["_compute_advantages"] = actor_class._compute_advantages
+    adapter.keep_originals(actor_class, _ORIGINALS, ("__init__", "_compute_advantages"))
     original_init = _ORIGINALS["__init__"]
     settings = dict(options)
 
@@ -323,32 +286,14 @@ def unpatch() -> None:
         return
     from areal.trainer.ppo import actor as actor_module
 
-    for name, original in _ORIGINALS.items():
-        setattr(actor_module.PPOActor, name, original)
-    _ORIGINALS.clear()
+    adapter.restore(actor_module.PPOActor, _ORIGINALS)
 
 
 def settings_from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """:func:`patch`'s arguments from ``ADVANTAGE_AREAL_ESTIMATOR`` (a preset name or a JSON
     estimator object; default ``grpo``), ``ADVANTAGE_AREAL_TRANSPORT``, ``ADVANTAGE_AREAL_URL``
     and ``ADVANTAGE_AREAL_OPTIONS`` (a JSON object: ``group_size`` and the options)."""
-    env = os.environ if env is None else env
-    raw = (env.get(ENV_ESTIMATOR) or "grpo").strip()
-    try:
-        estimator: Any = json.loads(raw) if raw.startswith("{") else raw
-        options = json.loads(env.get(ENV_OPTIONS) or "{}")
-    except json.JSONDecodeError as exc:
-        raise AReaLConfigError(
-            f"{ENV_ESTIMATOR} or {ENV_OPTIONS} is not valid JSON: {exc}"
-        ) from exc
-    if not isinstance(options, dict):
-        raise AReaLConfigError(f"{ENV_OPTIONS} must be a JSON object, got {options!r}")
-    return {
-        "estimator": estimator,
-        "transport": env.get(ENV_TRANSPORT) or None,
-        "url": env.get(ENV_URL) or None,
-        **options,
-    }
+    return adapter.settings_from_env(env, "ADVANTAGE_AREAL", AReaLConfigError)
 
 
 def setup() -> None:

@@ -35,41 +35,24 @@ more than one sample).
 
 from __future__ import annotations
 
-import itertools
-import json
-import os
-import time
-import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
-from advantage_contract.prompt_keys import prompt_key
-
-from . import backend, checks
+from . import adapter, checks
+from .adapter import CALL_OPTIONS as CALL_OPTIONS
+from .adapter import group_keys as group_keys
 
 HOOK = "advantage_client.integrations.openrlhf.setup"
 ENV_ESTIMATOR = "ADVANTAGE_OPENRLHF_ESTIMATOR"
 ENV_TRANSPORT = "ADVANTAGE_OPENRLHF_TRANSPORT"
 ENV_URL = "ADVANTAGE_OPENRLHF_URL"
 ENV_OPTIONS = "ADVANTAGE_OPENRLHF_OPTIONS"
-# Options sent with every call (the rest configure the client: timeout, token, retry_for, ...).
-CALL_OPTIONS = ("ignore_token_ids", "namespace")
 # The per-token inputs OpenRLHF has at its advantage step: the actor's log-probs of the actions.
 AVAILABLE_INPUTS = frozenset(("logprobs",))
 
 _ORIGINALS: dict[str, Callable[..., Any]] = {}
-
-
-def group_keys(prompts: list[np.ndarray], groups: np.ndarray) -> np.ndarray:
-    """Per row, the contract's key of its group's prompt (its first row's prompt token ids), the
-    key every integration sends, so history carries across trainers in a namespace."""
-    first: dict[int, str] = {}
-    for row, group in enumerate(groups.tolist()):
-        if group not in first:
-            first[group] = prompt_key(prompts[row])
-    return np.asarray([first[g] for g in groups.tolist()], dtype=object)
 
 
 class OpenRLHFConfigError(ValueError):
@@ -85,7 +68,7 @@ def _setting(args: Any, path: str, default: Any) -> Any:
     return node
 
 
-class ServiceAdvantages:
+class ServiceAdvantages(adapter.BatchCalls):
     """One experience maker's advantages from the service: the backend and the estimator,
     checked against the service's listing and OpenRLHF's arguments when built."""
 
@@ -97,7 +80,6 @@ class ServiceAdvantages:
         url: str | None = None,
         **options: Any,
     ) -> None:
-        transport = transport or ("http" if url else "inprocess")
         openrlhf_estimator = _setting(args, "algo.advantage.estimator", "gae")
         if openrlhf_estimator == "gae":
             raise OpenRLHFConfigError(
@@ -112,8 +94,7 @@ class ServiceAdvantages:
                 "not (nor do OpenRLHF's group estimators): set --algo.advantage.gamma 1"
             )
         self.group_size = int(_setting(args, "rollout.n_samples_per_prompt", 1))
-        self.call_options = {k: options.pop(k, None) for k in CALL_OPTIONS}
-        self.backend = backend(transport, url, options)
+        super().__init__(transport, url, options)
         listing = self.backend.list_estimators()
         try:
             self.resolved = checks.resolve(listing, estimator)
@@ -127,9 +108,6 @@ class ServiceAdvantages:
             )
         self.reads = checks.inputs_read(listing, self.resolved)
         self.estimator = estimator
-        self._request_prefix = uuid.uuid4().hex
-        self._calls = itertools.count()
-        self.calls: list[dict[str, Any]] = []
 
     def compute(self, maker: Any, experiences: list[Any], apply_length_penalties: Any) -> Any:
         """OpenRLHF's ``compute_advantages_and_returns`` with the service's advantages."""
@@ -157,23 +135,8 @@ class ServiceAdvantages:
             )
         prompts = [_prompt_ids(e, row) for e in experiences for row in range(len(e.index))]
         groups = index // n
-        start = time.perf_counter()
-        result = self.backend.compute_padded(
-            tokens,
-            mask,
-            rewards,
-            groups,
-            estimator=self.estimator,
-            prompt_keys=group_keys(prompts, groups),
-            request_id=f"{self._request_prefix}:{next(self._calls)}",
-            **per_token,
-            **self.call_options,
-        )
-        self.calls.append(
-            {
-                "ms": (time.perf_counter() - start) * 1000.0,
-                "history": str(result.summary.get("history", "none")),
-            }
+        result = self.compute_batch(
+            tokens, mask, rewards, groups, prompts, self.estimator, per_token
         )
         advantages = torch.as_tensor(np.asarray(result.advantages, dtype=np.float32))
         scalars = torch.as_tensor(np.asarray(result.scalars, dtype=np.float32))
@@ -245,9 +208,7 @@ def patch(
     from openrlhf.trainer.ppo_utils import experience_maker
 
     maker_class = experience_maker.RemoteExperienceMaker
-    if not _ORIGINALS:
-        _ORIGINALS["__init__"] = maker_class.__init__
-        _ORIGINALS["compute_advantages_and_returns"] = maker_class.compute_advantages_and_returns
+    adapter.keep_originals(maker_class, _ORIGINALS, ("__init__", "compute_advantages_and_returns"))
     original_init = _ORIGINALS["__init__"]
     settings = dict(options)
 
@@ -275,35 +236,14 @@ def unpatch() -> None:
         return
     from openrlhf.trainer.ppo_utils import experience_maker
 
-    for name, original in _ORIGINALS.items():
-        setattr(experience_maker.RemoteExperienceMaker, name, original)
-    _ORIGINALS.clear()
+    adapter.restore(experience_maker.RemoteExperienceMaker, _ORIGINALS)
 
 
 def settings_from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """:func:`patch`'s arguments from ``ADVANTAGE_OPENRLHF_ESTIMATOR`` (a preset name or a JSON
     estimator object; default ``grpo``), ``ADVANTAGE_OPENRLHF_TRANSPORT``,
     ``ADVANTAGE_OPENRLHF_URL`` and ``ADVANTAGE_OPENRLHF_OPTIONS`` (a JSON object of options)."""
-    env = os.environ if env is None else env
-    raw = (env.get(ENV_ESTIMATOR) or "grpo").strip()
-    estimator: Any = raw
-    if raw.startswith("{"):
-        try:
-            estimator = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise OpenRLHFConfigError(f"{ENV_ESTIMATOR} is not valid JSON: {exc}") from exc
-    try:
-        options = json.loads(env.get(ENV_OPTIONS) or "{}")
-    except json.JSONDecodeError as exc:
-        raise OpenRLHFConfigError(f"{ENV_OPTIONS} is not valid JSON: {exc}") from exc
-    if not isinstance(options, dict):
-        raise OpenRLHFConfigError(f"{ENV_OPTIONS} must be a JSON object, got {options!r}")
-    return {
-        "estimator": estimator,
-        "transport": env.get(ENV_TRANSPORT) or None,
-        "url": env.get(ENV_URL) or None,
-        **options,
-    }
+    return adapter.settings_from_env(env, "ADVANTAGE_OPENRLHF", OpenRLHFConfigError)
 
 
 def setup() -> None:

@@ -41,7 +41,8 @@ import numpy as np
 from advantage_contract.prompt_keys import prompt_key
 
 from . import backend
-from .checks import EstimatorCheckError, inputs_read, required_inputs, resolve, uses_history
+from .adapter import RegisteredEstimator, call_options, chosen_estimators, resolved_each
+from .checks import inputs_read, required_inputs
 
 PREFIX = "adv_"
 DEFAULT_RETRY_FOR = 60.0
@@ -56,7 +57,7 @@ class SkyRLConfigError(ValueError):
     at the step that has it."""
 
 
-class SkyRLEstimator:
+class SkyRLEstimator(RegisteredEstimator):
     """One service estimator behind SkyRL's estimator signature
     (``token_level_rewards, response_mask, index, **settings -> (advantages, returns)``)."""
 
@@ -76,16 +77,12 @@ class SkyRLEstimator:
     ) -> None:
         from advantage_contract.padded import needs_token_ids
 
-        self.name = name
-        self.given = given
-        self.full = dict(full)
-        self.needs = needs
+        super().__init__(
+            name, given, full, needs, ignore_token_ids=ignore_token_ids, namespace=namespace
+        )
         self.reads = reads
         self.transport, self.url, self.client_options = transport, url, dict(client_options)
-        self.ignore_token_ids = ignore_token_ids
-        self.namespace = namespace
         self.token_ids = needs_token_ids(full)
-        self.history = uses_history(full)
         self._request_prefix = uuid.uuid4().hex
         self._calls = itertools.count()
         self._backend: Any = None
@@ -266,12 +263,7 @@ def make_estimators(
     """Each ``{name: estimator}`` checked against ``listing``; with ``skip_unsupported``, those
     needing an input SkyRL cannot give are left out rather than refused."""
     out = {}
-    for name, estimator in chosen.items():
-        skyrl_name = name if name.startswith(PREFIX) else PREFIX + name
-        try:
-            full = resolve(listing, estimator)
-        except EstimatorCheckError as exc:
-            raise SkyRLConfigError(f"{skyrl_name}: {exc}") from None
+    for skyrl_name, estimator, full in resolved_each(chosen, listing, PREFIX, SkyRLConfigError):
         needs = required_inputs(listing, full)
         missing = sorted(needs - set(BATCH_INPUTS))
         if missing:
@@ -311,19 +303,11 @@ def register(
     """
     from skyrl_train.utils.ppo_utils import AdvantageEstimatorRegistry
 
-    options = {
-        "ignore_token_ids": client_options.pop("ignore_token_ids", None),
-        "namespace": client_options.pop("namespace", None),
-    }
+    options = call_options(client_options)
     if transport != "inprocess":
         client_options.setdefault("retry_for", DEFAULT_RETRY_FOR)
     listing = backend(transport, url, client_options).list_estimators()
-    if presets is None:
-        chosen: dict[str, Any] = {name: name for name in listing.get("presets", {})}
-    elif isinstance(presets, Mapping):
-        chosen = dict(presets)
-    else:
-        chosen = {name: name for name in presets}
+    chosen = chosen_estimators(listing, presets)
     made = make_estimators(
         chosen,
         listing,

@@ -42,14 +42,8 @@ from advantage_contract.arrays import to_numpy
 from advantage_contract.prompt_keys import prompt_key
 
 from . import backend
-from .checks import (
-    EstimatorCheckError,
-    inputs_read,
-    is_token_level,
-    required_inputs,
-    resolve,
-    uses_history,
-)
+from .adapter import RegisteredEstimator, call_options, chosen_estimators, resolved_each
+from .checks import inputs_read, is_token_level, required_inputs
 
 PREFIX = "adv_"
 # What Tunix's GRPO step does not compute, by compute_padded keyword.
@@ -67,7 +61,7 @@ class TunixConfigError(ValueError):
     """A preset Tunix cannot run as configured, named before the first step."""
 
 
-class TunixEstimator:
+class TunixEstimator(RegisteredEstimator):
     """One service estimator behind Tunix's advantage-estimator signature
     ``(rewards (B,), num_generations) -> advantages (B,)``; for a token-level preset, the
     per-token computation :class:`AdvantageGRPOLearner` calls."""
@@ -85,16 +79,12 @@ class TunixEstimator:
         namespace: str | None = None,
         ignore_token_ids: Sequence[int] | None = None,
     ) -> None:
-        self.name = name
-        self.given = given
-        self.full = dict(full)
-        self.needs = needs
+        super().__init__(
+            name, given, full, needs, ignore_token_ids=ignore_token_ids, namespace=namespace
+        )
         self.reads = reads
         self.token_level = token_level
-        self.history = uses_history(full)
         self.compute_padded = compute_padded
-        self.namespace = namespace
-        self.ignore_token_ids = ignore_token_ids
         # The rewards of the step a learner is computing, per thread: the learner's own state
         # while its step runs (see AdvantageGRPOLearner), never shared between learners' steps.
         self._step = threading.local()
@@ -184,12 +174,7 @@ def make_estimators(
 ) -> dict[str, TunixEstimator]:
     """Each ``{name: estimator}`` checked against the service's ``listing``."""
     out = {}
-    for name, estimator in chosen.items():
-        tunix_name = name if name.startswith(PREFIX) else PREFIX + name
-        try:
-            full = resolve(listing, estimator)
-        except EstimatorCheckError as exc:
-            raise TunixConfigError(f"{tunix_name}: {exc}") from None
+    for tunix_name, estimator, full in resolved_each(chosen, listing, PREFIX, TunixConfigError):
         out[tunix_name] = TunixEstimator(
             tunix_name,
             estimator,
@@ -218,18 +203,10 @@ def register(
     ``client_options``: ``namespace`` and ``ignore_token_ids`` for every call, the rest for the
     client (``timeout``, ``token``, ...). Registering a name again replaces it.
     """
-    options = {
-        "namespace": client_options.pop("namespace", None),
-        "ignore_token_ids": client_options.pop("ignore_token_ids", None),
-    }
+    options = call_options(client_options)
     chosen_backend = backend(transport, url, client_options)
     listing = chosen_backend.list_estimators()
-    if presets is None:
-        chosen: dict[str, Any] = {name: name for name in listing.get("presets", {})}
-    elif isinstance(presets, Mapping):
-        chosen = dict(presets)
-    else:
-        chosen = {name: name for name in presets}
+    chosen = chosen_estimators(listing, presets)
     made = make_estimators(chosen, listing, chosen_backend.compute_padded, **options)
     for name, fn in made.items():
         function_registry.register_advantage_estimator(name)(fn)

@@ -26,7 +26,8 @@ import numpy as np
 from advantage_contract.errors import AdvantageError
 
 from .. import backend
-from ..checks import EstimatorCheckError, inputs_read, required_inputs, resolve, uses_history
+from ..adapter import RegisteredEstimator, call_options, chosen_estimators, resolved_each
+from ..checks import inputs_read, required_inputs
 from .common import BATCH_INPUTS, TEACHER_PREFIX, VerlConfigError, _setting
 
 log = logging.getLogger("advantage_client.verl")
@@ -76,7 +77,7 @@ def reward_to_go(token_level_rewards: Any, response_mask: Any) -> Any:
     return masked.flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
 
 
-class VerlEstimator:
+class VerlEstimator(RegisteredEstimator):
     """A verl advantage estimator (``register_adv_est``'s signature, plus the keywords
     :func:`patch` adds) computing one service estimator through ``compute_padded``."""
 
@@ -97,15 +98,11 @@ class VerlEstimator:
     ) -> None:
         from advantage_contract.padded import needs_token_ids
 
-        self.name = name
-        self.given = given
-        self.full = dict(full)
-        self.needs = needs
+        super().__init__(
+            name, given, full, needs, ignore_token_ids=ignore_token_ids, namespace=namespace
+        )
         self.compute_padded = compute_padded
-        self.ignore_token_ids = ignore_token_ids
-        self.namespace = namespace
         self.prompt_key = prompt_key
-        self.history = uses_history(full)
         self.outcome = str((full.get("outcome") or {}).get("name", "grpo"))
         # (the outcome that reads verl's gdpo_reward_keys from the batch)
         self.gdpo = self.outcome == "gdpo"
@@ -378,12 +375,7 @@ def make_estimators(
     """Each ``{name: estimator}`` checked against ``listing`` (unknown names, parameters, values
     out of range, inputs the integration cannot give: :class:`VerlConfigError`)."""
     out = {}
-    for name, estimator in chosen.items():
-        verl_name = name if name.startswith(PREFIX) else PREFIX + name
-        try:
-            full = resolve(listing, estimator)
-        except EstimatorCheckError as exc:
-            raise VerlConfigError(f"{verl_name}: {exc}") from None
+    for verl_name, estimator, full in resolved_each(chosen, listing, PREFIX, VerlConfigError):
         needs = required_inputs(listing, full)
         for need in needs:
             if need not in INPUT_HINTS and not need.startswith("teacher_logprobs."):
@@ -428,8 +420,7 @@ def register(
     from verl.trainer.ppo import core_algos
 
     options = {
-        "ignore_token_ids": client_options.pop("ignore_token_ids", None),
-        "namespace": client_options.pop("namespace", None),
+        **call_options(client_options),
         "prompt_key": client_options.pop("prompt_key", "hash"),
         "fallback": bool(client_options.pop("fallback", False)),
     }
@@ -439,12 +430,7 @@ def register(
     chosen_backend = backend(transport, url, client_options)
     options["retry_stats"] = getattr(chosen_backend, "retry_stats", None)
     listing = chosen_backend.list_estimators()
-    if presets is None:
-        chosen: dict[str, Any] = {name: name for name in listing.get("presets", {})}
-    elif isinstance(presets, Mapping):
-        chosen = dict(presets)
-    else:
-        chosen = {name: name for name in presets}
+    chosen = chosen_estimators(listing, presets)
     chosen.update(extra or {})  # (named estimator objects beside the presets)
     made = make_estimators(chosen, listing, chosen_backend.compute_padded, **options)
     for verl_name, fn in made.items():
