@@ -116,6 +116,8 @@ def test_a_restart_mid_call_is_logged_and_counted(
     assert failed and all(m["what"].startswith(name) for m in failed)
     assert failed[0]["tries"] == "1" and float(failed[0]["so_far"]) < 1.0
     assert failed[0]["left"] == "60 s more of waits"
-    assert 2 <= len(failed) <= 1 + took / LOG_EVERY
+    # (one more line per LOG_EVERY seconds of failing is the scripted test's to pin: here an
+    # attempt in flight, e.g. a gRPC channel reconnecting, may span the moment a line is due)
+    assert 1 <= len(failed) <= 1 + took / LOG_EVERY
     assert retries >= int(failed[-1]["tries"]) >= len(failed)
     assert lines[-1].startswith(f"{failed[0]['what']} succeeded after {retries} retries")

@@ -64,7 +64,8 @@ def test_an_unregistered_adv_name_fails_when_the_legacy_trainer_is_built(
         legacy_trainer(verl_config("adv_ktea"), monkeypatch)
     message = str(info.value)
     assert "algorithm.adv_estimator='adv_ktea' is not registered" in message
-    assert "['adv_grpo', 'adv_ktae']" in message
+    # (the list names every adv_* registered in this process: other tests register more)
+    assert "'adv_grpo'" in message and "'adv_ktae'" in message
     # a registered name, and verl's own, build
     assert legacy_trainer(verl_config("adv_ktae"), monkeypatch).config.algorithm.adv_estimator
     assert legacy_trainer(verl_config("grpo"), monkeypatch).use_critic is False
