@@ -21,16 +21,10 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-DEFAULTS: dict[str, Any] = {
-    "norm_by_std": True,
-    "epsilon": 1e-6,
-    "std_scope": "group",
-    "mean_scope": "group",
-    "leave_one_out": False,
-    "std_unbiased": True,
-    "std_center": "mean",
-    "zero_signal": "keep",
-}
+from oracle import OUTCOME_PARAM_DEFAULTS
+
+# grpo's parameters and defaults, as the main oracle resolves them (one table for both)
+DEFAULTS: dict[str, Any] = OUTCOME_PARAM_DEFAULTS["grpo"]
 
 
 def members(i: int, scope: str, groups: Sequence[int], requests: Sequence[int]) -> list[int]:
