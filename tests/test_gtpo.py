@@ -113,6 +113,47 @@ def test_gtpo_compiled_loops_give_the_keyed_path_bits(request_scope: bool) -> No
     assert _gtpo_compiled(batch, fields["entropy"], 1.0, 0.1, 0.0, 1e-6) is None  # 1 != 0.5
 
 
+@pytest.mark.parametrize("request_scope", [False, True], ids=["scope=group", "scope=request"])
+def test_gtpo_compiled_loops_give_the_keyed_path_bits_in_any_rollout_order(
+    request_scope: bool,
+) -> None:
+    """As above with each group's rollouts scattered over the batch (the group at a time loop
+    gathers a group's rollouts, in batch order), empty rollouts, and correct rollouts' entropies
+    a trainer rounded just below 0 (taken as 0)."""
+    compared = negative = 0
+    for seed in range(40):
+        rng = np.random.default_rng(1000 + seed)
+        groups = oracle.random_token_groups(rng, group_size=(2, 6), length=(1, 40))
+        pairs = [(g, r) for g, rs in enumerate(groups) for r in rs]
+        pairs = [pairs[i] for i in rng.permutation(len(pairs))]
+        entropies = []
+        for _, r in pairs:
+            r["reward"] = float(r["reward"] > 0.5)
+            h = np.abs(np.asarray(r["entropy"], np.float32)) + np.float32(0.01)
+            if r["reward"]:  # (a wrong rollout's entropy of 0 is the keyed path's)
+                h[rng.random(h.size) < 0.02] = np.float32(-5e-5)
+            entropies.append(h)
+        negative += sum(int((h < 0).sum()) for h in entropies)
+        batch = RolloutBatch.from_flat(
+            np.zeros(sum(h.size for h in entropies), dtype=np.int32),
+            np.concatenate([[0], np.cumsum([h.size for h in entropies])]).astype(np.int64),
+            [f"g{g}" for g in range(len(groups))],
+            np.array([g for g, _ in pairs], dtype=np.int64),
+            np.array([r["reward"] for _, r in pairs], dtype=np.float32),
+        )
+        entropy = torch.from_numpy(np.concatenate(entropies))
+        args = (1.0, 0.1, 0.0, 1e-6)
+        fast = _gtpo_compiled(batch, entropy, *args, request_scope)
+        keyed, wide, _ = _gtpo(batch, entropy, torch.float32, *args, False, request_scope)
+        if fast is None:
+            continue
+        assert not bool(wide.any())
+        assert torch.equal(fast.advantage, keyed.advantage)
+        assert torch.equal(fast.scalars, keyed.scalars)
+        compared += 1
+    assert compared >= 15 and negative > 0
+
+
 def test_gtpo_shaped_rewards_by_hand() -> None:
     """alpha1 = 1, alpha2 = 0.1. Correct: entropies [2, 4, 1] and [3, 1]; wrong: [4, 0.5, 3] and
     [0.5, 4]. t = 0: O+ shares 2/5, 3/5 of d = 2 -> 1 + 0.2 * 0.4 = 1.08, 1.12; O- inverse

@@ -52,14 +52,14 @@ as those re-implementations give them. Where this service chooses:
 - an empty rollout reaches no position: it takes no share and has no tokens to normalise.
 
 Over the flat batch: (class, group, position) pairs are dense keys (as OTB's (group, position));
-the per-position sums S (of v = H in O+, 1/H in O-) and Q (of v^2) are float32 sums in batch
+the per-position sums S (of v = H in O+, 1/H in O-) and Q (of v^2) are float64 sums in batch
 order, and from them alone each class's mean and std (its sum of y = r~ - b is +-alpha2 times
 its tokens; its sum of y^2 is sum_k F_k^2 Q_k): no pass over the tokens for the statistics. On
 the CPU (:func:`_gtpo_compiled`) a rollout's keys are one contiguous range, so the sums and the
-answer are two compiled loops over each rollout's slice (:mod:`.kernels`), with no per-token
-keys or gathers; the keyed path (:func:`_gtpo`, ``index_add_`` and gathers, nothing looping)
-gives the same bits and serves the cases the loops hand back (entropies of 0, classes computed
-again in float64, other devices).
+answer are two compiled loops over each rollout's slice (:mod:`.gtpo_kernels`; with Eq. 6 over
+the group, one group at a time), with no per-token keys or gathers; the keyed path
+(:func:`_gtpo`, ``index_add_`` and gathers, nothing looping) gives the same bits and serves the
+cases the loops hand back (entropies of 0, classes computed again in float64, other devices).
 
 The parts: :mod:`.gtpo_shaping` (the classes O+ and O-, the keys, the entropy shares and the
 per-key factor), :mod:`.gtpo_statistics` (each class's mean and std, Eq. 6, as a scale and a
@@ -89,6 +89,7 @@ from .gtpo_shaping import (
 )
 from .gtpo_statistics import (
     SCOPES,
+    WIDE_BELOW,
     Normalisation,
     Pools,
     class_statistics_numpy,
@@ -219,9 +220,9 @@ def _gtpo_compiled(
     epsilon: float,
     request: bool = False,
 ) -> TokenShaping | None:
-    """GTPO on the CPU by two compiled loops over each rollout's contiguous slice of tokens
-    (:mod:`.kernels`): the same float32 arithmetic in the same order as :func:`_gtpo` (the same
-    bits); None where that one must decide (an entropy of 0 at some position, a class its
+    """GTPO on the CPU by compiled loops over each rollout's contiguous slice of tokens
+    (:mod:`.gtpo_kernels`): the same float32 arithmetic in the same order as :func:`_gtpo` (the
+    same bits); None where that one must decide (an entropy of 0 at some position, a class its
     float32 pass leaves to float64).
 
     Why: per token, the keyed path builds an int32 key, gathers per-key tables and scatters
@@ -229,17 +230,54 @@ def _gtpo_compiled(
     rollout i's tokens are the range [start_i, start_i + T_i): one loop adds v and v^2 into
     the per-position tables S and Q (and counts the rollouts reaching each position), the
     other writes A = F scale v + shift and takes each rollout's sum while its slice is in
-    cache. A group without contrast takes no part in the sums and gets 0."""
-    from . import kernels  # (numba is imported when a compiled loop first runs)
+    cache. With Eq. 6 over the group (the default) both run one group at a time, so a group's
+    entropies are read from memory once and its tables stay in cache; over the request, the
+    statistics pool the groups, so each loop runs over the whole batch. A group without
+    contrast takes no part in the sums and gets 0."""
+    from . import gtpo_kernels  # (numba is imported when a compiled loop first runs)
 
-    # What split_classes, key_layout and outcome_rewards compute, in numpy (per rollout and per
-    # class group: a numpy call costs a microsecond, a torch one several).
     g = batch.num_groups
     offsets = batch.offsets.numpy()
-    lengths = np.diff(offsets)
     rewards = batch.rewards.numpy().astype(np.float64)
     correct = rewards > correct_threshold
     wrong = ~correct
+    b = np.where(correct, alpha1 * rewards, -alpha1)
+    h = entropy.float().contiguous().numpy()
+    out = np.empty(batch.num_tokens, dtype=np.float32)
+    if request:
+        sums = _gtpo_over_the_batch(batch, h, wrong, b, alpha2, epsilon, out)
+        if sums is None:
+            return None
+    else:
+        group_index = batch.group_index.numpy()
+        status, sums = gtpo_kernels.gtpo_grouped(
+            h, offsets, group_index, g, wrong, b, alpha2, epsilon, WIDE_BELOW, out
+        )
+        if status:
+            return None
+    scalars = sums / np.maximum(np.diff(offsets).astype(np.float64), 1.0)
+    return TokenShaping(torch.from_numpy(out), torch.from_numpy(scalars), None)
+
+
+def _gtpo_over_the_batch(
+    batch: RolloutBatch,
+    h: np.ndarray,
+    wrong: np.ndarray,
+    b: np.ndarray,
+    alpha2: float,
+    epsilon: float,
+    out: np.ndarray,
+) -> np.ndarray | None:
+    """Scope ``request``: the compiled loops over the whole batch's (class, group, position)
+    tables, the statistics pooled per request; A into ``out``, each rollout's float64 sum of
+    it (None where the keyed path must decide). What split_classes and key_layout compute, in
+    numpy (per rollout and per class group: a numpy call costs a microsecond, a torch one
+    several)."""
+    from . import gtpo_kernels, kernels
+
+    g = batch.num_groups
+    offsets = batch.offsets.numpy()
+    lengths = np.diff(offsets)
     cg = batch.group_index.numpy() + g * wrong
     per_class = np.bincount(cg, minlength=2 * g)
     contrast = (per_class[:g] > 0) & (per_class[g:] > 0)
@@ -251,38 +289,24 @@ def _gtpo_compiled(
         raise ValueError(f"{num_keys} (class, group, position) keys do not fit int32")
     start = (np.cumsum(longest) - longest)[cg]
     first_wrong = int(longest[:g].sum())
-
-    h = entropy.float().contiguous().numpy()
     total, squares, factor = kernels.scratch_tables(num_keys, 3, np.float64)
     alive, per_key = kernels.scratch_tables(num_keys, 2)
-    negative = kernels.gtpo_position_sums(h, offsets, start, busy, wrong, total, squares, alive)
-    status = kernels.gtpo_factor(total, alive, first_wrong, alpha2, factor)
-    if status:  # an entropy of 0 where the keyed path's shares decide
-        return None
-    y2 = kernels.class_square_sums(factor, squares, longest)
-    b = np.where(correct, alpha1 * rewards, -alpha1)
-    pools = request_pools(batch, contrast) if request else None
+    negative = gtpo_kernels.gtpo_position_sums(
+        h, offsets, start, busy, wrong, total, squares, alive
+    )
+    if gtpo_kernels.gtpo_factor(total, alive, first_wrong, alpha2, factor):
+        return None  # an entropy of 0 where the keyed path's shares decide
+    y2 = gtpo_kernels.class_square_sums(factor, squares, longest)
+    pools = request_pools(batch, contrast)
     scale, shift, wide = class_statistics_numpy(
         lengths, cg, contrast, y2, b, alpha2, epsilon, None, pools
     )
     if wide.any():
         return None
-    kernels.gtpo_per_key(factor, scale, longest, per_key)
-    out = np.empty(batch.num_tokens, dtype=np.float32)
-    sums = kernels.gtpo_write(
-        h,
-        offsets,
-        start,
-        busy,
-        wrong,
-        negative,
-        per_key,
-        scale[cg],
-        shift.astype(np.float32),
-        out,
+    gtpo_kernels.gtpo_per_key(factor, scale, longest, per_key)
+    return gtpo_kernels.gtpo_write(
+        h, offsets, start, busy, wrong, negative, per_key, scale[cg], shift.astype(np.float32), out
     )
-    scalars = sums / np.maximum(lengths.astype(np.float64), 1.0)
-    return TokenShaping(torch.from_numpy(out), torch.from_numpy(scalars), None)
 
 
 def _gtpo(

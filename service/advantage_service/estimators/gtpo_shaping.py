@@ -79,10 +79,10 @@ class KeyLayout(NamedTuple):
         """Per class group, sum_k F_k^2 Q_k over its keys in float64: float64 (2G,) (on the CPU
         the compiled loop's order, which the fast path shares)."""
         if factor.device.type == "cpu":
-            from . import kernels  # (numba is imported when a compiled loop first runs)
+            from . import gtpo_kernels  # (numba is imported when a compiled loop first runs)
 
             return torch.from_numpy(
-                kernels.class_square_sums(
+                gtpo_kernels.class_square_sums(
                     factor.contiguous().numpy(), squares.contiguous().numpy(), self.longest.numpy()
                 )
             )

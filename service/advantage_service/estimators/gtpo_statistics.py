@@ -140,21 +140,38 @@ def class_statistics_numpy(
     rollout_y: np.ndarray | None,
     pools: Pools | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`_class_statistics` in numpy from the rollouts' lengths (T_i, int (B,))."""
-    with np.errstate(all="ignore"):  # (classes left out may hold inf or nan: unused)
-        return _class_statistics(
-            np,
-            lengths.astype(np.float64),
-            (lengths > 0).astype(np.float64),
-            cg,
-            group_contrast,
-            y2,
-            b,
-            alpha2,
-            epsilon,
-            rollout_y,
-            pools,
-        )
+    """:func:`normalise`'s arithmetic on the CPU from the rollouts' lengths (T_i, int (B,)):
+    the compiled loop both CPU paths share (:func:`.gtpo_kernels.class_statistics`, the same
+    float64 operations in the same order as :func:`_class_statistics`), so that the group at a
+    time loop and the keyed path give the same bits."""
+    from . import gtpo_kernels  # (numba is imported when a compiled loop first runs)
+
+    if pools is not None:
+        pooled = np.zeros(pools.contrast.shape[0] * 2, np.float64)
+        np.add.at(pooled, pools.of_class_group, y2)
+        scale, shift, wide = class_statistics_numpy(
+            lengths, pools.of_class_group[cg], pools.contrast, pooled, b, alpha2, epsilon,
+            rollout_y, None,
+        )  # fmt: skip
+        return scale[pools.of_class_group], shift, wide[pools.of_class_group]
+    num = y2.shape[0]
+    scale, wide, shift = np.empty(num), np.empty(num, np.bool_), np.empty(b.shape[0])
+    gtpo_kernels.class_statistics(
+        lengths.astype(np.int64, copy=False),
+        np.arange(b.shape[0]),
+        cg.astype(np.int64, copy=False),
+        np.concatenate([group_contrast, group_contrast]),
+        y2,
+        b,
+        alpha2,
+        epsilon,
+        WIDE_BELOW,
+        np.empty(0) if rollout_y is None else rollout_y,
+        scale,
+        wide,
+        shift,
+    )
+    return scale, shift, wide
 
 
 class _TorchOps:
@@ -187,14 +204,6 @@ class _TorchOps:
         return x.clamp(min=floor)
 
 
-class _NumpyOps:
-    """numpy's, with the two scatters named as :class:`_TorchOps` names them."""
-
-    add_at = staticmethod(np.add.at)
-    max_at = staticmethod(np.maximum.at)
-    maximum = staticmethod(np.maximum)
-
-
 def _class_statistics(
     xp: Any,
     tokens: Any,
@@ -208,12 +217,11 @@ def _class_statistics(
     rollout_y: Any,
     pools: Pools | None,
 ) -> tuple[Any, Any, Any]:
-    """:func:`normalise`'s arithmetic on per-rollout and per-class-group arrays of ``xp``
-    (numpy, or :class:`_TorchOps`): (scale, shift, wide). The same float64 operations in the
-    same order either way (sums over a class's rollouts in batch order). With ``pools``, the
+    """:func:`normalise`'s arithmetic on per-rollout and per-class-group tensors of a device
+    other than the CPU (``xp``: :class:`_TorchOps`): (scale, shift, wide). With ``pools``, the
     classes are the pools (their sums of squares added up), their scale and wide flag handed
     back to each class group of theirs."""
-    ops = _NumpyOps if xp is np else xp
+    ops = xp
     if pools is not None:
         pooled = xp.zeros(pools.contrast.shape[0] * 2, xp.float64)
         ops.add_at(pooled, pools.of_class_group, y2)

@@ -65,9 +65,10 @@ WRITES_BEHIND = (
 def _compile_loops() -> None:
     """Compile (or load from the cache) the CPU loops, logging how long it took."""
     start = time.perf_counter()
-    from ..estimators import kernels
+    from ..estimators import gtpo_kernels, kernels
 
     kernels.compile_all()
+    gtpo_kernels.compile_all()
     log.info("CPU loops compiled in %.1f s", time.perf_counter() - start)
 
 
