@@ -138,6 +138,19 @@ class RequestWrite:
 
 
 @dataclass(frozen=True)
+class Write:
+    """A write of several requests as a store hands it on (to its layout, to its groups):
+    ``update``, the folded writes of ``requests`` (in that order), to ``namespace``;
+    ``together``: the requests go together or not at all (:meth:`StatsStore.record_many`),
+    none written again without the others."""
+
+    namespace: str
+    requests: Sequence[RequestWrite]
+    update: StatsUpdate
+    together: bool = False
+
+
+@dataclass(frozen=True)
 class Claims:
     """What a whole write found claimed before, as positions among its requests: ids counted
     before for the same body (``duplicates``) or for another one (``conflicts``). Nothing was
@@ -261,6 +274,8 @@ class StatsStore(Protocol):
     """Records, vocabulary statistics and idempotency claims, per namespace.
 
     Every method is safe to call while the backend is down: reads return None, writes False.
+    A store that subclasses this interface writes through :meth:`record_write`, of which
+    :meth:`record`, :meth:`record_many` and :meth:`record_requests` are forms.
     """
 
     @property
@@ -291,7 +306,11 @@ class StatsStore(Protocol):
         ``request_id``: the client's id (None: no idempotency). True when this call counted the
         request; False when it was a duplicate or the store is unreachable.
         """
-        ...
+        ids = [] if request_id is None else [request_id]
+        try:
+            return await self.record_many(namespace, ids, update) == []
+        except Refused:
+            return False
 
     async def record_many(
         self, namespace: str, request_ids: Sequence[str], update: StatsUpdate
@@ -306,7 +325,9 @@ class StatsStore(Protocol):
         writes in parts, a Redis Cluster, takes at most one request id here: several requests
         go through :meth:`record_requests`.)
         """
-        ...
+        requests = requests_together(request_ids, update)
+        recording = await self.record_write(Write(namespace, requests, update, together=True))
+        return claimed_together(requests, recording.outcomes)
 
     async def record_requests(
         self, namespace: str, requests: Sequence[RequestWrite], update: StatsUpdate
@@ -317,6 +338,11 @@ class StatsStore(Protocol):
         for the records folded again without them (:attr:`Recording.again`) and goes on once
         they are sent; then :attr:`Recording.outcomes` says what became of each request.
         Requests the store cannot take are ``poisoned`` alone; no exception for them."""
+        return await self.record_write(Write(namespace, requests, update))
+
+    async def record_write(self, write: Write) -> Recording:
+        """:meth:`record_requests` of ``write``'s requests, together or not at all where it says
+        so (:meth:`record_many`: none written again without the others)."""
         ...
 
     @property
@@ -364,17 +390,6 @@ def claimed_together(
     return None if LOST in outcomes else []
 
 
-async def record_alone(
-    store: StatsStore, namespace: str, request_id: str | None, update: StatsUpdate
-) -> bool:
-    """:meth:`StatsStore.record` through :meth:`StatsStore.record_many`."""
-    ids = [] if request_id is None else [request_id]
-    try:
-        return await store.record_many(namespace, ids, update) == []
-    except Refused:
-        return False
-
-
 __all__ = [
     "CONFLICT",
     "COUNTED",
@@ -396,10 +411,10 @@ __all__ = [
     "StatsStore",
     "StatsUpdate",
     "StoreStatus",
+    "Write",
     "check_order",
     "claimed_together",
     "digests_differ",
-    "record_alone",
     "requests_together",
     "token_stats_response",
     "unstorable",

@@ -36,13 +36,12 @@ from .base import (
     RecordKey,
     Refused,
     RequestWrite,
+    StatsStore,
     StatsUpdate,
     StoreStatus,
+    Write,
     check_order,
-    claimed_together,
     digests_differ,
-    record_alone,
-    requests_together,
     token_stats_response,
     unstorable,
 )
@@ -63,7 +62,7 @@ Records = dict[str, dict[RecordKey, tuple[float, bytes]]]
 Requests = dict[str, dict[str, tuple[float, str | None]]]
 
 
-class MemoryStatsStore:
+class MemoryStatsStore(StatsStore):
     """The in-memory :class:`~advantage_service.stats.base.StatsStore`."""
 
     def __init__(
@@ -147,15 +146,8 @@ class MemoryStatsStore:
     def writable(self) -> bool:
         return True
 
-    async def record(self, namespace: str, request_id: str | None, update: StatsUpdate) -> bool:
-        return await record_alone(self, namespace, request_id, update)
-
-    async def record_many(
-        self, namespace: str, request_ids: Sequence[str], update: StatsUpdate
-    ) -> list[str] | None:
-        requests = requests_together(request_ids, update)
-        write = await record_whole(self, namespace, requests, update, together=True)
-        return claimed_together(requests, write.outcomes)
+    async def record_write(self, write: Write) -> Recording:
+        return await record_whole(self, write)
 
     async def commit(
         self, namespace: str, requests: Sequence[RequestWrite], update: StatsUpdate
@@ -205,11 +197,6 @@ class MemoryStatsStore:
                     f"the record {space}:{key[:64]!r} has {len(record)} bytes, more than the "
                     f"store holds ({self.max_record_bytes} bytes)"
                 )
-
-    async def record_requests(
-        self, namespace: str, requests: Sequence[RequestWrite], update: StatsUpdate
-    ) -> Recording:
-        return await record_whole(self, namespace, requests, update)
 
     # ---- entries and their fair eviction -----------------------------------------------------
 

@@ -35,7 +35,7 @@ from urllib.parse import quote
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
-from .base import LOST, Read, Recording, RecordKey, RequestWrite, StatsUpdate
+from .base import LOST, Read, Recording, RecordKey, Write
 from .redis_cluster_write import ClusterWrite
 from .redis_commit import SlotKeys, script_reply
 from .redis_common import (
@@ -203,28 +203,21 @@ class ClusterLayout:
 
     # ---- writes ------------------------------------------------------------------------------
 
-    async def record_requests(
-        self,
-        namespace: str,
-        requests: Sequence[RequestWrite],
-        update: StatsUpdate,
-        *,
-        together: bool = False,
-    ) -> Recording:
+    async def record_write(self, write: Write) -> Recording:
         """Write the records part by part (one per slot), then the statistics of the requests
         whose every part is written (one part per bucket): see :mod:`.redis_store` and
-        :class:`.redis_cluster_write.ClusterWrite`. ``together`` (requests that go together or
-        not at all): one request at most."""
-        if together and len(requests) > 1:
+        :class:`.redis_cluster_write.ClusterWrite`. Requests that go together or not at all
+        (``write.together``): one request at most."""
+        if write.together and len(write.requests) > 1:
             raise ValueError(
                 "on a Redis Cluster a write counts each request in parts: record_many "
                 "takes one request id at most, write several with record_requests"
             )
         if self.context.skipping("record"):
-            return Finished([LOST] * len(requests))
-        write = ClusterWrite(self, namespace, requests, update, together=together)
-        await write.send()
-        return write
+            return Finished([LOST] * len(write.requests))
+        parts = ClusterWrite(self, write)
+        await parts.send()
+        return parts
 
     def execute_in(self, slot: int) -> Execute:
         """Send commands to the master of ``slot`` (:meth:`run_one`)."""

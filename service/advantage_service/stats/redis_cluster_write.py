@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Protocol
 
 from redis.exceptions import RedisClusterException, RedisError
@@ -26,7 +26,7 @@ from .base import (
     RecordKey,
     Refused,
     RequestWrite,
-    StatsUpdate,
+    Write,
 )
 from .blobs import TokenStatsUpdate, encode_token_stats, merge_token_stats
 from .redis_commit import SlotKeys, claims_found, commit_part, refused_whole, script_reply
@@ -61,37 +61,29 @@ class Slots(Protocol):
 
 
 class ClusterWrite:
-    """The write of ``requests`` (folded into ``update``) to ``namespace`` on the cluster of
-    ``layout`` (a :class:`.base.Recording`): its records' parts until each is written, found
-    claimed, refused or lost (asking for records folded again where a part goes again with
-    fewer requests), then the statistics of the requests whose every part is written, then
-    the compactions the write triggered. Reachability is reported to the layout's context."""
+    """``write`` on the cluster of ``layout`` (a :class:`.base.Recording`): its records' parts
+    until each is written, found claimed, refused or lost (asking for records folded again where
+    a part goes again with fewer requests), then the statistics of the requests whose every
+    part is written, then the compactions the write triggered. Reachability is reported to the
+    layout's context."""
 
-    def __init__(
-        self,
-        layout: Slots,
-        namespace: str,
-        requests: Sequence[RequestWrite],
-        update: StatsUpdate,
-        *,
-        together: bool = False,
-    ) -> None:
+    def __init__(self, layout: Slots, write: Write) -> None:
         self.layout = layout
         self.context = context = layout.context
-        self.namespace = namespace
-        self.requests = requests
+        self.namespace = namespace = write.namespace
+        self.requests = requests = write.requests
         self.write = context.new_id()
         self.lock = context.new_id()
         self._tries = itertools.count(1)
         by_slot: dict[int, Records] = {}
-        for key, record in update.records.items():
+        for key, record in write.update.records.items():
             by_slot.setdefault(layout.record_slot(namespace, key), {})[key] = record
         parts = []
         for slot, records in by_slot.items():
             keys = frozenset(records)
             members = [i for i, r in enumerate(requests) if keys.intersection(r.keys)]
             parts.append((slot, keys, members, records))
-        self.records = GroupWrite(requests, parts, self._send_records, together=together)
+        self.records = GroupWrite(requests, parts, self._send_records, together=write.together)
         # The statistics step, once the records' is over: its parts, the requests it counts.
         self._statistics: GroupWrite | None = None
         self._counting: set[int] = set()

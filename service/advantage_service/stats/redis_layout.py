@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from .base import LOST, Read, Recording, RecordKey, RequestWrite, StatsUpdate
+from .base import LOST, Read, Recording, RecordKey, Write
 from .redis_common import RedisContext, Unavailable
 from .redis_single import SingleLayout
 from .write_groups import Finished
@@ -42,17 +42,8 @@ class Layout(Protocol):
         Redis cannot be reached."""
         ...
 
-    async def record_requests(
-        self,
-        namespace: str,
-        requests: Sequence[RequestWrite],
-        update: StatsUpdate,
-        *,
-        together: bool = False,
-    ) -> Recording:
-        """:meth:`.base.StatsStore.record_requests` (reachability reported to the context);
-        ``together``: the requests go together or not at all (:meth:`.RedisStatsStore.
-        record_many`), none is written again without the others."""
+    async def record_write(self, write: Write) -> Recording:
+        """:meth:`.base.StatsStore.record_write` (reachability reported to the context)."""
         ...
 
     async def statistics_records(self, namespace: str) -> list[bytes | None]:
@@ -96,22 +87,15 @@ class FirstContact:
     async def read(self, namespace: str, keys: Sequence[RecordKey], request_id: str | None) -> Read:
         return await (await self.choose()).read(namespace, keys, request_id)
 
-    async def record_requests(
-        self,
-        namespace: str,
-        requests: Sequence[RequestWrite],
-        update: StatsUpdate,
-        *,
-        together: bool = False,
-    ) -> Recording:
+    async def record_write(self, write: Write) -> Recording:
         if self.chosen is None:
             # (a write reports for itself: asking is an attempt of its own)
             try:
                 await self.context.call("record", lambda: self.choose(write=True))
             except Unavailable:
-                return Finished([LOST] * len(requests))
+                return Finished([LOST] * len(write.requests))
         assert self.chosen is not None
-        return await self.chosen.record_requests(namespace, requests, update, together=together)
+        return await self.chosen.record_write(write)
 
     async def statistics_records(self, namespace: str) -> list[bytes | None]:
         return await (await self.choose()).statistics_records(namespace)

@@ -12,7 +12,7 @@ from urllib.parse import quote
 
 from redis.exceptions import ResponseError
 
-from .base import Claims, Read, RecordKey, Refused, RequestWrite, StatsUpdate
+from .base import Claims, Read, RecordKey, Refused, RequestWrite, StatsUpdate, Write
 from .blobs import encode_token_stats
 from .redis_commit import SlotKeys, claims_found, commit_part
 from .redis_common import (
@@ -82,17 +82,10 @@ class SingleLayout:
 
     # ---- writes ------------------------------------------------------------------------------
 
-    async def record_requests(
-        self,
-        namespace: str,
-        requests: Sequence[RequestWrite],
-        update: StatsUpdate,
-        *,
-        together: bool = False,
-    ) -> GroupWrite:
+    async def record_write(self, write: Write) -> GroupWrite:
         """Whole writes (:meth:`commit`), written again without the requests counted before
         and split when refused (:func:`.write_groups.record_whole`)."""
-        return await record_whole(self, namespace, requests, update, together=together)
+        return await record_whole(self, write)
 
     async def commit(
         self, namespace: str, requests: Sequence[RequestWrite], update: StatsUpdate

@@ -135,13 +135,10 @@ from .base import (
     Read,
     Recording,
     RecordKey,
-    RequestWrite,
-    StatsUpdate,
+    StatsStore,
     StoreStatus,
+    Write,
     check_order,
-    claimed_together,
-    record_alone,
-    requests_together,
     token_stats_response,
 )
 from .blobs import token_columns
@@ -165,7 +162,7 @@ from .write_groups import Finished
 DEFAULT_PREFIX = "adv"
 
 
-class RedisStatsStore:
+class RedisStatsStore(StatsStore):
     """The Redis :class:`~advantage_service.stats.base.StatsStore` (redis-py asyncio, hiredis),
     on one Redis or on a Redis Cluster.
 
@@ -333,24 +330,10 @@ class RedisStatsStore:
 
     # ---- writes ------------------------------------------------------------------------------
 
-    async def record(self, namespace: str, request_id: str | None, update: StatsUpdate) -> bool:
-        return await record_alone(self, namespace, request_id, update)
-
-    async def record_many(
-        self, namespace: str, request_ids: Sequence[str], update: StatsUpdate
-    ) -> list[str] | None:
+    async def record_write(self, write: Write) -> Recording:
         if self.context.skipping("record"):
-            return None
-        requests = requests_together(request_ids, update)
-        write = await self._layout.record_requests(namespace, requests, update, together=True)
-        return claimed_together(requests, write.outcomes)
-
-    async def record_requests(
-        self, namespace: str, requests: Sequence[RequestWrite], update: StatsUpdate
-    ) -> Recording:
-        if self.context.skipping("record"):
-            return Finished([LOST] * len(requests))
-        return await self._layout.record_requests(namespace, requests, update)
+            return Finished([LOST] * len(write.requests))
+        return await self._layout.record_write(write)
 
     # ---- reading the statistics -------------------------------------------------------------
 

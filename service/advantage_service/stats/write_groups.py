@@ -39,6 +39,7 @@ from .base import (
     Refused,
     RequestWrite,
     StatsUpdate,
+    Write,
 )
 from .blobs import merge_token_stats
 
@@ -223,17 +224,11 @@ class WholeWrites(Protocol):
         ...
 
 
-async def record_whole(
-    store: WholeWrites,
-    namespace: str,
-    requests: Sequence[RequestWrite],
-    update: StatsUpdate,
-    *,
-    together: bool = False,
-) -> GroupWrite:
-    """:meth:`.base.StatsStore.record_requests` for a store that applies a write whole: one
+async def record_whole(store: WholeWrites, write: Write) -> GroupWrite:
+    """:meth:`.base.StatsStore.record_write` for a store that applies a write whole: one
     group, the whole write, its first attempt made. k refused requests among n cost about
     2 k log2(n) more writes."""
+    requests, update = write.requests, write.update
 
     async def send(attempts: list[Attempt]) -> list[Answer]:
         (attempt,) = attempts
@@ -245,14 +240,14 @@ async def record_whole(
         )
         part = StatsUpdate(attempt.records, tokens)
         try:
-            return [await store.commit(namespace, [requests[i] for i in members], part)]
+            return [await store.commit(write.namespace, [requests[i] for i in members], part)]
         except Refused as exc:
             return [exc]
 
     whole = (0, None, list(range(len(requests))), dict(update.records))
-    write = GroupWrite(requests, [whole], send, together=together)
-    await write.send()
-    return write
+    groups = GroupWrite(requests, [whole], send, together=write.together)
+    await groups.send()
+    return groups
 
 
 __all__ = [
