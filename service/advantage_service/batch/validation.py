@@ -135,14 +135,9 @@ def check_layout(batch: RolloutBatch) -> None:
 def check_values(batch: RolloutBatch, vocab_size: int | None = None) -> None:
     """Rewards, token ids and per-token inputs in their ranges (after :func:`check_layout`)."""
     n = batch.num_tokens
-    bad = torch.nonzero(~torch.isfinite(batch.rewards))
-    if bad.numel():
-        i = int(bad[0])
-        raise RequestError(
-            "invalid_value",
-            f"reward is {float(batch.rewards[i])}; it must be finite",
-            **batch.locate_rollout(i, "reward"),
-        )
+    refuse_first_rollout(
+        batch, ~torch.isfinite(batch.rewards), batch.rewards, "reward", "it must be finite"
+    )
     if n:
         _check_tokens(batch, vocab_size)
     arrays = {"logprobs": batch.logprobs} if batch.logprobs is not None else {}
@@ -172,15 +167,13 @@ def _check_components(batch: RolloutBatch) -> None:
                 f"{field} has {values.numel()} values for {b} rollouts",
                 field=field,
             )
-        bad = torch.nonzero(torch.isinf(values))
-        if bad.numel():
-            i = int(bad[0])
-            raise RequestError(
-                "invalid_value",
-                f"{field} is {float(values[i])}; it must be finite (or null where the rollout "
-                "has none)",
-                **batch.locate_rollout(i, field),
-            )
+        refuse_first_rollout(
+            batch,
+            torch.isinf(values),
+            values,
+            field,
+            "it must be finite (or null where the rollout has none)",
+        )
 
 
 def _check_tokens(batch: RolloutBatch, vocab_size: int | None) -> None:
@@ -213,6 +206,21 @@ def _check_length(batch: RolloutBatch, name: str, values: torch.Tensor) -> None:
             "length_mismatch",
             f"{name} has {values.numel()} values for {n} tokens",
             field=name,
+        )
+
+
+def refuse_first_rollout(
+    batch: RolloutBatch, bad: torch.Tensor, values: torch.Tensor, field: str, why: str
+) -> None:
+    """Raise ``invalid_value`` for the first rollout where ``bad`` (bool (B,)), naming its
+    value of ``field`` (``values``, (B,)) and ``why`` it is refused."""
+    found = torch.nonzero(bad)
+    if found.numel():
+        i = int(found[0])
+        raise RequestError(
+            "invalid_value",
+            f"{field} is {float(values[i])}; {why}",
+            **batch.locate_rollout(i, field),
         )
 
 

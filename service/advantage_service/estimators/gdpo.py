@@ -46,7 +46,6 @@ the same order as alone, so that a request's answer does not depend on its neigh
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -61,7 +60,7 @@ from advantage_contract.fields import (
 from ..batch import RolloutBatch
 from ..errors import RequestError, shown
 from .baselines import group_sum
-from .registry import Param, register_outcome
+from .registry import Param, finite_number, register_outcome
 
 # Each library's epsilon added to a component's group std, and the variance floor of verl's
 # masked_whiten / the std floor of TRL's batch normalisation.
@@ -98,23 +97,7 @@ class WeightsParam(Param):
                     f"characters, got {shown(name)}",
                     field=where,
                 )
-            if isinstance(weight, bool) or not isinstance(weight, int | float):
-                raise RequestError(
-                    "invalid_parameter",
-                    f"{where}.{name} must be a number, got {shown(weight)}",
-                    field=f"{where}.{name}",
-                )
-            try:
-                number = float(weight)
-            except OverflowError:  # a JSON integer beyond float range
-                number = math.inf
-            if not math.isfinite(number):
-                raise RequestError(
-                    "out_of_range",
-                    f"{where}.{name} must be finite, got {shown(weight)}",
-                    field=f"{where}.{name}",
-                )
-            out[name] = number
+            out[name] = finite_number(weight, f"{where}.{name}")
         return out
 
     def describe(self) -> dict[str, Any]:

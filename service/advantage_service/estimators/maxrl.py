@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from ..batch import RolloutBatch
-from ..errors import RequestError
+from ..batch.validation import refuse_first_rollout
 from .baselines import group_sum
 from .registry import Param, register_outcome
 
@@ -84,15 +84,13 @@ def maxrl_advantage(batch: RolloutBatch, epsilon: float = 0.0) -> torch.Tensor:
 
 def check_rewards(batch: RolloutBatch, params: Mapping[str, Any]) -> None:
     """Refuse a negative reward: MaxRL divides by the group's success rate."""
-    bad = torch.nonzero(batch.rewards < 0)
-    if bad.numel():
-        i = int(bad[0])
-        raise RequestError(
-            "invalid_value",
-            f"reward is {float(batch.rewards[i])}; maxrl needs rewards >= 0 (it divides by the "
-            "group's success rate: send 0/1, not -1/+1)",
-            **batch.locate_rollout(i, "reward"),
-        )
+    refuse_first_rollout(
+        batch,
+        batch.rewards < 0,
+        batch.rewards,
+        "reward",
+        "maxrl needs rewards >= 0 (it divides by the group's success rate: send 0/1, not -1/+1)",
+    )
 
 
 @register_outcome(

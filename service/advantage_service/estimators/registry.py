@@ -67,18 +67,7 @@ class Param:
             return value
         if self.kind is list:
             return self._coerce_strings(value, where)
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise RequestError(
-                "invalid_parameter", f"{where} must be a number, got {shown(value)}", field=where
-            )
-        try:
-            number = float(value)
-        except OverflowError:  # a JSON integer beyond float range
-            number = math.inf
-        if not math.isfinite(number):
-            raise RequestError(
-                "out_of_range", f"{where} must be finite, got {shown(value)}", field=where
-            )
+        number = finite_number(value, where)
         if self.minimum is not None and (
             number < self.minimum or (self.exclusive_minimum and number == self.minimum)
         ):
@@ -133,6 +122,25 @@ class Param:
         if self.choices is not None:
             out["choices"] = list(self.choices)
         return out
+
+
+def finite_number(value: Any, where: str) -> float:
+    """``value``, a JSON number, as a finite float; raises RequestError naming ``where``
+    (``invalid_parameter`` for what is not a number, ``out_of_range`` for one that is not
+    finite)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise RequestError(
+            "invalid_parameter", f"{where} must be a number, got {shown(value)}", field=where
+        )
+    try:
+        number = float(value)
+    except OverflowError:  # a JSON integer beyond float range
+        number = math.inf
+    if not math.isfinite(number):
+        raise RequestError(
+            "out_of_range", f"{where} must be finite, got {shown(value)}", field=where
+        )
+    return number
 
 
 def resolve_params(

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import RequestError, shown
 from .registry import OUTCOMES, TERMS, Param, resolve_params
+
+_V = TypeVar("_V")
 
 DEFAULT_PRESET = "grpo"
 TOP_LEVEL_PARAMS = (
@@ -63,6 +65,18 @@ class EstimatorSpec:
         return "+".join([self.outcome, *self.terms])
 
 
+def _named(table: Mapping[str, _V], name: str, what: str, listed: str, field: str) -> _V:
+    """``table[name]``; a name the table lacks is refused (``unknown_estimator`` on ``field``,
+    its names listed as ``listed``)."""
+    if name not in table:
+        raise RequestError(
+            "unknown_estimator",
+            f"unknown {what} {shown(name)}; {listed}: {sorted(table)}",
+            field=field,
+        )
+    return table[name]
+
+
 def resolve_estimator(spec: str | Mapping[str, Any] | EstimatorSpec | None) -> EstimatorSpec:
     """The full estimator for a preset name, a partial object, or None (the default preset)."""
     if isinstance(spec, EstimatorSpec):
@@ -70,14 +84,7 @@ def resolve_estimator(spec: str | Mapping[str, Any] | EstimatorSpec | None) -> E
     if spec is None:
         spec = DEFAULT_PRESET
     if isinstance(spec, str):
-        table = presets()
-        if spec not in table:
-            raise RequestError(
-                "unknown_estimator",
-                f"unknown estimator {shown(spec)}; presets: {sorted(table)}",
-                field="estimator",
-            )
-        spec = table[spec]
+        spec = _named(presets(), spec, "estimator", "presets", "estimator")
     if not isinstance(spec, Mapping):
         raise RequestError(
             "invalid_parameter", "estimator must be a preset name or an object", field="estimator"
@@ -100,13 +107,7 @@ def resolve_estimator(spec: str | Mapping[str, Any] | EstimatorSpec | None) -> E
             field="estimator.outcome",
         )
     name = outcome_spec["name"]
-    if name not in OUTCOMES:
-        raise RequestError(
-            "unknown_estimator",
-            f"unknown outcome baseline {shown(name)}; known: {sorted(OUTCOMES)}",
-            field="estimator.outcome.name",
-        )
-    outcome = OUTCOMES[name]
+    outcome = _named(OUTCOMES, name, "outcome baseline", "known", "estimator.outcome.name")
     outcome_params = resolve_params(
         outcome.params, outcome_spec, "estimator.outcome", skip=("name",)
     )

@@ -318,6 +318,16 @@ EXAMPLE_REQUEST: dict[str, Any] = {
 }
 
 
+# The bounds of a parameter as its listing gives them (Param.describe), by their JSON Schema
+# names.
+_SCHEMA_BOUNDS = {
+    "minimum": "minimum",
+    "exclusive_minimum": "exclusiveMinimum",
+    "maximum": "maximum",
+    "choices": "enum",
+}
+
+
 def param_json_schema(p: Param) -> dict[str, Any]:
     """JSON Schema of one estimator parameter, from its registry declaration."""
     kind = {bool: "boolean", float: "number", str: "string", list: "array", dict: "object"}[p.kind]
@@ -329,12 +339,8 @@ def param_json_schema(p: Param) -> dict[str, Any]:
     if p.kind is list:
         schema["items"] = {"type": "string", "minLength": 1, "maxLength": p.max_length}
         schema["maxItems"] = p.max_items
-    if p.minimum is not None:
-        schema["exclusiveMinimum" if p.exclusive_minimum else "minimum"] = p.minimum
-    if p.maximum is not None:
-        schema["maximum"] = p.maximum
-    if p.choices is not None:
-        schema["enum"] = list(p.choices)
+    listed = p.describe()
+    schema.update({key: listed[name] for name, key in _SCHEMA_BOUNDS.items() if name in listed})
     if p.nullable:
         schema = {"anyOf": [schema, {"type": "null"}], "description": p.doc}
     if p.default is not None or p.nullable:

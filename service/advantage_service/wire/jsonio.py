@@ -13,6 +13,7 @@ import functools
 import json
 import re
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -245,38 +246,30 @@ def _loose(body: bytes | Raw) -> Any:
     fields = _object(body)
     if fields is None:
         return _value(body)
-    return {k: _loose_groups(v) if k == "groups" else _value(v) for k, v in fields.items()}
+    return {
+        k: _loose_objects(v, _loose_group_field) if k == "groups" else _value(v)
+        for k, v in fields.items()
+    }
 
 
-def _loose_groups(raw: Raw) -> Any:
-    groups = _array_items(raw)
-    if groups is None:
+def _loose_objects(raw: Raw, read_field: Callable[[str, Raw], Any]) -> Any:
+    """An array of objects (the groups, a group's rollouts), each object's fields read by
+    ``read_field(name, raw)``; a value that is not an array, or an element that is not an
+    object, as ``json`` reads it."""
+    items = _array_items(raw)
+    if items is None:
         return _value(raw)
     out: list[Any] = []
-    for group in groups:
-        fields = _object(group)
-        if fields is None:
-            out.append(_value(group))
-            continue
+    for item in items:
+        fields = _object(item)
         out.append(
-            {k: _loose_rollouts(v) if k == "rollouts" else _value(v) for k, v in fields.items()}
+            _value(item) if fields is None else {k: read_field(k, v) for k, v in fields.items()}
         )
     return out
 
 
-def _loose_rollouts(raw: Raw) -> Any:
-    rollouts = _array_items(raw)
-    if rollouts is None:
-        return _value(raw)
-    out: list[Any] = []
-    for rollout in rollouts:
-        fields = _object(rollout)
-        out.append(
-            _value(rollout)
-            if fields is None
-            else {k: _loose_rollout_field(k, v) for k, v in fields.items()}
-        )
-    return out
+def _loose_group_field(name: str, raw: Raw) -> Any:
+    return _loose_objects(raw, _loose_rollout_field) if name == "rollouts" else _value(raw)
 
 
 def _loose_rollout_field(name: str, raw: Raw) -> Any:
