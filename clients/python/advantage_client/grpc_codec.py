@@ -26,16 +26,7 @@ from advantage_contract.flat import (
     token_array,
 )
 from advantage_contract.grpc_gen import advantage_pb2 as pb
-from advantage_contract.grpc_wire import (
-    DTYPE_OF,
-    ERROR_CODE_KEY,
-    FIELD_KEY,
-    GROUP_ID_KEY,
-    RETRY_AFTER_KEY,
-    RETRY_AFTER_MS_KEY,
-    ROLLOUT_INDEX_KEY,
-    WIRE_DTYPES,
-)
+from advantage_contract.grpc_wire import DTYPE_OF, WIRE_DTYPES, error_from_metadata
 from advantage_contract.padded import FlatRequest, PaddedResult, WireRequest, result_from_flat
 from advantage_contract.rewards import check_component_name, check_reward
 
@@ -338,38 +329,13 @@ def stream_result_dict(response: pb.StreamResponse) -> dict[str, Any]:
     }
 
 
-def _metadata(exc: grpc.Call) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in exc.trailing_metadata() or ():
-        key, value = item
-        out[key] = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
-    return out
-
-
-def _whole(value: Any) -> int | None:
-    """A metadata value that is a whole non-negative number, else None."""
-    text = str(value).strip() if value is not None else ""
-    return int(text) if text.isdigit() else None
-
-
 def error_from_rpc(exc: grpc.RpcError) -> AdvantageError:
     """The service's error (status details + trailing metadata) as an AdvantageError, with its
     retry hints: ``retry-after`` (seconds) and ``retry-after-ms``."""
     call: Any = exc
     code = call.code()
-    meta = _metadata(call) if hasattr(call, "trailing_metadata") else {}
-    index = meta.get(ROLLOUT_INDEX_KEY)
-    retry_after = _whole(meta.get(RETRY_AFTER_KEY))
-    return AdvantageError(
-        meta.get(ERROR_CODE_KEY) or code.name.lower(),
-        call.details() or code.name,
-        group_id=meta.get(GROUP_ID_KEY),
-        rollout_index=int(index) if index is not None else None,
-        field=meta.get(FIELD_KEY),
-        grpc_code=code.name,
-        retry_after=float(retry_after) if retry_after is not None else None,
-        retry_after_ms=_whole(meta.get(RETRY_AFTER_MS_KEY)),
-    )
+    metadata = (call.trailing_metadata() or ()) if hasattr(call, "trailing_metadata") else ()
+    return error_from_metadata(code.name, call.details(), metadata)
 
 
 def is_retryable(error: AdvantageError) -> bool:

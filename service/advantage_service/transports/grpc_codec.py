@@ -11,19 +11,12 @@ from typing import Any
 
 import grpc
 import numpy as np
+from advantage_contract import grpc_wire as contract_wire
 from advantage_contract.errors import AdvantageError
 from advantage_contract.fields import EXACT_INTEGER_LIMIT, REWARD_COMPONENTS_FIELD
 from advantage_contract.flat import check_prompt_key, prompt_ids
 from advantage_contract.grpc_gen import advantage_pb2 as pb
-from advantage_contract.grpc_wire import (
-    ERROR_CODE_KEY,
-    FIELD_KEY,
-    GROUP_ID_KEY,
-    RETRY_AFTER_KEY,
-    RETRY_AFTER_MS_KEY,
-    ROLLOUT_INDEX_KEY,
-    WIRE_DTYPES,
-)
+from advantage_contract.grpc_wire import WIRE_DTYPES
 from google.protobuf.message import DecodeError
 
 from ..batch import TOKEN_INPUTS, RolloutBatch
@@ -338,20 +331,12 @@ def status_code(exc: RequestError) -> grpc.StatusCode:
     return STATUS_CODES.get(exc.status, grpc.StatusCode.INVALID_ARGUMENT)
 
 
-def error_metadata(exc: RequestError) -> tuple[tuple[str, str | bytes], ...]:
-    """Trailing metadata locating the error (keys in the .proto's header comment)."""
-    detail = exc.to_dict()
-    metadata: list[tuple[str, str | bytes]] = [(ERROR_CODE_KEY, detail["code"])]
-    if detail["group_id"] is not None:
-        metadata.append((GROUP_ID_KEY, str(detail["group_id"]).encode()))
-    if detail["rollout_index"] is not None:
-        metadata.append((ROLLOUT_INDEX_KEY, str(detail["rollout_index"])))
-    if detail["field"] is not None:
-        metadata.append((FIELD_KEY, str(detail["field"]).encode()))
+def error_metadata(exc: RequestError) -> contract_wire.Metadata:
+    """Trailing metadata locating the error (keys in the .proto's header comment), with an
+    overload's retry hint."""
     if isinstance(exc, Overloaded):
-        metadata.append((RETRY_AFTER_KEY, str(exc.retry_after_seconds)))
-        metadata.append((RETRY_AFTER_MS_KEY, str(exc.retry_after_ms)))
-    return tuple(metadata)
+        return contract_wire.error_metadata(exc, exc.retry_after_seconds, exc.retry_after_ms)
+    return contract_wire.error_metadata(exc)
 
 
 def error_message(exc: RequestError) -> pb.Error:
