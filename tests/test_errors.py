@@ -9,6 +9,7 @@ import numpy as np
 import oracle
 import pytest
 from advantage_service import RequestError, RolloutBatch, compute
+from advantage_service.batch import TOKEN_INPUTS
 
 
 def base_request() -> dict:
@@ -319,6 +320,8 @@ def test_flat_batch_errors_name_the_rollout_in_its_group():
         ({"rewards": np.array([1.0, 0.0])}, "offsets"),
         ({"tokens": np.array([1.0, 2.0, 3.0, 4.0])}, "tokens"),
         ({"logprobs": np.array([-1.0, -1.0])}, "logprobs"),
+        # (each per-token input by its keyword, checked and named as logprobs is)
+        *[({name: np.array([0.5, 0.5])}, name) for name in TOKEN_INPUTS if name != "logprobs"],
     ],
 )
 def test_flat_batch_shape_errors(kwargs, field):

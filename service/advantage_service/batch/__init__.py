@@ -193,7 +193,8 @@ class RolloutBatch:
         """Build and validate a batch from flat arrays (numpy, torch or lists).
 
         ``logprobs``, ``entropy``, ``sum_pi_squared``, ``is_weights``, ``returns``,
-        ``planning_mask``: (N,) each, or None.
+        ``planning_mask``: (N,) each, or None (named in the signature, for ``help()`` and type
+        checkers, though :data:`CARRIED_INPUTS` could derive them).
         ``prompt_ids``: per group, the key of the state kept per prompt (history); None keys it
         by the group ids.
         ``reward_components``: component name -> (B,) values, NaN (or None in a list) where a
@@ -497,6 +498,13 @@ class RolloutBatch:
         """Check shapes and values; raise RequestError for the first problem found
         (:mod:`.validation`)."""
         validation.validate(self, vocab_size)
+
+
+# The per-token inputs this service version's batch carries, in :data:`TOKEN_INPUTS` order (a
+# newer contract's input it lacks is refused where one is given).
+CARRIED_INPUTS = tuple(
+    name for name in TOKEN_INPUTS if name in {f.name for f in dataclasses.fields(RolloutBatch)}
+)
 
 
 def _component_tensor(values: Any, name: str) -> torch.Tensor:

@@ -20,7 +20,6 @@ Two paths, chosen by the estimator:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -29,7 +28,6 @@ import numpy as np
 import torch
 from advantage_contract.arrays import torch_tensor
 from advantage_contract.errors import AdvantageError
-from advantage_contract.fields import TOKEN_FIELDS
 from advantage_contract.flat import group_prompt_keys, prompt_ids
 from advantage_contract.padded import (
     PaddedLayout,
@@ -39,18 +37,13 @@ from advantage_contract.padded import (
     row_components,
 )
 
-from ..batch import RolloutBatch, fresh
+from ..batch import CARRIED_INPUTS, RolloutBatch, fresh
 from ..batch.validation import component_weights
 from ..errors import RequestError
 from ..estimators import OUTCOMES, compute_batch, resolve_estimator
 from ..estimators.pipeline import check_inputs, whiten_and_clip, zero_signal_rollouts
 
 __all__ = ["PaddedResult", "compute_padded"]
-
-
-def _batch_inputs() -> frozenset[str]:
-    """The per-token inputs this service version's batch carries."""
-    return frozenset(f.name for f in dataclasses.fields(RolloutBatch)) & frozenset(TOKEN_FIELDS)
 
 
 def _token_level(spec: Any) -> bool:
@@ -303,7 +296,7 @@ def compute_padded(
         "returns": returns,
         "planning_mask": planning_mask,
     }
-    supported = _batch_inputs()
+    supported = frozenset(CARRIED_INPUTS)
     for name, values in per_token.items():
         if values is not None and name not in supported:
             raise RequestError(
@@ -332,7 +325,7 @@ def compute_padded(
                 field="tokens",
             )
         flat_tokens = padded.gather(tokens, "tokens")
-        inputs = {
+        inputs: dict[str, Any] = {
             name: padded.gather(values, name)
             for name, values in per_token.items()
             if values is not None
@@ -347,9 +340,7 @@ def compute_padded(
     except AdvantageError as exc:
         raise RequestError.from_contract(exc) from exc
     logprobs_flat = inputs.pop("logprobs", None)
-    # (the per-token inputs past logprobs, by the batch's own field names, once it has them)
-    from_flat: Any = RolloutBatch.from_flat
-    batch = from_flat(
+    batch = RolloutBatch.from_flat(
         tokens=flat_tokens,
         offsets=padded.offsets,
         group_ids=padded.group_ids,
