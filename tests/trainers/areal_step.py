@@ -14,17 +14,15 @@ layout), the adapter's and, where compared, AReaL's own.
 from __future__ import annotations
 
 import copy
-import importlib.metadata
 import json
 import os
-import sys
 from typing import Any
 
 import torch
 from advantage_client.integrations import areal as adv_areal
 from areal.api.cli_args import NormConfig, PPOActorConfig
 from areal.trainer.ppo.actor import PPOActor
-from step_support import each_transport
+from step_support import construction_said, print_result
 
 N_SAMPLES = 4
 PROMPTS = 3
@@ -164,23 +162,13 @@ def refusals() -> list[str]:
         ({"outcome": {"name": "grpo", "std_scope": "none"}}, None, {}),
     ):
         adv_areal.patch(estimator, "inprocess")
-        try:
-            PPOActor(make_config(reward_norm, **changes), None)
-            said.append("accepted")
-        except adv_areal.AReaLConfigError as exc:
-            said.append(str(exc))
+        config = make_config(reward_norm, **changes)
+        said.append(construction_said(adv_areal.AReaLConfigError, PPOActor, config, None))
     return said
 
 
 def main() -> None:
-    config = json.loads(sys.argv[1])
-    out: dict[str, Any] = {
-        "version": importlib.metadata.version("areal"),
-        "transports": {},
-        "refusals": refusals(),
-    }
-    out["transports"] = each_transport(adv_areal, config["transports"], run_cases, config["cases"])
-    print("RESULT " + json.dumps(out))
+    print_result("areal", adv_areal, run_cases, refusals)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ from advantage_client.integrations import openrlhf as adv_openrlhf  # noqa: E402
 from openrlhf.trainer.ppo_utils.experience import Experience  # noqa: E402
 from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker  # noqa: E402
 from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController  # noqa: E402
-from step_support import each_transport  # noqa: E402
+from step_support import construction_said, print_result  # noqa: E402
 
 N_SAMPLES = 4
 PROMPTS = 3
@@ -223,28 +223,15 @@ def refusals() -> list[str]:
         adv_openrlhf.patch(estimator, "inprocess")
         args = make_args(openrlhf_estimator)
         args.algo.advantage.gamma = gamma
-        try:
-            RemoteExperienceMaker(None, None, None, None, None, SimpleNamespace(args=args), None)
-            said.append("accepted")
-        except adv_openrlhf.OpenRLHFConfigError as exc:
-            said.append(str(exc))
+        maker_args = (None, None, None, None, None, SimpleNamespace(args=args), None)
+        error = adv_openrlhf.OpenRLHFConfigError
+        said.append(construction_said(error, RemoteExperienceMaker, *maker_args))
     return said
 
 
 def main() -> None:
     """argv[1]: a JSON object: ``transports`` ([name, url or null] each), ``cases``."""
-    config = json.loads(sys.argv[1])
-    out: dict[str, Any] = {
-        "version": importlib.metadata.version("openrlhf"),
-        "clip": CLIP,
-        "transports": {},
-        "refusals": refusals(),
-        "prompts": PROMPT_IDS,
-    }
-    out["transports"] = each_transport(
-        adv_openrlhf, config["transports"], run_cases, config["cases"]
-    )
-    print("RESULT " + json.dumps(out))
+    print_result("openrlhf", adv_openrlhf, run_cases, refusals, clip=CLIP, prompts=PROMPT_IDS)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from padded_batches import padded_case
 from skyrl_support import SKYRL_ENV, SKYRL_VERSION
-from trainer_envs import ensure_env, package_version, run_in_env
+from trainer_envs import ensure_env, package_version
+from trainer_support import run_steps
 
 pytestmark = pytest.mark.integration
 
@@ -58,17 +59,7 @@ def skyrl_results(skyrl_python: Path, service: Any, tmp_path_factory: pytest.Tem
         ktae_uids=ktae.group_ids.astype(str),
         ktae_prompts=prompts,
     )
-    run_in_env(
-        skyrl_python,
-        HERE / "skyrl_steps.py",
-        str(folder / "cases.npz"),
-        str(folder / "out.npz"),
-        service.url,
-        service.target,
-        service=True,
-        timeout=300,
-    )
-    return outcome, ktae, dict(np.load(folder / "out.npz"))
+    return outcome, ktae, run_steps(skyrl_python, HERE / "skyrl_steps.py", folder, service)
 
 
 def test_skyrl_environment_has_the_real_package(skyrl_python: Path) -> None:

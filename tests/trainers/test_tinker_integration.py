@@ -16,7 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from padded_batches import padded_case
 from tinker_support import TINKER_ENV, TINKER_VERSION
-from trainer_envs import ensure_env, package_version, run_in_env
+from trainer_envs import ensure_env, package_version
+from trainer_support import run_steps
 
 pytestmark = pytest.mark.integration
 
@@ -62,17 +63,7 @@ def tinker_results(tinker_python: Path, service: Any, tmp_path_factory: pytest.T
         }
         cases[name] = (case, targets, lengths)
     np.savez(folder / "cases.npz", **arrays)
-    run_in_env(
-        tinker_python,
-        HERE / "tinker_steps.py",
-        str(folder / "cases.npz"),
-        str(folder / "out.npz"),
-        service.url,
-        service.target,
-        service=True,
-        timeout=300,
-    )
-    return cases, dict(np.load(folder / "out.npz"))
+    return cases, run_steps(tinker_python, HERE / "tinker_steps.py", folder, service)
 
 
 def test_tinker_environment_has_the_real_sdk(tinker_python: Path) -> None:

@@ -7,6 +7,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from service_support import Service
 from trainer_envs import ensure_env, run_in_env
 
@@ -50,6 +51,23 @@ def run_step(
     result["service_requests"] = service.requests() - before
     result["python"] = python
     return result
+
+
+def run_steps(python: Path, steps: Path, folder: Path, service: TrainerService) -> dict[str, Any]:
+    """One run of a trainer's steps script (in-process, HTTP and gRPC to ``service``) in the
+    trainer's environment ``python``, on the cases saved in ``folder/cases.npz``: the arrays it
+    saved in ``folder/out.npz``."""
+    run_in_env(
+        python,
+        steps,
+        str(folder / "cases.npz"),
+        str(folder / "out.npz"),
+        service.url,
+        service.target,
+        service=True,
+        timeout=300,
+    )
+    return dict(np.load(folder / "out.npz"))
 
 
 def tiny_grpo_config(tmp_path: Path, **settings: Any) -> Any:

@@ -11,22 +11,34 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypedDict, Unpack
 
 import numpy as np
 
 from advantage_contract.prompt_keys import prompt_key
 
 from . import backend
-from .checks import EstimatorCheckError, resolve, uses_history
-
-# Options sent with every call (the rest configure the client: timeout, token, retry_for, ...).
-CALL_OPTIONS = ("ignore_token_ids", "namespace")
+from .checks import EstimatorCheckError, inputs_read, required_inputs, resolve, uses_history
 
 
-def call_options(client_options: dict[str, Any]) -> dict[str, Any]:
+class CallOptions(TypedDict, total=False):
+    """Options sent with every call (the rest configure the client: timeout, token, retry_for,
+    ...)."""
+
+    ignore_token_ids: Sequence[int] | None
+    namespace: str | None
+
+
+CALL_OPTIONS = tuple(CallOptions.__annotations__)
+
+
+def call_options(client_options: dict[str, Any]) -> CallOptions:
     """The options sent with every call, taken out of ``client_options`` (None when absent)."""
-    return {k: client_options.pop(k, None) for k in CALL_OPTIONS}
+    return CallOptions(
+        ignore_token_ids=client_options.pop("ignore_token_ids", None),
+        namespace=client_options.pop("namespace", None),
+    )
 
 
 def chosen_estimators(
@@ -41,22 +53,40 @@ def chosen_estimators(
     return {name: name for name in presets}
 
 
-def resolved_each(
+@dataclass(frozen=True)
+class Checked:
+    """One chosen estimator checked against the service's listing: the trainer's name for it,
+    the estimator as given (what is sent), as resolved, the inputs it cannot do without, and
+    every input it reads (by ``compute_padded`` keyword)."""
+
+    name: str
+    given: Any
+    full: dict[str, Any]
+    needs: set[str]
+    reads: set[str]
+
+
+def checked_each(
     chosen: Mapping[str, Any],
     listing: Mapping[str, Any],
     prefix: str,
     error: type[ValueError],
-) -> Iterator[tuple[str, Any, dict[str, Any]]]:
-    """(the trainer's name ``<prefix><name>``, the estimator as given, the estimator resolved
-    against ``listing``) of each chosen one; what the service would refuse raises ``error``
-    naming the estimator."""
+) -> Iterator[Checked]:
+    """Each chosen estimator under the trainer's name ``<prefix><name>``, checked against
+    ``listing``; what the service would refuse raises ``error`` naming the estimator."""
     for name, estimator in chosen.items():
         trainer_name = name if name.startswith(prefix) else prefix + name
         try:
             full = resolve(listing, estimator)
         except EstimatorCheckError as exc:
             raise error(f"{trainer_name}: {exc}") from None
-        yield trainer_name, estimator, full
+        yield Checked(
+            trainer_name,
+            estimator,
+            full,
+            required_inputs(listing, full),
+            inputs_read(listing, full),
+        )
 
 
 def settings_from_env(
@@ -89,22 +119,49 @@ def settings_from_env(
     }
 
 
-def keep_originals(
-    cls: Any, originals: dict[str, Callable[..., Any]], names: Sequence[str]
-) -> dict[str, Callable[..., Any]]:
-    """``originals`` holding the trainer's own ``names`` of ``cls``: taken only the first time,
-    so patching twice never keeps our own replacement as the original."""
-    if not originals:
-        for name in names:
-            originals[name] = getattr(cls, name)
-    return originals
+class Patched:
+    """A trainer class whose methods the integration replaced, with the trainer's own: kept at
+    the first replacement only, so that patching twice never keeps our own as the original."""
+
+    def __init__(self) -> None:
+        self.cls: Any = None
+        self.originals: dict[str, Callable[..., Any]] = {}
+
+    def keep(self, cls: Any, names: Sequence[str]) -> dict[str, Callable[..., Any]]:
+        """The trainer's own ``names`` of ``cls``, kept to restore."""
+        if not self.originals:
+            self.cls = cls
+            for name in names:
+                self.originals[name] = getattr(cls, name)
+        return self.originals
+
+    def restore(self) -> None:
+        """Put the trainer's own methods back and forget them (nothing when none were
+        replaced)."""
+        for name, original in self.originals.items():
+            setattr(self.cls, name, original)
+        self.originals.clear()
+        self.cls = None
 
 
-def restore(cls: Any, originals: dict[str, Callable[..., Any]]) -> None:
-    """Put the trainer's own methods back on ``cls`` and forget them."""
-    for name, original in originals.items():
-        setattr(cls, name, original)
-    originals.clear()
+def step_inputs(
+    listing: Mapping[str, Any],
+    resolved: Mapping[str, Any],
+    given: Any,
+    available: frozenset[str],
+    trainer: str,
+    error: type[ValueError],
+) -> set[str]:
+    """The inputs the resolved estimator (``given``, as resolved against ``listing``) reads; one
+    it cannot do without that ``trainer`` does not compute before its advantage step (it has
+    ``available``) raises ``error``."""
+    missing = required_inputs(listing, resolved) - available
+    if missing:
+        raise error(
+            f"estimator {given!r} needs {sorted(missing)}, which {trainer} does not compute "
+            f"before its advantage step (it has {sorted(available)})"
+        )
+    return inputs_read(listing, resolved)
 
 
 def group_keys(prompts: list[np.ndarray], groups: np.ndarray) -> np.ndarray:
@@ -164,22 +221,15 @@ class BatchCalls:
 class RegisteredEstimator:
     """What each estimator a trainer's registry holds knows of itself: its registered name, the
     estimator as given (what is sent), as resolved against the service's listing, the inputs
-    it cannot do without, whether it keeps history, and the options of each call."""
+    it cannot do without and those it reads, whether it keeps history, and the options of each
+    call."""
 
-    def __init__(
-        self,
-        name: str,
-        given: Any,
-        full: Mapping[str, Any],
-        needs: set[str],
-        *,
-        ignore_token_ids: Sequence[int] | None = None,
-        namespace: str | None = None,
-    ) -> None:
-        self.name = name
-        self.given = given
-        self.full = dict(full)
-        self.needs = needs
-        self.history = uses_history(full)
-        self.ignore_token_ids = ignore_token_ids
-        self.namespace = namespace
+    def __init__(self, checked: Checked, **call: Unpack[CallOptions]) -> None:
+        self.name = checked.name
+        self.given = checked.given
+        self.full = dict(checked.full)
+        self.needs = checked.needs
+        self.reads = checked.reads
+        self.history = uses_history(checked.full)
+        self.ignore_token_ids = call.get("ignore_token_ids")
+        self.namespace = call.get("namespace")

@@ -40,7 +40,7 @@ the service's estimators are model-free group baselines that do not discount.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -58,7 +58,7 @@ AVAILABLE_INPUTS = frozenset(("logprobs",))
 SCOPES = {"group": "group", "batch": "request", None: "none"}
 SCALING = ("mean_scope", "std_scope", "leave_one_out", "std_unbiased", "epsilon", "std_center")
 
-_ORIGINALS: dict[str, Callable[..., Any]] = {}
+_PATCHED = adapter.Patched()
 
 
 class AReaLConfigError(ValueError):
@@ -135,13 +135,9 @@ class ServiceAdvantages(adapter.BatchCalls):
             checks.resolve(listing, self.estimator)
         except checks.EstimatorCheckError as exc:
             raise AReaLConfigError(f"actor.reward_norm={norm!r}: this service: {exc}") from exc
-        missing = checks.required_inputs(listing, self.estimator) - AVAILABLE_INPUTS
-        if missing:
-            raise AReaLConfigError(
-                f"estimator {estimator!r} needs {sorted(missing)}, which AReaL does not compute "
-                f"before its advantage step (it has {sorted(AVAILABLE_INPUTS)})"
-            )
-        self.reads = checks.inputs_read(listing, self.estimator)
+        self.reads = adapter.step_inputs(
+            listing, self.estimator, estimator, AVAILABLE_INPUTS, "AReaL", AReaLConfigError
+        )
 
     def call(self, data: Mapping[str, Any], rewards: Any, old_logp: Any) -> Any:
         """The service's advantages (B, L) float32 aligned with ``input_ids`` (0 off the loss
@@ -263,8 +259,7 @@ def patch(
     from areal.utils.functional import reward_overlong_penalty
 
     actor_class = actor_module.PPOActor
-    adapter.keep_originals(actor_class, _ORIGINALS, ("__init__", "_compute_advantages"))
-    original_init = _ORIGINALS["__init__"]
+    original_init = _PATCHED.keep(actor_class, ("__init__", "_compute_advantages"))["__init__"]
     settings = dict(options)
 
     def __init__(self: Any, config: Any, engine: Any) -> None:
@@ -282,11 +277,7 @@ def patch(
 
 def unpatch() -> None:
     """Restore AReaL's own ``PPOActor``."""
-    if not _ORIGINALS:
-        return
-    from areal.trainer.ppo import actor as actor_module
-
-    adapter.restore(actor_module.PPOActor, _ORIGINALS)
+    _PATCHED.restore()
 
 
 def settings_from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:

@@ -35,7 +35,7 @@ more than one sample).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -52,7 +52,7 @@ ENV_OPTIONS = "ADVANTAGE_OPENRLHF_OPTIONS"
 # The per-token inputs OpenRLHF has at its advantage step: the actor's log-probs of the actions.
 AVAILABLE_INPUTS = frozenset(("logprobs",))
 
-_ORIGINALS: dict[str, Callable[..., Any]] = {}
+_PATCHED = adapter.Patched()
 
 
 class OpenRLHFConfigError(ValueError):
@@ -100,13 +100,9 @@ class ServiceAdvantages(adapter.BatchCalls):
             self.resolved = checks.resolve(listing, estimator)
         except checks.EstimatorCheckError as exc:
             raise OpenRLHFConfigError(f"{ENV_ESTIMATOR}={estimator!r}: {exc}") from exc
-        missing = checks.required_inputs(listing, self.resolved) - AVAILABLE_INPUTS
-        if missing:
-            raise OpenRLHFConfigError(
-                f"estimator {estimator!r} needs {sorted(missing)}, which OpenRLHF does not "
-                f"compute before its advantage step (it has {sorted(AVAILABLE_INPUTS)})"
-            )
-        self.reads = checks.inputs_read(listing, self.resolved)
+        self.reads = adapter.step_inputs(
+            listing, self.resolved, estimator, AVAILABLE_INPUTS, "OpenRLHF", OpenRLHFConfigError
+        )
         self.estimator = estimator
 
     def compute(self, maker: Any, experiences: list[Any], apply_length_penalties: Any) -> Any:
@@ -208,8 +204,8 @@ def patch(
     from openrlhf.trainer.ppo_utils import experience_maker
 
     maker_class = experience_maker.RemoteExperienceMaker
-    adapter.keep_originals(maker_class, _ORIGINALS, ("__init__", "compute_advantages_and_returns"))
-    original_init = _ORIGINALS["__init__"]
+    replaced = ("__init__", "compute_advantages_and_returns")
+    original_init = _PATCHED.keep(maker_class, replaced)["__init__"]
     settings = dict(options)
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -232,11 +228,7 @@ def patch(
 
 def unpatch() -> None:
     """Restore OpenRLHF's own ``RemoteExperienceMaker``."""
-    if not _ORIGINALS:
-        return
-    from openrlhf.trainer.ppo_utils import experience_maker
-
-    adapter.restore(experience_maker.RemoteExperienceMaker, _ORIGINALS)
+    _PATCHED.restore()
 
 
 def settings_from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:

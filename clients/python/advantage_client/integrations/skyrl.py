@@ -34,15 +34,13 @@ import itertools
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Unpack
 
 import numpy as np
 
 from advantage_contract.prompt_keys import prompt_key
 
-from . import backend
-from .adapter import RegisteredEstimator, call_options, chosen_estimators, resolved_each
-from .checks import inputs_read, required_inputs
+from . import adapter, backend
 
 PREFIX = "adv_"
 DEFAULT_RETRY_FOR = 60.0
@@ -57,36 +55,27 @@ class SkyRLConfigError(ValueError):
     at the step that has it."""
 
 
-class SkyRLEstimator(RegisteredEstimator):
+class SkyRLEstimator(adapter.RegisteredEstimator):
     """One service estimator behind SkyRL's estimator signature
     (``token_level_rewards, response_mask, index, **settings -> (advantages, returns)``)."""
 
     def __init__(
         self,
-        name: str,
-        given: Any,
-        full: Mapping[str, Any],
-        needs: set[str],
-        reads: set[str],
+        checked: adapter.Checked,
         transport: str,
         url: str | None,
         client_options: Mapping[str, Any],
-        *,
-        ignore_token_ids: Sequence[int] | None = None,
-        namespace: str | None = None,
+        **call: Unpack[adapter.CallOptions],
     ) -> None:
         from advantage_contract.padded import needs_token_ids
 
-        super().__init__(
-            name, given, full, needs, ignore_token_ids=ignore_token_ids, namespace=namespace
-        )
-        self.reads = reads
+        super().__init__(checked, **call)
         self.transport, self.url, self.client_options = transport, url, dict(client_options)
-        self.token_ids = needs_token_ids(full)
+        self.token_ids = needs_token_ids(self.full)
         self._request_prefix = uuid.uuid4().hex
         self._calls = itertools.count()
         self._backend: Any = None
-        self.__name__ = f"compute_{name}_advantage"
+        self.__name__ = f"compute_{self.name}_advantage"
 
     def __getstate__(self) -> dict[str, Any]:
         # (a client holds connections: each process builds its own at its first call)
@@ -263,27 +252,16 @@ def make_estimators(
     """Each ``{name: estimator}`` checked against ``listing``; with ``skip_unsupported``, those
     needing an input SkyRL cannot give are left out rather than refused."""
     out = {}
-    for skyrl_name, estimator, full in resolved_each(chosen, listing, PREFIX, SkyRLConfigError):
-        needs = required_inputs(listing, full)
-        missing = sorted(needs - set(BATCH_INPUTS))
+    for checked in adapter.checked_each(chosen, listing, PREFIX, SkyRLConfigError):
+        missing = sorted(checked.needs - set(BATCH_INPUTS))
         if missing:
             if skip_unsupported:
                 continue
             raise SkyRLConfigError(
-                f"{skyrl_name} needs {missing}, which the SkyRL integration cannot take from "
+                f"{checked.name} needs {missing}, which the SkyRL integration cannot take from "
                 f"SkyRL's batch (it gives {sorted(BATCH_INPUTS)} and the token ids)"
             )
-        out[skyrl_name] = SkyRLEstimator(
-            skyrl_name,
-            estimator,
-            full,
-            needs,
-            inputs_read(listing, full),
-            transport,
-            url,
-            client_options,
-            **options,
-        )
+        out[checked.name] = SkyRLEstimator(checked, transport, url, client_options, **options)
     return out
 
 
@@ -303,11 +281,11 @@ def register(
     """
     from skyrl_train.utils.ppo_utils import AdvantageEstimatorRegistry
 
-    options = call_options(client_options)
+    options = adapter.call_options(client_options)
     if transport != "inprocess":
         client_options.setdefault("retry_for", DEFAULT_RETRY_FOR)
     listing = backend(transport, url, client_options).list_estimators()
-    chosen = chosen_estimators(listing, presets)
+    chosen = adapter.chosen_estimators(listing, presets)
     made = make_estimators(
         chosen,
         listing,

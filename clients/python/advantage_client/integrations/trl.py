@@ -58,7 +58,7 @@ from trl import GRPOTrainer
 from advantage_contract import prompt_keys
 from advantage_contract.errors import AdvantageError
 
-from . import backend, checks, fallback, trl_config
+from . import adapter, backend, checks, fallback, trl_config
 
 log = logging.getLogger(__name__)
 
@@ -127,10 +127,7 @@ class AdvantageGRPOTrainer(GRPOTrainer):
                 f"advantage_fallback must be None or 'local', got {advantage_fallback!r}"
             )
         options = dict(advantage_options or {})
-        self._call_options = {
-            "ignore_token_ids": options.pop("ignore_token_ids", None),
-            "namespace": options.pop("namespace", None),
-        }
+        self._call_options = adapter.call_options(options)
         self._key_of = prompt_keys.key_function(options.pop("prompt_key_scheme", None))
         prefix = options.pop("request_id", None)
         self._request_prefix = str(prefix) if prefix is not None else uuid.uuid4().hex

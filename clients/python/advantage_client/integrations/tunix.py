@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import jax
 import numpy as np
@@ -41,9 +41,8 @@ from tunix.rl.grpo.grpo_learner import GRPOLearner
 from advantage_contract.arrays import to_numpy
 from advantage_contract.prompt_keys import prompt_key
 
-from . import backend
-from .adapter import RegisteredEstimator, call_options, chosen_estimators, resolved_each
-from .checks import inputs_read, is_token_level, required_inputs
+from . import adapter, backend
+from .checks import is_token_level
 
 PREFIX = "adv_"
 # What Tunix's GRPO step does not compute, by compute_padded keyword.
@@ -61,34 +60,25 @@ class TunixConfigError(ValueError):
     """A preset Tunix cannot run as configured, named before the first step."""
 
 
-class TunixEstimator(RegisteredEstimator):
+class TunixEstimator(adapter.RegisteredEstimator):
     """One service estimator behind Tunix's advantage-estimator signature
     ``(rewards (B,), num_generations) -> advantages (B,)``; for a token-level preset, the
     per-token computation :class:`AdvantageGRPOLearner` calls."""
 
     def __init__(
         self,
-        name: str,
-        given: Any,
-        full: Mapping[str, Any],
-        needs: set[str],
-        reads: set[str],
+        checked: adapter.Checked,
         token_level: bool,
         compute_padded: Callable[..., Any],
-        *,
-        namespace: str | None = None,
-        ignore_token_ids: Sequence[int] | None = None,
+        **call: Unpack[adapter.CallOptions],
     ) -> None:
-        super().__init__(
-            name, given, full, needs, ignore_token_ids=ignore_token_ids, namespace=namespace
-        )
-        self.reads = reads
+        super().__init__(checked, **call)
         self.token_level = token_level
         self.compute_padded = compute_padded
         # The rewards of the step a learner is computing, per thread: the learner's own state
         # while its step runs (see AdvantageGRPOLearner), never shared between learners' steps.
         self._step = threading.local()
-        self.__name__ = f"compute_{name}_advantages"
+        self.__name__ = f"compute_{self.name}_advantages"
 
     def check(self, algo_config: Any) -> None:
         """Refuse what Tunix cannot give this estimator under ``algo_config``."""
@@ -173,19 +163,12 @@ def make_estimators(
     **options: Any,
 ) -> dict[str, TunixEstimator]:
     """Each ``{name: estimator}`` checked against the service's ``listing``."""
-    out = {}
-    for tunix_name, estimator, full in resolved_each(chosen, listing, PREFIX, TunixConfigError):
-        out[tunix_name] = TunixEstimator(
-            tunix_name,
-            estimator,
-            full,
-            required_inputs(listing, full),
-            inputs_read(listing, full),
-            is_token_level(listing, full),
-            compute_padded,
-            **options,
+    return {
+        checked.name: TunixEstimator(
+            checked, is_token_level(listing, checked.full), compute_padded, **options
         )
-    return out
+        for checked in adapter.checked_each(chosen, listing, PREFIX, TunixConfigError)
+    }
 
 
 def register(
@@ -203,10 +186,10 @@ def register(
     ``client_options``: ``namespace`` and ``ignore_token_ids`` for every call, the rest for the
     client (``timeout``, ``token``, ...). Registering a name again replaces it.
     """
-    options = call_options(client_options)
+    options = adapter.call_options(client_options)
     chosen_backend = backend(transport, url, client_options)
     listing = chosen_backend.list_estimators()
-    chosen = chosen_estimators(listing, presets)
+    chosen = adapter.chosen_estimators(listing, presets)
     made = make_estimators(chosen, listing, chosen_backend.compute_padded, **options)
     for name, fn in made.items():
         function_registry.register_advantage_estimator(name)(fn)

@@ -19,15 +19,13 @@ import itertools
 import logging
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import numpy as np
 
 from advantage_contract.errors import AdvantageError
 
-from .. import backend
-from ..adapter import RegisteredEstimator, call_options, chosen_estimators, resolved_each
-from ..checks import inputs_read, required_inputs
+from .. import adapter, backend
 from .common import BATCH_INPUTS, TEACHER_PREFIX, VerlConfigError, _setting
 
 log = logging.getLogger("advantage_client.verl")
@@ -77,43 +75,34 @@ def reward_to_go(token_level_rewards: Any, response_mask: Any) -> Any:
     return masked.flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
 
 
-class VerlEstimator(RegisteredEstimator):
+class VerlEstimator(adapter.RegisteredEstimator):
     """A verl advantage estimator (``register_adv_est``'s signature, plus the keywords
     :func:`patch` adds) computing one service estimator through ``compute_padded``."""
 
     def __init__(
         self,
-        name: str,
-        given: Any,
-        full: Mapping[str, Any],
-        needs: set[str],
+        checked: adapter.Checked,
         compute_padded: Callable[..., Any],
         *,
-        reads: set[str] | None = None,
-        ignore_token_ids: Sequence[int] | None = None,
-        namespace: str | None = None,
         prompt_key: str | None = "hash",
         fallback: bool = False,
         retry_stats: Any = None,
+        **call: Unpack[adapter.CallOptions],
     ) -> None:
         from advantage_contract.padded import needs_token_ids
 
-        super().__init__(
-            name, given, full, needs, ignore_token_ids=ignore_token_ids, namespace=namespace
-        )
+        super().__init__(checked, **call)
+        full = self.full
         self.compute_padded = compute_padded
         self.prompt_key = prompt_key
         self.outcome = str((full.get("outcome") or {}).get("name", "grpo"))
         # (the outcome that reads verl's gdpo_reward_keys from the batch)
         self.gdpo = self.outcome == "gdpo"
         self.token_ids = needs_token_ids(full)
-        # Every input the estimator reads, required or optional (from the service's listing):
-        # what the batch has of them is sent, what it lacks of the required is an error.
-        self.reads = {n.split(".")[0] for n in needs} | set(reads or ())
         self.fallback = LOCAL_FALLBACK.get(self.outcome) if fallback else None
         if fallback and (self.fallback is None or self.token_ids or full.get("clip") is not None):
             raise VerlConfigError(
-                f"{name}: the local fallback covers outcome-only estimators equal to one of "
+                f"{self.name}: the local fallback covers outcome-only estimators equal to one of "
                 f"verl's ({sorted(LOCAL_FALLBACK)}, no terms, no clip); {self.full} is not one: "
                 "register it without fallback"
             )
@@ -123,8 +112,10 @@ class VerlEstimator(RegisteredEstimator):
         self._request_prefix = uuid.uuid4().hex
         self._calls = itertools.count()
         self.retry_stats = retry_stats  # (the client's: its retries counted per call)
-        self.__name__ = f"compute_{name}_advantage"
-        self.__doc__ = f"advantage-service estimator {given!r} as verl estimator {name!r}."
+        self.__name__ = f"compute_{self.name}_advantage"
+        self.__doc__ = (
+            f"advantage-service estimator {self.given!r} as verl estimator {self.name!r}."
+        )
 
     # ---- verl's settings --------------------------------------------------------------------
 
@@ -375,23 +366,14 @@ def make_estimators(
     """Each ``{name: estimator}`` checked against ``listing`` (unknown names, parameters, values
     out of range, inputs the integration cannot give: :class:`VerlConfigError`)."""
     out = {}
-    for verl_name, estimator, full in resolved_each(chosen, listing, PREFIX, VerlConfigError):
-        needs = required_inputs(listing, full)
-        for need in needs:
+    for checked in adapter.checked_each(chosen, listing, PREFIX, VerlConfigError):
+        for need in checked.needs:
             if need not in INPUT_HINTS and not need.startswith("teacher_logprobs."):
                 raise VerlConfigError(
-                    f"{verl_name} needs {need!r}, which the verl integration cannot take from "
+                    f"{checked.name} needs {need!r}, which the verl integration cannot take from "
                     "verl's batch"
                 )
-        out[verl_name] = VerlEstimator(
-            verl_name,
-            estimator,
-            full,
-            needs,
-            compute_padded,
-            reads=inputs_read(listing, full),
-            **options,
-        )
+        out[checked.name] = VerlEstimator(checked, compute_padded, **options)
     return out
 
 
@@ -420,7 +402,7 @@ def register(
     from verl.trainer.ppo import core_algos
 
     options = {
-        **call_options(client_options),
+        **adapter.call_options(client_options),
         "prompt_key": client_options.pop("prompt_key", "hash"),
         "fallback": bool(client_options.pop("fallback", False)),
     }
@@ -430,7 +412,7 @@ def register(
     chosen_backend = backend(transport, url, client_options)
     options["retry_stats"] = getattr(chosen_backend, "retry_stats", None)
     listing = chosen_backend.list_estimators()
-    chosen = chosen_estimators(listing, presets)
+    chosen = adapter.chosen_estimators(listing, presets)
     chosen.update(extra or {})  # (named estimator objects beside the presets)
     made = make_estimators(chosen, listing, chosen_backend.compute_padded, **options)
     for verl_name, fn in made.items():
