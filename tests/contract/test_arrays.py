@@ -16,8 +16,9 @@ from advantage_client.http_client import _json_default
 from advantage_contract import arrays
 from advantage_contract.errors import AdvantageError
 from advantage_contract.flat import flatten_groups
-from advantage_contract.padded import WireRequest, flat_request
+from advantage_contract.padded import WireRequest
 from advantage_service import compute_padded
+from client_support import padded_request
 from oracle import reference_compute
 
 
@@ -166,22 +167,13 @@ def test_stream_rollout_takes_torch_values() -> None:
 def test_padded_request_takes_bfloat16_per_token_values() -> None:
     mask = np.array([[1, 1, 0], [1, 1, 1]], dtype=bool)
     logprobs = torch.tensor([[-0.1, -0.2, 0.0], [-0.3, -0.4, -0.5]], dtype=torch.bfloat16)
-    req = flat_request(
+    req = padded_request(
         np.ones((2, 3), np.int32),
         mask,
         torch.tensor([1.0, 0.0], dtype=torch.bfloat16),
         ["a", "a"],
         estimator="ktae",
         logprobs=logprobs,
-        entropy=None,
-        sum_pi_squared=None,
-        is_weights=None,
-        teacher_logprobs=None,
-        diagnostics=(),
-        ignore_token_ids=None,
-        namespace=None,
-        request_id=None,
-        client="a test",
     )
     np.testing.assert_array_equal(req.per_token["logprobs"], logprobs.float().numpy()[mask])
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -132,6 +132,25 @@ print(json.dumps([float(v) for v in jnp.asarray(ours)]))
 """
 
 
+# What the install commands resolve to (each environment asserts those of the packages it has).
+VERSIONS = {"advantage-client": "0.1.0", "torch": "2.13.0+cpu", "trl": "1.16.0", "verl": "0.9.1"}
+
+
+def install_test(test: Callable[..., None]) -> Callable[..., None]:
+    """An install test: selected with ``-m installs``, and given the time a first run takes to
+    build its environment."""
+    return pytest.mark.integration(pytest.mark.installs(pytest.mark.timeout(1800)(test)))
+
+
+def installed(env: str, *packages: str) -> Path:
+    """The python of environment ``env`` (built by its commands), each of ``packages`` in it at
+    its version of :data:`VERSIONS`."""
+    python = ensure_install_env(ENVS[env])
+    for package in packages:
+        assert package_version(python, package) == VERSIONS[package], package
+    return python
+
+
 def grpo_column(stdout: str) -> list[float]:
     return [round(v, 3) for v in json.loads(stdout.strip().splitlines()[-1])]
 
@@ -164,77 +183,52 @@ def verl_ray_example(python: Path, url: str) -> None:
     assert re.search(r"^step 0: reward [\d.]+ loss [-+][\d.]+$", done.stdout, re.M), done.stdout
 
 
-@pytest.mark.integration
-@pytest.mark.installs
-@pytest.mark.timeout(1800)
+@install_test
 def test_the_client_install_then_its_example(service: Service) -> None:
-    python = ensure_install_env(ENVS["client"])
-    assert package_version(python, "advantage-client") == "0.1.0"
+    python = installed("client", "advantage-client")
     done = run_in_env(python, CLIENT_EXAMPLE, service.url)
     assert grpo_column(done.stdout) == [0.707, -0.707, 0.707, -0.707]
 
 
-@pytest.mark.integration
-@pytest.mark.installs
-@pytest.mark.timeout(1800)
+@install_test
 def test_the_service_install_then_the_inprocess_example() -> None:
-    python = ensure_install_env(ENVS["service"])
-    assert package_version(python, "torch") == "2.13.0+cpu"
+    python = installed("service", "torch")
     done = run_in_env(python, INPROCESS_EXAMPLE, service=True)
     assert grpo_column(done.stdout) == [0.707, -0.707, 0.707, -0.707]
 
 
-@pytest.mark.integration
-@pytest.mark.installs
-@pytest.mark.timeout(1800)
+@install_test
 def test_the_trl_install_then_the_trl_example(service: Service, tmp_path: Path) -> None:
-    python = ensure_install_env(ENVS["trl"])
-    assert package_version(python, "trl") == "1.16.0"
-    assert package_version(python, "torch") == "2.13.0+cpu"
+    python = installed("trl", "trl", "torch")
     trl_example(python, service.url, tmp_path)
 
 
-@pytest.mark.integration
-@pytest.mark.installs
-@pytest.mark.timeout(1800)
+@install_test
 def test_the_verl_install_then_the_verl_setup_hook(service: Service) -> None:
-    python = ensure_install_env(ENVS["verl"])
-    assert package_version(python, "verl") == "0.9.1"
-    assert package_version(python, "torch") == "2.13.0+cpu"
+    python = installed("verl", "verl", "torch")
     verl_hook_example(python, service.url)
 
 
-@pytest.mark.integration
-@pytest.mark.installs
-@pytest.mark.timeout(1800)
+@install_test
 def test_trl_then_verl_as_the_two_sections_say_keeps_both_working(
     service: Service, tmp_path: Path
 ) -> None:
-    python = ensure_install_env(ENVS["trl-then-verl"])
-    assert package_version(python, "trl") == "1.16.0"
-    assert package_version(python, "verl") == "0.9.1"
+    python = installed("trl-then-verl", "trl", "verl")
     verl_hook_example(python, service.url)  # (builds a model: what "[trl] then [verl]" broke)
     trl_example(python, service.url, tmp_path)
 
 
-@pytest.mark.integration
-@pytest.mark.installs
-@pytest.mark.timeout(1800)
+@install_test
 def test_trl_and_verl_in_one_command_then_both_examples(service: Service, tmp_path: Path) -> None:
     """The command the docs give for both, then verl's Ray example and TRL's, as written."""
-    python = ensure_install_env(ENVS["trl-verl"])
-    assert package_version(python, "trl") == "1.16.0"
-    assert package_version(python, "verl") == "0.9.1"
-    assert package_version(python, "torch") == "2.13.0+cpu"
+    python = installed("trl-verl", "trl", "verl", "torch")
     verl_ray_example(python, service.url)
     trl_example(python, service.url, tmp_path)
 
 
-@pytest.mark.integration
-@pytest.mark.installs
-@pytest.mark.timeout(1800)
+@install_test
 def test_the_tunix_install_then_its_registry_example(service: Service) -> None:
-    python = ensure_install_env(ENVS["tunix"])
+    python = installed("tunix")
     assert package_version(python, "google-tunix").startswith("0.1.")
     done = run_in_env(python, TUNIX_EXAMPLE, service.url, timeout=300)
     first, second, third, fourth = grpo_column(done.stdout)  # (equal to Tunix's own: above)

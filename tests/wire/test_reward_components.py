@@ -29,7 +29,6 @@ from advantage_contract.fields import (
     TOKEN_FIELDS,
 )
 from advantage_contract.grpc_gen import advantage_pb2 as pb
-from advantage_contract.padded import flat_request
 from advantage_service import compute_padded
 from advantage_service.batch import RolloutBatch
 from advantage_service.config import RequestLimits
@@ -43,6 +42,7 @@ from advantage_service.transports.grpc_stream import decode_rollout
 from advantage_service.transports.guards import PRE_PARSERS
 from advantage_service.wire.jsonio import BodyLimits, loads_request
 from advantage_service.wire.request import ComputeRequest, parse_request
+from client_support import padded_request
 
 LIMITS = RequestLimits(max_tokens=1_000, max_rollouts=100, max_group_size=50)
 NAN = math.nan
@@ -161,21 +161,8 @@ def padded_arrays() -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str], dict
 @pytest.mark.parametrize("encode", ["arrow", "grpc"])
 def test_the_clients_padded_call_sends_the_oracles_batch(encode: str) -> None:
     tokens, mask, rewards, gids, components = padded_arrays()
-    none = dict.fromkeys(("logprobs", "entropy", "sum_pi_squared", "is_weights"))
-    req = flat_request(
-        tokens,
-        mask,
-        rewards,
-        gids,
-        estimator="grpo",
-        teacher_logprobs=None,
-        diagnostics=(),
-        ignore_token_ids=None,
-        namespace=None,
-        request_id=None,
-        client="a test",
-        reward_components=components,
-        **none,
+    req = padded_request(
+        tokens, mask, rewards, gids, estimator="grpo", reward_components=components
     )
     if encode == "arrow":
         decoded = decode_request(arrow_flat_body(req), LIMITS)
