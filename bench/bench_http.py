@@ -7,11 +7,15 @@ Starts a real server process (``advantage-service serve``) on a free port and, i
 rounds so machine noise hits every measure alike, times:
 
 - in-process ``compute_batch`` on the same batch, in this process (the reference);
-- ``POST /v1/advantages`` with a JSON body and a JSON answer;
+- ``POST /v1/advantages`` with a JSON body and a JSON answer, the answer parsed by
+  ``orjson.loads`` (``json``), and again parsed as the client's ``compute`` gives it, its
+  per-token lists as numpy float32 arrays (``json, as the client``);
 - ``POST /v1/advantages`` with an Arrow IPC body and an Arrow answer.
 
 End-to-end latency runs from sending an already-encoded body to holding the parsed answer
-(``orjson.loads`` / Arrow ``read_all``) in the client. Prints the median and the best round,
+(as above / Arrow ``read_all``) in the client. Before each measure both processes are let go
+quiet (bench/settle.py: the server writes statistics after its answer, and compute threads
+spin a while after a parallel region). Prints the median and the best round,
 tokens per second, and the ratio of each latency to the in-process compute time of the same
 statistic (goals: Arrow <= 1.5x, JSON <= 5x), plus the server's own ``summary.compute_ms`` so
 the transport's share is visible. On a shared machine the best round is the least disturbed.
@@ -46,16 +50,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from advantage_client.http_client import json_response_dict
 from advantage_contract import arrow as contract_arrow
 from advantage_service import RolloutBatch, compute_batch
 from advantage_service.transports import arrow
 from advantage_service.transports.http import encode_json
 from advantage_service.wire import json_guard, jsonio
 from advantage_service.wire.request import parse_request
+from settle import settle
 from synthetic import training_batch
 
 ARROW = contract_arrow.MEDIA_TYPE
-SETTLE_SECONDS = 0.2
 
 
 def free_port() -> int:
@@ -118,8 +123,12 @@ class Server:
                 raise SystemExit("server did not become ready")
             time.sleep(0.1)
 
-    def post(self, body: bytes, content_type: str, accept: str) -> tuple[Any, float]:
-        """(parsed answer, the server's compute_ms)."""
+    def post(
+        self, body: bytes, content_type: str, accept: str, as_client: bool = False
+    ) -> tuple[Any, float]:
+        """(parsed answer, the server's compute_ms). ``as_client``: a JSON answer parsed as
+        the client's ``compute`` gives it (per-token lists as numpy float32 arrays), not by
+        ``orjson.loads`` alone."""
         response = self.client.post(
             "/v1/advantages",
             content=body,
@@ -130,7 +139,8 @@ class Server:
         if accept == ARROW:
             meta, table = arrow.read_response(response.content)
             return table, float(meta["summary"]["compute_ms"])
-        answer = orjson.loads(response.content)
+        parse = json_response_dict if as_client else orjson.loads
+        answer = parse(response.content)
         return answer, float(answer["summary"]["compute_ms"])
 
     def stop(self) -> None:
@@ -140,19 +150,21 @@ class Server:
 
 
 def interleaved(
-    fns: dict[str, Callable[[], float | None]], repeats: int
+    fns: dict[str, Callable[[], float | None]], repeats: int, pids: tuple[int, ...] = ()
 ) -> dict[str, tuple[float, float, float | None]]:
     """(median seconds, best seconds, median of what it returned: the server's compute ms) of
-    each function over round-robin rounds, after one warm-up round."""
+    each function over round-robin rounds, after one warm-up round; before each measure, this
+    process and ``pids`` (the server's) quiet (:func:`settle.settle`)."""
     for fn in fns.values():
         fn()
     seconds: dict[str, list[float]] = {k: [] for k in fns}
     extra: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            # Let the other process's compute threads go idle (OpenMP workers spin a while
-            # after a parallel region), so neither side measures the other's leftovers.
-            time.sleep(SETTLE_SECONDS)
+            # Let both processes go quiet (compute threads spin a while after a parallel
+            # region; the server writes statistics after its answer), so that no measure pays
+            # for another's leftovers.
+            settle(*pids)
             start = time.perf_counter()
             value = fn()
             seconds[name].append(time.perf_counter() - start)
@@ -237,16 +249,27 @@ def main() -> int:
                 def via_json(body: bytes = body_json) -> float:
                     return server.post(body, "application/json", "application/json")[1]
 
+                def via_json_client(body: bytes = body_json) -> float:
+                    return server.post(body, "application/json", "application/json", True)[1]
+
                 def via_arrow(body: bytes = body_arrow) -> float:
                     return server.post(body, ARROW, ARROW)[1]
 
+                paths = {
+                    "in-process": in_process,
+                    "json": via_json,
+                    "json, as the client": via_json_client,
+                    "arrow": via_arrow,
+                }
                 times = interleaved(
-                    {"in-process": in_process, "json": via_json, "arrow": via_arrow},
+                    paths,
                     args.repeats,
+                    (server.proc.pid,),
                 )
                 median_ref, best_ref, _ = times["in-process"]
                 for name, (median, best, server_ms) in times.items():
-                    size = {"json": len(body_json), "arrow": len(body_arrow)}.get(name)
+                    size = len(body_arrow) if name == "arrow" else len(body_json)
+                    size = None if name == "in-process" else size
                     rows.append(
                         (estimator, name, median, best, median_ref, best_ref, server_ms, size)
                     )

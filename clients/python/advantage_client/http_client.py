@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import ssl
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import httpx
@@ -23,6 +23,15 @@ from advantage_contract.padded import (
 )
 
 from .retry import Retryable, RetryPolicy, RetryStats
+
+# A JSON answer for a training batch is megabytes of numbers: orjson, where installed (the
+# service's environment has it), reads it in 0.6x of json's time (the same values: the service
+# writes plain JSON numbers, never NaN or integers past 64 bits).
+_loads: Callable[[bytes], Any]
+try:
+    from orjson import loads as _loads
+except ImportError:  # pragma: no cover - (the client does not require it)
+    _loads = json.loads
 
 JSON = "application/json"
 ARROW = contract_arrow.MEDIA_TYPE
@@ -132,7 +141,7 @@ def arrow_response_dict(body: bytes) -> dict[str, Any]:
 
 def json_response_dict(body: bytes) -> dict[str, Any]:
     """A JSON response with its per-token lists as numpy float32 arrays."""
-    response: dict[str, Any] = json.loads(body)
+    response: dict[str, Any] = _loads(body)
     for group in response["groups"]:
         for rollout in group["rollouts"]:
             for key, value in rollout.items():
