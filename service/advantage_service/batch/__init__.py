@@ -476,6 +476,15 @@ class RolloutBatch:
         segment = torch.arange(sizes.numel()).repeat_interleave(sizes)
         return segment.to(self.device)
 
+    def request_of_rollout(self) -> tuple[torch.Tensor, int]:
+        """Each rollout's request, int64 (B,) (all 0 for a batch of one request), and how many
+        requests the batch holds: what a statistic over "the batch" sums over, a request of a
+        merged batch on its own."""
+        segment = self.segment_of_rollout()
+        if segment is None or self.segments is None:
+            return torch.zeros_like(self.group_index), 1
+        return segment, int(self.segments.numel()) - 1
+
     # ---- validation ----------------------------------------------------------------------------
 
     def locate_rollout(self, rollout: int, field: str) -> dict[str, Any]:

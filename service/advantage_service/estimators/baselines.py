@@ -114,16 +114,11 @@ def request_std(batch: RolloutBatch) -> torch.Tensor:
     """Each rollout's request's sample std of the rewards, float64 (B,): of the whole batch, or
     of each request of a merged batch; 1 for a request of one rollout (as for a group of one)."""
     r = batch.rewards.double()
-    segment = batch.segment_of_rollout()
-    if segment is None:
-        segment = torch.zeros_like(batch.group_index)
-    count = 1 if batch.segments is None else batch.segments.numel() - 1
+    segment, count = batch.request_of_rollout()
     # The same sums (index_add_, in rollout order) alone and merged: the same std bit for bit.
-    n = torch.zeros(count, dtype=r.dtype, device=r.device)
-    n.index_add_(0, segment, torch.ones_like(r))
-    total = torch.zeros_like(n).index_add_(0, segment, r)
-    mean = total / n.clamp(min=1)
-    sq = torch.zeros_like(n).index_add_(0, segment, (r - mean[segment]) ** 2)
+    n = scope_sum(segment, count, torch.ones_like(r))
+    mean = scope_sum(segment, count, r) / n.clamp(min=1)
+    sq = scope_sum(segment, count, (r - mean[segment]) ** 2)
     std = torch.sqrt(sq / (n - 1).clamp(min=1)).masked_fill(n == 1, 1.0)
     return std[segment]
 
@@ -145,10 +140,7 @@ def scope_index(batch: RolloutBatch, scope: str) -> tuple[torch.Tensor, int]:
     (each request of a merged batch)."""
     if scope == "group":
         return batch.group_index, batch.num_groups
-    segment = batch.segment_of_rollout()
-    if segment is None:
-        return torch.zeros_like(batch.group_index), 1
-    return segment, len(batch.spans())
+    return batch.request_of_rollout()
 
 
 def scope_sum(index: torch.Tensor, count: int, values: torch.Tensor) -> torch.Tensor:

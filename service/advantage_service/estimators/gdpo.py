@@ -184,10 +184,7 @@ def request_normalized(
 ) -> torch.Tensor:
     """a_i: the weighted sums ``total`` (float64 (B,)) normalised over each request, the
     rollouts ``scored`` (bool (B,)) counted; 0 for the others."""
-    segment = batch.segment_of_rollout()
-    if segment is None:
-        segment = torch.zeros_like(batch.group_index)
-    count = 1 if batch.segments is None else batch.segments.numel() - 1
+    segment, count = batch.request_of_rollout()
     zero = torch.zeros((), dtype=torch.float64)
     if normalization == "verl":
         # Each rollout's value stands for its tokens: masked_whiten's token statistics.

@@ -43,12 +43,9 @@ class Pools(NamedTuple):
 def request_pools(batch: RolloutBatch, group_contrast: np.ndarray) -> Pools:
     """The pools of scope ``request`` (:class:`Pools`): a class group with contrast pools with
     the same class of its request's other groups."""
-    g = batch.num_groups
-    segment = batch.segment_of_rollout()
-    requests = 1 if batch.segments is None else int(batch.segments.numel()) - 1
-    of_group = np.zeros(g, np.int64)
-    if segment is not None:
-        of_group[batch.group_index.cpu().numpy()] = segment.cpu().numpy()
+    segment, requests = batch.request_of_rollout()
+    of_group = np.zeros(batch.num_groups, np.int64)
+    of_group[batch.group_index.cpu().numpy()] = segment.cpu().numpy()
     own = np.where(group_contrast, of_group, requests)
     return Pools(np.concatenate([own, own + requests + 1]), np.arange(requests + 1) < requests)
 
