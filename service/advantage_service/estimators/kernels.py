@@ -9,10 +9,10 @@ does not depend on which path computed it. CUDA tensors never come here. GTPO's 
 :mod:`.gtpo_kernels`, built from :func:`compiled`, :func:`reassociating` and
 :func:`sum_float64` here.
 
-Imported (with numba) only where a loop first runs; compiled on first use (about 4 s for all
-of them) and cached on disk where a writable location exists (``NUMBA_CACHE_DIR``, else next to
-this file: 0.5 s to load them all); the engine's warm-up compiles them before the service
-reports ready (:func:`compile_all`).
+Imported (with numba) only where a loop first runs; compiled on first use (about 7 s for all
+of them, 3 s of it GTPO's group at a time loop) and cached on disk where a writable location
+exists (``NUMBA_CACHE_DIR``, else next to this file: 1.3 s to import numba and load them all);
+the engine's warm-up compiles them before the service reports ready (:func:`compile_all`).
 
 Notes for the loops: each one takes slices of its arrays per rollout and indexes them from 0
 (an index that numba cannot prove non-negative costs a wrap-around check per access and
