@@ -18,7 +18,9 @@ quiet (bench/settle.py: the server writes statistics after its answer, and compu
 spin a while after a parallel region). Prints the median and the best round,
 tokens per second, and the ratio of each latency to the in-process compute time of the same
 statistic (goals: Arrow <= 1.5x, JSON <= 5x), plus the server's own ``summary.compute_ms`` so
-the transport's share is visible. On a shared machine the best round is the least disturbed.
+the transport's share is visible, and the median's ratio to it (a steadier reference than the
+in-process median, which on a 2-core machine swings between runs). On a shared machine the best
+round is the least disturbed.
 
 ``--stages`` prints instead where the JSON path's time goes, each stage run in this process on
 the same body (this process's CPU time, which other processes on a shared machine disturb far
@@ -285,6 +287,7 @@ def main() -> int:
         "x in-process (median)",
         "x in-process (best)",
         "server compute ms",
+        "x server compute (median)",
         "request MB",
     )
     print("| " + " | ".join(header) + " |")
@@ -299,6 +302,7 @@ def main() -> int:
             f"{median / median_ref:.2f}",
             f"{best / best_ref:.2f}",
             "" if server_ms is None else f"{server_ms:.1f}",
+            "" if not server_ms else f"{median / (server_ms / 1000):.2f}",
             "" if size is None else f"{size / 1e6:.1f}",
         ]
         print("| " + " | ".join(cells) + " |")
