@@ -77,6 +77,10 @@ def main() -> None:
         json.dumps({"rank": rank, "world": trainer.accelerator.num_processes, "steps": steps})
     )
     torch.distributed.barrier()
+    # The process group torn down before the interpreter exits: left to exit, gloo's threads
+    # can be destroyed while joinable and abort the rank ("terminate called without an active
+    # exception", exit code -6) after its work is done.
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
