@@ -6,6 +6,7 @@ lose, alpha2 = 0 is GRPO, and only entropy ratios matter."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -14,7 +15,20 @@ import pytest
 import torch
 from advantage_service import RolloutBatch, compute_batch
 from advantage_service.estimators.grpo_s import grpo_s_advantage
-from advantage_service.estimators.gtpo import _gtpo, _gtpo_compiled, gtpo_advantage
+from advantage_service.estimators.gtpo import (
+    _gtpo,
+    _gtpo_compiled,
+    gtpo_advantage,
+    normalise,
+    outcome_rewards,
+    split_classes,
+)
+from advantage_service.estimators.gtpo_statistics import (
+    _class_statistics,
+    _on,
+    _TorchOps,
+    request_pools,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from token_batches import flat_batch
@@ -152,6 +166,49 @@ def test_gtpo_compiled_loops_give_the_keyed_path_bits_in_any_rollout_order(
         assert torch.equal(fast.scalars, keyed.scalars)
         compared += 1
     assert compared >= 15 and negative > 0
+
+
+@pytest.mark.parametrize("request_scope", [False, True], ids=["scope=group", "scope=request"])
+def test_the_class_statistics_of_other_devices_agree_with_the_cpu_loop(request_scope: bool) -> None:
+    """Eq. 6's statistics in torch (what a batch on a GPU computes: gtpo_statistics's
+    ``_class_statistics``), run here on CPU tensors, give the compiled CPU loop's scale, shift
+    and wide flags: with rewards other than 0/1, each rollout's sum of y given or not, groups
+    without contrast, empty rollouts, a merged batch's requests pooled."""
+    compared = 0
+    for seed in range(20):
+        rng = np.random.default_rng(500 + seed)
+        groups = oracle.random_token_groups(rng, group_size=(1, 6), length=(0, 30))
+        batch, _ = flat_batch(groups)
+        if request_scope and batch.num_rollouts > 1:
+            half = batch.num_rollouts // 2
+            cut = int(batch.group_index[half])  # (a request boundary between groups)
+            first = int(torch.searchsorted(batch.group_index, torch.tensor(cut)))
+            batch = dataclasses.replace(
+                batch, segments=torch.tensor([0, first, batch.num_rollouts])
+            )
+        classes = split_classes(batch, 0.5)
+        b = outcome_rewards(batch, classes, 1.0)
+        y2 = torch.from_numpy(rng.gamma(1.0, 1.0, 2 * batch.num_groups))
+        pools = request_pools(batch, classes.contrast.numpy()) if request_scope else None
+        for rollout_y in (None, torch.from_numpy(rng.normal(size=batch.num_rollouts))):
+            cpu = normalise(batch, classes, y2, b, 0.1, 1e-6, rollout_y, pools)
+            other = _class_statistics(
+                _TorchOps(torch.device("cpu")),
+                batch.lengths.double(),
+                (batch.lengths > 0).double(),
+                classes.class_group,
+                classes.contrast,
+                y2,
+                b,
+                0.1,
+                1e-6,
+                rollout_y,
+                None if pools is None else _on(pools, torch.device("cpu")),
+            )
+            for ours, theirs in zip(cpu, other, strict=True):
+                assert torch.equal(ours, theirs)
+            compared += int(bool(cpu.scale.any()))
+    assert compared >= 10
 
 
 def test_gtpo_shaped_rewards_by_hand() -> None:

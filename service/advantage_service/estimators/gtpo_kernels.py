@@ -360,7 +360,9 @@ def gtpo_factor(
     """Into ``factor`` (K,), F of every key (O+ keys before ``first_wrong``, then O-), as
     :func:`_factor_range`; returns :data:`FLAT`, :data:`CERTAIN` or 0."""
     # (each call on slices from 0: see :mod:`.kernels`' notes)
-    flat = _factor_range(total[:first_wrong], alive[:first_wrong], alpha2, False, factor)
+    flat = _factor_range(
+        total[:first_wrong], alive[:first_wrong], alpha2, False, factor[:first_wrong]
+    )
     certain = _factor_range(
         total[first_wrong:], alive[first_wrong:], alpha2, True, factor[first_wrong:]
     )

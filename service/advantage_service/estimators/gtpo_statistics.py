@@ -218,10 +218,9 @@ def _class_statistics(
     other than the CPU (``xp``: :class:`_TorchOps`): (scale, shift, wide). With ``pools``, the
     classes are the pools (their sums of squares added up), their scale and wide flag handed
     back to each class group of theirs."""
-    ops = xp
     if pools is not None:
         pooled = xp.zeros(pools.contrast.shape[0] * 2, xp.float64)
-        ops.add_at(pooled, pools.of_class_group, y2)
+        xp.add_at(pooled, pools.of_class_group, y2)
         scale, shift, wide = _class_statistics(
             xp,
             tokens,
@@ -241,7 +240,7 @@ def _class_statistics(
 
     def per_class(values: Any) -> Any:
         out = xp.zeros(num_cg, xp.float64)
-        ops.add_at(out, cg, values)
+        xp.add_at(out, cg, values)
         return out
 
     n = per_class(tokens)
@@ -252,16 +251,16 @@ def _class_statistics(
     # Centred on b_ref, one b_i of the class: with 0/1 rewards every b_i - b_ref is 0 exactly,
     # and so is the mean's outcome part (a mean of equal values in floating point may not be).
     b_ref = xp.full(num_cg, -np.inf, xp.float64)
-    ops.max_at(b_ref, cg, b)
+    xp.max_at(b_ref, cg, b)
     rel = b - b_ref[cg]
     varying = per_class(abs(rel)) > 0
-    n1 = ops.maximum(n, 1.0)
+    n1 = xp.maximum(n, 1.0)
     mean = (per_class(rel * tokens) + sum_y) / n1
     d = rel - mean[cg]
     # sum_i d_i sum_t y_it: with one b per class, d_i = -mean for all its rollouts.
     cross = -mean * sum_y if rollout_y is None else per_class(d * rollout_y)
-    centred = ops.maximum(per_class(tokens * d * d) + 2.0 * cross + y2, 0.0)
-    std = xp.sqrt(centred / ops.maximum(n - 1.0, 1.0))
+    centred = xp.maximum(per_class(tokens * d * d) + 2.0 * cross + y2, 0.0)
+    std = xp.sqrt(centred / xp.maximum(n - 1.0, 1.0))
     denominator = std + epsilon
     contrast = xp.concatenate([group_contrast, group_contrast])
     usable = contrast & (members > 1) & (denominator > 0)
