@@ -5,7 +5,9 @@ Each raises :class:`RequestError` naming the group, rollout and field of the fir
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -140,18 +142,14 @@ def check_values(batch: RolloutBatch, vocab_size: int | None = None) -> None:
     )
     if n:
         _check_tokens(batch, vocab_size)
-    arrays = {"logprobs": batch.logprobs} if batch.logprobs is not None else {}
-    arrays.update({f"teacher_logprobs.{k}": v for k, v in batch.teacher_logprobs.items()})
-    for name, values in arrays.items():
+    arrays = [("logprobs", batch.logprobs, LOGPROBS)] if batch.logprobs is not None else []
+    arrays += [(f"teacher_logprobs.{k}", v, LOGPROBS) for k, v in batch.teacher_logprobs.items()]
+    arrays += [(k, v, token_range(k)) for k, v in batch.token_inputs().items() if k != "logprobs"]
+    for name, values, valid in arrays:
         _check_length(batch, name, values)
-        bad = ~torch.isfinite(values) | (values > LOGPROB_TOLERANCE)
-        _refuse_first(batch, name, values, bad, "is a log-probability above 0")
-    for name, values in batch.token_inputs().items():
-        if name == "logprobs":
-            continue
-        _check_length(batch, name, values)
-        bad, why = out_of_range(name, values)
-        _refuse_first(batch, name, values, ~torch.isfinite(values) | bad, why)
+        # (the values are searched only when their extremes show a bad one)
+        if values.numel() and not valid.holds(*extremes(values)):
+            _refuse_first(batch, name, values, valid.outside(values), valid.why)
 
 
 def _check_components(batch: RolloutBatch) -> None:
@@ -240,18 +238,74 @@ def _refuse_first(
         )
 
 
-def out_of_range(name: str, values: torch.Tensor) -> tuple[torch.Tensor, str]:
-    """(bool (N,) where a per-token input is outside its range, why) for ``name``. The bounds
-    that rounding can cross take :data:`RANGE_TOLERANCE`; sum_pi_squared is not compared with
-    pi_t^2 (a trainer's rounding may put it a little below)."""
-    if name == "entropy":
-        return values < -RANGE_TOLERANCE, "is a negative entropy"
-    if name == "sum_pi_squared":
-        return (values <= 0) | (values > 1 + RANGE_TOLERANCE), "must lie in (0, 1]"
-    if name == "is_weights":
-        return values < 0, "is a negative importance weight"
-    if name == "returns":
-        return torch.zeros_like(values, dtype=torch.bool), ""
-    if name == "planning_mask":
-        return (values != 0) & (values != 1), "must be 0 or 1"
-    raise ValueError(f"no range for {name!r}")
+def extremes(values: torch.Tensor) -> tuple[float, float]:
+    """(least, greatest) of a non-empty float tensor, in one pass: NaN for both where any value
+    is NaN (torch propagates it), so that one call tells that every value is finite and in a
+    range (a tenth of the time :func:`torch.isfinite` and a comparison take on a CPU tensor);
+    the values are searched for the bad one only where it says there is one."""
+    low, high = torch.aminmax(values)
+    return float(low), float(high)
+
+
+def all_finite(values: torch.Tensor) -> bool:
+    """Whether no value is NaN or infinite (by the :func:`extremes`; integers always are)."""
+    if not values.is_floating_point() or not values.numel():
+        return True
+    return all(map(math.isfinite, extremes(values)))
+
+
+@dataclass(frozen=True)
+class TokenRange:
+    """A per-token input's valid values: finite, above ``low`` (or at it, unless
+    ``low_open``), at most ``high``, and one of ``only`` where given (a set, not an
+    interval); ``why`` a value outside is refused."""
+
+    why: str
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    only: tuple[float, ...] = ()
+
+    def outside(self, values: torch.Tensor) -> torch.Tensor:
+        """bool (N,): where a value is not finite or not in range."""
+        bad = ~torch.isfinite(values) | (values > self.high)
+        bad |= values <= self.low if self.low_open else values < self.low
+        if self.only:
+            allowed = torch.zeros_like(bad)
+            for value in self.only:
+                allowed |= values == value
+            bad |= ~allowed
+        return bad
+
+    def holds(self, least: float, greatest: float) -> bool:
+        """Whether every value between ``least`` and ``greatest`` (both included) is valid:
+        each value of an interval, both ends of it; of a set, only when one value is all."""
+        if not (math.isfinite(least) and math.isfinite(greatest)):
+            return False
+        above = least > self.low if self.low_open else least >= self.low
+        if not (above and greatest <= self.high):
+            return False
+        return not self.only or (least == greatest and least in self.only)
+
+
+# A log-probability (the student's or a teacher's).
+LOGPROBS = TokenRange("is a log-probability above 0", high=LOGPROB_TOLERANCE)
+# The other per-token inputs. The bounds that rounding can cross take RANGE_TOLERANCE;
+# sum_pi_squared is not compared with pi_t^2 (a trainer's rounding may put it a little below).
+TOKEN_RANGES = {
+    "entropy": TokenRange("is a negative entropy", low=-RANGE_TOLERANCE),
+    "sum_pi_squared": TokenRange(
+        "must lie in (0, 1]", low=0.0, high=1 + RANGE_TOLERANCE, low_open=True
+    ),
+    "is_weights": TokenRange("is a negative importance weight", low=0.0),
+    "returns": TokenRange("must be finite"),
+    "planning_mask": TokenRange("must be 0 or 1", only=(0.0, 1.0)),
+}
+
+
+def token_range(name: str) -> TokenRange:
+    """The valid values of the per-token input ``name``."""
+    try:
+        return TOKEN_RANGES[name]
+    except KeyError:
+        raise ValueError(f"no range for {name!r}") from None

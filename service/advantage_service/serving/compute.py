@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..batch import RolloutBatch
+from ..batch.validation import all_finite
 from ..errors import RequestError
 from ..estimators import AdvantageResult, TermContext, compute_batch, resolve_device
 from ..wire.request import ComputeRequest, parse_request
@@ -42,19 +43,18 @@ def check_finite(req: ComputeRequest, result: AdvantageResult) -> None:
     batch = req.batch
     per_token = {"advantages": result.advantages, **result.diagnostics}
     for name, values in per_token.items():
-        finite = torch.isfinite(values)
-        if not bool(finite.all()):
-            p = int(torch.nonzero(~finite)[0])
-            rollout, token = batch.token_position(p)
-            raise RequestError(
-                "non_finite_result",
-                f"the estimator gave {name}[{token}] = {float(values[p])}; its parameters are "
-                "too extreme for this data (float32)",
-                **batch.locate_rollout(rollout, "estimator"),
-            )
-    finite = torch.isfinite(result.scalars)
-    if not bool(finite.all()):
-        i = int(torch.nonzero(~finite)[0])
+        if all_finite(values):
+            continue
+        p = int(torch.nonzero(~torch.isfinite(values))[0])
+        rollout, token = batch.token_position(p)
+        raise RequestError(
+            "non_finite_result",
+            f"the estimator gave {name}[{token}] = {float(values[p])}; its parameters are "
+            "too extreme for this data (float32)",
+            **batch.locate_rollout(rollout, "estimator"),
+        )
+    if not all_finite(result.scalars):
+        i = int(torch.nonzero(~torch.isfinite(result.scalars))[0])
         raise RequestError(
             "non_finite_result",
             f"the estimator gave a non-finite scalar ({float(result.scalars[i])}); its "
