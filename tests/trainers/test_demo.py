@@ -38,6 +38,7 @@ def test_the_plot_draws_every_arm(tmp_path: Path) -> None:
     assert (tmp_path / "demo.png").stat().st_size > 1000
 
 
+@pytest.mark.integration  # (it runs make, a process: not in the quick loop)
 def test_make_demo_installs_only_what_serving_and_the_demo_need() -> None:
     # A dry run from a tree where no environment exists: the demo's recipe must not build the
     # whole development environment (`make install`, whose stamp is .installed).
