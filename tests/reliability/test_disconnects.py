@@ -42,6 +42,17 @@ def idle(service: Service) -> bool:
     return all(metrics[(name, ())] == 0 for name in GAUGES)
 
 
+def accounted(service: Service, transport: str) -> int:
+    """Requests of ``transport`` accounted (answered, refused, or their client gone)."""
+    return int(
+        sum(
+            value
+            for (name, labels), value in service.metrics().items()
+            if name == "advantage_requests_total" and ("transport", transport) in labels
+        )
+    )
+
+
 def assert_returns_to_idle_and_serves(service: Service) -> None:
     poll(lambda: idle(service), 60, "every gauge back to 0")
     assert service.http.post("/v1/advantages", json=SMALL).status_code == 200
@@ -72,6 +83,9 @@ def test_http_client_gone_mid_body_and_mid_compute_leaves_the_service_idle(
     # Mid-compute: the whole body sent, the connection closed before the answer.
     for _ in range(3):
         raw_post(service, body, len(body)).close()
+    # (each of the four is accounted once it ends; before that, the gauges may read 0 between
+    # two of them, while the next connection's headers wait to be read)
+    poll(lambda: accounted(service, "http_arrow") == 4, 60, "the four requests accounted for")
     assert_returns_to_idle_and_serves(service)
     errors = service.metrics()
     key = (
