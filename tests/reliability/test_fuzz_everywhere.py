@@ -23,7 +23,7 @@ from advantage_client.grpc_client import compute_request_message, options_messag
 from advantage_contract.grpc_gen import advantage_pb2 as pb
 from body_support import peak_rss
 from fuzz_support import bounded
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
 from protobuf_bytes import varint
@@ -412,6 +412,15 @@ def test_grpc_strings_that_are_not_text_are_invalid_text_never_internal(service:
             assert metadata.get("advantage-error-code") == "invalid_text", error.details()
             fields[metadata["advantage-field-bin"].decode().split(".")[0].split("[")[0]] += 1
 
+        # Every place at least once, whatever the random draws reach (they vary with the tests
+        # run before this one), then the random ones.
+        for name in UNARY_TEXT:
+            bad = VALID + UNARY_TEXT[name](b"\xff")
+            run = example(unary=bad, place="namespace", text=b"", use_stream=False)(run)
+        surrogate = VALID + field_bytes(2, field_bytes(3, b'"\\ud800"'))
+        run = example(unary=surrogate, place="namespace", text=b"", use_stream=False)(run)
+        for place in STREAM_TEXT:
+            run = example(unary=VALID, place=place, text=b"\xff", use_stream=True)(run)
         run()
     assert {"request_id", "namespace", "estimator", "group_ids", "group_id"} <= set(fields), fields
     assert_healthy(service)
