@@ -173,7 +173,17 @@ def test_the_class_statistics_of_other_devices_agree_with_the_cpu_loop(request_s
     """Eq. 6's statistics in torch (what a batch on a GPU computes: gtpo_statistics's
     ``_class_statistics``), run here on CPU tensors, give the compiled CPU loop's scale, shift
     and wide flags: with rewards other than 0/1, each rollout's sum of y given or not, groups
-    without contrast, empty rollouts, a merged batch's requests pooled."""
+    without contrast, empty rollouts, a merged batch's requests pooled.
+
+    Bit for bit with a correctly rounded square root (IEEE's, which CUDA's float64 ``sqrt`` is);
+    torch's own CPU kernel is not one where it runs on AVX-512 (1 ulp off on about 0.75% of
+    inputs), so with it the results agree within one ulp."""
+
+    class CorrectlyRounded(_TorchOps):
+        def __init__(self, device: torch.device) -> None:
+            super().__init__(device)
+            self.sqrt = lambda x: torch.from_numpy(np.sqrt(x.numpy()))
+
     compared = 0
     for seed in range(20):
         rng = np.random.default_rng(500 + seed)
@@ -192,21 +202,25 @@ def test_the_class_statistics_of_other_devices_agree_with_the_cpu_loop(request_s
         pools = request_pools(batch, classes.contrast.numpy()) if request_scope else None
         for rollout_y in (None, torch.from_numpy(rng.normal(size=batch.num_rollouts))):
             cpu = normalise(batch, classes, y2, b, 0.1, 1e-6, rollout_y, pools)
-            other = _class_statistics(
-                _TorchOps(torch.device("cpu")),
-                batch.lengths.double(),
-                (batch.lengths > 0).double(),
-                classes.class_group,
-                classes.contrast,
-                y2,
-                b,
-                0.1,
-                1e-6,
-                rollout_y,
-                None if pools is None else _on(pools, torch.device("cpu")),
-            )
-            for ours, theirs in zip(cpu, other, strict=True):
-                assert torch.equal(ours, theirs)
+            for ops in (CorrectlyRounded(torch.device("cpu")), _TorchOps(torch.device("cpu"))):
+                other = _class_statistics(
+                    ops,
+                    batch.lengths.double(),
+                    (batch.lengths > 0).double(),
+                    classes.class_group,
+                    classes.contrast,
+                    y2,
+                    b,
+                    0.1,
+                    1e-6,
+                    rollout_y,
+                    None if pools is None else _on(pools, torch.device("cpu")),
+                )
+                for ours, theirs in zip(cpu, other, strict=True):
+                    if isinstance(ops, CorrectlyRounded) or ours.dtype == torch.bool:
+                        assert torch.equal(ours, theirs)
+                    else:
+                        np.testing.assert_array_max_ulp(ours.numpy(), theirs.numpy(), maxulp=1)
             compared += int(bool(cpu.scale.any()))
     assert compared >= 10
 
