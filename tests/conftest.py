@@ -70,3 +70,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             # (the marker itself: item.keywords also holds folder names, tests/installs)
             if item.get_closest_marker(marker) is not None:
                 item.add_marker(skip)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Captured output with a lone surrogate in it (the text tests log some on purpose) is kept
+    escaped (``\\ud800``) in the report: a report is sent from a worker process to the main one
+    as UTF-8 under pytest-xdist (``make test`` runs two), and a raw surrogate stopped the run."""
+    report = yield
+    report.sections = [
+        (title, text.encode("utf-8", "backslashreplace").decode("utf-8"))
+        for title, text in report.sections
+    ]
+    return report
