@@ -6,6 +6,11 @@ STAMP  := $(VENV)/.installed
 SERVE_STAMP := $(VENV)/.serve-installed
 PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints-dev.txt
 PYTEST_ARGS ?=
+# The test runs' worker processes (pytest-xdist; a worker that runs out of tests takes half of
+# another's): much of the suite waits on the services, Redis and trainers it starts, so two
+# workers fill two cores. TEST_WORKERS=0 runs the tests in one process, in order.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist worksteal
 
 .PHONY: install serve test test-unit test-installs test-deps bench demo lint format clean
 
@@ -54,7 +59,7 @@ test-deps:
 	fi
 
 test: install test-deps
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 # Every install command of the README and docs/ in a clean virtual environment, then its example
 # (cached under ~/.cache/advantage-service: a cold cache takes about 25 minutes, a warm one 1).
@@ -64,7 +69,7 @@ test-installs: install
 # The quick loop: the tests that start no process (no service, Redis, browser or trainer run;
 # those are marked `integration`). A test that starts one without the marker fails here.
 test-unit: install
-	ADV_UNIT_ONLY=1 $(BIN)/python -m pytest -q -m "not integration" $(PYTEST_ARGS)
+	ADV_UNIT_ONLY=1 $(BIN)/python -m pytest -q $(XDIST) -m "not integration" $(PYTEST_ARGS)
 
 bench: install
 	$(BIN)/python bench/bench_estimators.py
