@@ -433,7 +433,12 @@ def test_an_answer_is_encoded_before_later_requests_are_decoded() -> None:
         await asyncio.gather(a, b, c)
 
     asyncio.run(scenario())
-    assert ran == ["decode A", "decode B", "encode A", "decode C", "encode B", "encode C"]
+    assert ran[:3] == ["decode A", "decode B", "encode A"]
+    # (then C's decoding and B's encoding, in whichever order B's computation allows: B's
+    # answer, once computed, goes first too, and a loaded machine may finish it before the
+    # codec thread takes C's body)
+    assert sorted(ran[3:]) == ["decode C", "encode B", "encode C"]
+    assert ran.index("decode C") < ran.index("encode C")
     engine.close()
 
 
