@@ -114,6 +114,51 @@ def test_token_id_beyond_int32():
     assert where(error_of(req)) == ("token_out_of_range", "g0", 1, "tokens")
 
 
+@pytest.mark.parametrize("dtype", [np.int32, np.uint32, np.int64, np.int16])
+@pytest.mark.parametrize("source", ["writable", "read-only view", "bytes", "arrow"])
+def test_token_ids_of_every_integer_dtype_are_checked_and_only_immutable_ones_are_not_copied(
+    dtype: type, source: str
+) -> None:
+    import pyarrow as pa
+
+    def batch_of(ids: list[int]) -> tuple[np.ndarray, RolloutBatch]:
+        tokens = np.array(ids, dtype=dtype)
+        if source == "read-only view":  # (its base stays writable)
+            tokens = tokens.view()
+            tokens.flags.writeable = False
+        elif source == "bytes":
+            tokens = np.frombuffer(tokens.tobytes(), dtype=dtype)
+        elif source == "arrow":
+            tokens = pa.array(tokens).to_numpy(zero_copy_only=True)
+        batch = RolloutBatch.from_flat(
+            tokens=tokens,
+            offsets=[0, 2, len(ids)],
+            group_ids=["g"],
+            group_index=[0, 0],
+            rewards=[1.0, 0.0],
+        )
+        return tokens, batch
+
+    tokens, batch = batch_of([7, 0, 3, 9])
+    assert batch.tokens.dtype.is_signed and batch.tokens.element_size() == 4  # int32
+    assert batch.tokens.tolist() == [7, 0, 3, 9]
+    shared = batch.tokens.data_ptr() == tokens.ctypes.data
+    # int32 ids nobody can write (a body's, as Arrow gives them) are used where they lie; any
+    # other array is copied, so that a caller reusing its buffer cannot change what the
+    # statistics written after the answer read.
+    assert shared == (dtype is np.int32 and source in ("bytes", "arrow"))
+    if np.iinfo(dtype).max >= 2**31:
+        with pytest.raises(RequestError) as info:
+            batch_of([7, 0, 2**31, 9])  # not wrapped around to a negative (or valid) id
+        err = info.value
+        assert (err.code, err.group_id, err.rollout_index, err.field) == (
+            "token_out_of_range",
+            "g",
+            1,
+            "tokens",
+        )
+
+
 def test_non_integer_token_id():
     req = base_request()
     req["groups"][0]["rollouts"][1]["tokens"] = [1.5]

@@ -50,6 +50,29 @@ def _to_tensor(value: Any, dtype: torch.dtype, name: str) -> torch.Tensor:
     return tensor.to(dtype)
 
 
+def _token_tensor(value: Any) -> torch.Tensor:
+    """Token ids as a tensor to check. int32 ids in memory nobody can write (a view of an
+    Arrow request's body) are used where they lie: no copy, and nothing changes them while the
+    statistics of the request are written after its answer. Other ids are copied, widened to
+    int64, so that an id past int32's range is refused by the range check, not wrapped around
+    by the narrowing after it."""
+    if isinstance(value, np.ndarray) and value.dtype == np.int32 and _immutable(value):
+        return _to_tensor(value, torch.int32, "tokens")
+    return _to_tensor(value, torch.int64, "tokens")
+
+
+def _immutable(array: np.ndarray) -> bool:
+    """Whether ``array``'s memory is a ``bytes`` object's or an Arrow array's (immutable
+    both), through read-only views only: a read-only view of a writable array is not."""
+    base: Any = array
+    while isinstance(base, np.ndarray):
+        if base.flags.writeable:
+            return False
+        base = base.base
+    # (by module name: the batch does not import pyarrow)
+    return isinstance(base, bytes) or type(base).__module__.split(".")[0] == "pyarrow"
+
+
 def repeat_runs(values: torch.Tensor, starts: torch.Tensor, total: int) -> torch.Tensor:
     """``values[i]`` repeated over positions [starts[i], starts[i + 1]) of a fresh (total,)
     tensor; ``starts`` strictly increasing from 0 (non-empty runs covering every position).
@@ -209,7 +232,7 @@ class RolloutBatch:
 
         validation.check_component_names(list(reward_components or {}))
         batch = cls(
-            tokens=_to_tensor(tokens, torch.int64, "tokens"),
+            tokens=_token_tensor(tokens),
             offsets=_to_tensor(offsets, torch.int64, "offsets"),
             group_index=_to_tensor(group_index, torch.int64, "group_index"),
             group_ids=[str(g) for g in group_ids],
@@ -245,7 +268,7 @@ class RolloutBatch:
                 field="prompt_key",
             )
         validation.check_values(batch, vocab_size)
-        batch.tokens = batch.tokens.to(torch.int32)
+        batch.tokens = batch.tokens.to(torch.int32)  # (int32 already: the same tensor)
         return batch
 
     # ---- sizes -------------------------------------------------------------------------------
