@@ -3,10 +3,13 @@ bounds (records' bytes, request ids) are shared fairly between namespaces."""
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 from advantage_service.estimators.ktae_history import SPACE, prompt_ids
 from advantage_service.stats import MemoryStatsStore, StatsUpdate
+from advantage_service.stats.blobs import TokenStatsUpdate, merge_token_stats
 from advantage_service.stats.blobs import empty_token_stats as empty
 from advantage_service.stats.memory import RECORD_OVERHEAD
 from advantage_service.wire.request import parse_request
@@ -126,3 +129,45 @@ async def test_a_tenant_flooding_request_ids_evicts_its_own_claims_not_another_t
     assert await store.record_many("tenant-b", ["b-1"], update) == ["b-1"], "B counted twice"
     assert await store.record_many("tenant-a", ["a-499"], update) == ["a-499"]
     assert await store.record_many("tenant-a", ["a-0"], update) == [], "A's oldest evicted"
+
+
+def token_update(ids: np.ndarray, rollouts: int) -> StatsUpdate:
+    """An update counting each of ``ids`` once in ``rollouts`` correct rollouts."""
+    ones = np.ones(ids.size, np.int64)
+    table = TokenStatsUpdate(
+        rollouts, ids.astype(np.int64), ones, 0 * ones, ones, ones * 0.5, ones, ones * 0.25, ones
+    )
+    return StatsUpdate(records={}, tokens=table)
+
+
+async def test_the_vocabulary_table_is_merged_off_the_event_loop_and_no_commit_is_lost(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Merging a vocabulary's worth of ids takes tens of milliseconds: on the event loop it
+    held back every other client's request at each write. It runs on a worker thread; two
+    commits to one namespace that overlap both count (the second, whose table changed while
+    it merged, merges again)."""
+    import threading
+
+    from advantage_service.stats import memory
+
+    threads: list[int] = []
+
+    def merge(parts: list[TokenStatsUpdate]) -> TokenStatsUpdate:
+        threads.append(threading.get_ident())
+        return merge_token_stats(parts)
+
+    monkeypatch.setattr(memory, "merge_token_stats", merge)
+    store = MemoryStatsStore()
+    ids = np.arange(0, 150_000, 3)
+    await store.commit("ns", [], token_update(ids, 4))  # (into an empty table: nothing to add)
+    await asyncio.gather(
+        store.commit("ns", [], token_update(ids, 1)),
+        store.commit("ns", [], token_update(ids[::2], 2)),
+    )
+    loop = threading.get_ident()
+    assert threads[0] == loop and threads[1:] and loop not in threads[1:]
+    stats = await store.token_stats("ns", "occurrences", 3)
+    assert stats is not None and stats["rollouts_counted"] == 4 + 1 + 2
+    counts = {row["token_id"]: row["occurrences"] for row in stats["tokens"]}
+    assert counts == {0: 3, 6: 3, 12: 3}  # every even-indexed id: in all three updates

@@ -25,6 +25,7 @@ could only be kept by evicting everything else).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -152,9 +153,23 @@ class MemoryStatsStore(StatsStore):
     async def commit(
         self, namespace: str, requests: Sequence[RequestWrite], update: StatsUpdate
     ) -> Claims | None:
-        now = self._now()
-        self._sweep(now)
         self._check(namespace, requests, update)
+        # The vocabulary table is merged on a worker thread: for a vocabulary's worth of ids
+        # it takes tens of milliseconds, which on the event loop would hold back every other
+        # client's request. It is merged from the table as it is now, and everything else is
+        # applied at once after it (no await between the claims and the writes); should the
+        # table have changed meanwhile (another commit, an expiry), it is merged again.
+        while True:
+            current = self._live_tokens(namespace, self._now())
+            table = current[1] if current is not None else empty_token_stats()
+            if table.tokens.size and update.tokens.tokens.size:
+                merged = await asyncio.to_thread(merge_token_stats, [table, update.tokens])
+            else:  # (one side empty: nothing to add up)
+                merged = merge_token_stats([table, update.tokens])
+            now = self._now()
+            if self._live_tokens(namespace, now) is current:
+                break
+        self._sweep(now)
         claimed = self._requests.get(namespace, {})
         duplicates, conflicts = [], []
         for p, request in enumerate(requests):
@@ -175,12 +190,16 @@ class MemoryStatsStore(StatsStore):
         for key, record in update.records.items():
             self._put_record(namespace, key, (expires, record))
         self._evict_records()
-        previous = self._tokens.pop(namespace, None)
-        table = previous[1] if previous is not None and previous[0] > now else empty_token_stats()
-        self._tokens[namespace] = (expires, merge_token_stats([table, update.tokens]))
+        # (re-inserted last: the table written longest ago is the first to go past the bound)
+        self._tokens.pop(namespace, None)
+        self._tokens[namespace] = (expires, merged)
         while len(self._tokens) > self.max_namespaces:
             del self._tokens[next(iter(self._tokens))]
         return Claims()
+
+    def _live_tokens(self, namespace: str, now: float) -> tuple[float, TokenStatsUpdate] | None:
+        entry = self._tokens.get(namespace)
+        return entry if entry is not None and entry[0] > now else None
 
     def _check(self, namespace: str, requests: Sequence[RequestWrite], update: StatsUpdate) -> None:
         """Raise :class:`Refused` for a write this store cannot take (before applying any)."""
@@ -259,8 +278,8 @@ class MemoryStatsStore(StatsStore):
 
     async def token_stats(self, namespace: str, order: str, limit: int) -> dict[str, Any] | None:
         check_order(order)
-        entry = self._tokens.get(namespace)
-        table = entry[1] if entry is not None and entry[0] > self._now() else empty_token_stats()
+        entry = self._live_tokens(namespace, self._now())
+        table = entry[1] if entry is not None else empty_token_stats()
         return token_stats_response(namespace, table.rollouts, token_columns(table), order, limit)
 
     def _sweep(self, now: float) -> None:
