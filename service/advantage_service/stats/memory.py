@@ -43,10 +43,10 @@ from .base import (
     Write,
     check_order,
     digests_differ,
-    token_stats_response,
+    ranked_token_stats,
     unstorable,
 )
-from .blobs import TokenStatsUpdate, empty_token_stats, merge_token_stats, token_columns
+from .blobs import TokenStatsUpdate, empty_token_stats, merge_token_stats
 from .write_groups import record_whole
 
 DEFAULT_TTL_SECONDS = 7 * 24 * 3600
@@ -280,7 +280,7 @@ class MemoryStatsStore(StatsStore):
         check_order(order)
         entry = self._live_tokens(namespace, self._now())
         table = entry[1] if entry is not None else empty_token_stats()
-        return token_stats_response(namespace, table.rollouts, token_columns(table), order, limit)
+        return await ranked_token_stats(namespace, table, order, limit)
 
     def _sweep(self, now: float) -> None:
         """Drop expired entries, at most every quarter TTL (a minute at most)."""

@@ -139,9 +139,8 @@ from .base import (
     StoreStatus,
     Write,
     check_order,
-    token_stats_response,
+    ranked_token_stats,
 )
-from .blobs import token_columns
 from .memory import DEFAULT_TTL_SECONDS
 from .redis_cluster import DEFAULT_BUCKETS, ClusterLayout
 from .redis_common import (
@@ -346,7 +345,7 @@ class RedisStatsStore(StatsStore):
         except Unavailable:
             return None
         table = await asyncio.to_thread(merge_tables, records)
-        return token_stats_response(namespace, table.rollouts, token_columns(table), order, limit)
+        return await ranked_token_stats(namespace, table, order, limit)
 
 
 __all__ = ["DEFAULT_PREFIX", "RedisStatsStore", "merge_records"]
