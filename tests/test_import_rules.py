@@ -19,6 +19,7 @@ ROOT = PACKAGE.name
 
 # Folder (or top-level module) -> layer. Lower layers never import higher ones.
 LAYERS: dict[str, int] = {
+    "arenas": 0,  # (the process's malloc arenas, capped by ``serve``: imports nothing)
     "errors": 0,
     "version": 0,
     "batch": 1,

@@ -37,6 +37,9 @@ def _compute(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from .arenas import limit_arenas
+
+    limit_arenas()  # (before the imports below start any thread)
     try:
         from .transports.server import serve
     except ImportError:
