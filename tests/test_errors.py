@@ -115,7 +115,9 @@ def test_token_id_beyond_int32():
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.uint32, np.int64, np.int16])
-@pytest.mark.parametrize("source", ["writable", "read-only view", "bytes", "arrow"])
+@pytest.mark.parametrize(
+    "source", ["writable", "read-only view", "bytes", "arrow", "mutable arrow buffer"]
+)
 def test_token_ids_of_every_integer_dtype_are_checked_and_only_immutable_ones_are_not_copied(
     dtype: type, source: str
 ) -> None:
@@ -130,6 +132,11 @@ def test_token_ids_of_every_integer_dtype_are_checked_and_only_immutable_ones_ar
             tokens = np.frombuffer(tokens.tobytes(), dtype=dtype)
         elif source == "arrow":
             tokens = pa.array(tokens).to_numpy(zero_copy_only=True)
+        elif source == "mutable arrow buffer":  # (read-only here, writable through its buffer)
+            buffer = pa.allocate_buffer(tokens.nbytes)
+            np.frombuffer(buffer, dtype=dtype)[:] = tokens
+            tokens = np.frombuffer(buffer, dtype=dtype)
+            tokens.flags.writeable = False
         batch = RolloutBatch.from_flat(
             tokens=tokens,
             offsets=[0, 2, len(ids)],

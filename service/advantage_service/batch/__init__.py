@@ -62,15 +62,20 @@ def _token_tensor(value: Any) -> torch.Tensor:
 
 
 def _immutable(array: np.ndarray) -> bool:
-    """Whether ``array``'s memory is a ``bytes`` object's or an Arrow array's (immutable
-    both), through read-only views only: a read-only view of a writable array is not."""
+    """Whether ``array``'s memory is a ``bytes`` object's or Arrow's (an array's, or a buffer
+    that is not mutable), through read-only views only: a read-only view of a writable array,
+    or of a mutable Arrow buffer, is not."""
     base: Any = array
     while isinstance(base, np.ndarray):
         if base.flags.writeable:
             return False
         base = base.base
+    if isinstance(base, bytes):
+        return True
     # (by module name: the batch does not import pyarrow)
-    return isinstance(base, bytes) or type(base).__module__.split(".")[0] == "pyarrow"
+    return type(base).__module__.split(".")[0] == "pyarrow" and not getattr(
+        base, "is_mutable", False
+    )
 
 
 def repeat_runs(values: torch.Tensor, starts: torch.Tensor, total: int) -> torch.Tensor:
