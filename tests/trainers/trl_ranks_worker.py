@@ -7,7 +7,9 @@ running service. Each rank writes what it trained on, step by step, to ``<out>/r
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,13 @@ from trl_tiny import KTAE_HISTORY, target_reward, tiny_model, tiny_tokenizer
 PROMPTS = ["say red ball", "say big box", "say red ball"]
 
 
+# A rank that hangs prints every thread's stack and exits, well inside the test's timeout, so that
+# the failure says where it hung (torchrun then stops the other rank).
+HANG_SECONDS = 150
+
+
 def main() -> None:
+    faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
     url, namespace, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     tokenizer = tiny_tokenizer()
     model = tiny_model(tokenizer, seed=0, hidden=16)
@@ -77,10 +85,14 @@ def main() -> None:
         json.dumps({"rank": rank, "world": trainer.accelerator.num_processes, "steps": steps})
     )
     torch.distributed.barrier()
-    # The process group torn down before the interpreter exits: left to exit, gloo's threads
+    # Both ranks' work is written: leave at once. Left to the interpreter's exit, gloo's threads
     # can be destroyed while joinable and abort the rank ("terminate called without an active
-    # exception", exit code -6) after its work is done.
-    torch.distributed.destroy_process_group()
+    # exception", exit code -6); torn down with destroy_process_group, the group now and then
+    # never returns (a run of this test hung past its 220 s after both ranks had trained; a
+    # known gloo teardown hang, pytorch/pytorch#75097).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
