@@ -54,6 +54,12 @@ class Settings(BaseSettings):
         description="requests whose statistics are accepted and not yet written; at it no "
         "computation starts until the writes catch up (requests wait in the queue, then 503)",
     )
+    stats_retry_seconds: float = Field(
+        default=30.0,
+        ge=0,
+        description="how long answered requests' statistics that did not reach the stats store "
+        "are written again before they count as lost (0: never again)",
+    )
     stats_ttl_seconds: int = Field(
         default=7 * 24 * 3600, gt=0, description="how long per-prompt history and statistics live"
     )

@@ -10,6 +10,8 @@ a port nothing listens on.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -26,6 +28,7 @@ from advantage_service.stats.base import Claims, RequestWrite
 from advantage_service.wire.request import parse_request
 from process_support import free_port
 from prometheus_client.parser import text_string_to_metric_families
+from stats.redis_support import RedisServer
 
 NS = "writes"
 ROLLOUTS = 4
@@ -299,6 +302,160 @@ def test_statistics_lost_after_the_answer_are_counted_lost() -> None:
         assert outcomes(engine) == {"lost": 1.0}
 
     run_engine(scenario, VanishingStore())
+
+
+class UnreachableFor(MemoryStatsStore):
+    """Unreachable for its first ``failures`` writes (as a Redis that missed a timeout, or a
+    cluster master that did not answer), then written; ``applied_first``: the first failed
+    write reached the store after all (its answer was lost), as a timeout can leave it."""
+
+    def __init__(self, failures: int, *, applied_first: bool = False) -> None:
+        super().__init__()
+        self.failures = failures
+        self.applied_first = applied_first
+        self.tries: list[tuple[float, list[str]]] = []  # (when, request ids) of each write
+
+    async def commit(
+        self, namespace: str, requests: Sequence[RequestWrite], update: StatsUpdate
+    ) -> Claims | None:
+        self.tries.append((time.monotonic(), [r.request_id or "-" for r in requests]))
+        if len(self.tries) <= self.failures:
+            if self.applied_first and len(self.tries) == 1:
+                await super().commit(namespace, requests, update)
+            return None
+        return await super().commit(namespace, requests, update)
+
+
+def test_a_write_that_did_not_reach_the_store_is_written_again_and_counted_once() -> None:
+    store = UnreachableFor(3)
+
+    async def scenario(engine: Engine, _: Counting) -> None:
+        answer = await compute(engine, 1, request_id="blip")
+        assert answer.summary["recorded"] is True
+        assert await engine.settle_writes(20) == 0
+        assert await rollouts_counted(store) == ROLLOUTS
+        assert outcomes(engine) == {"counted": 1.0}
+        # Three tries that did not reach it, then one that did, each pause longer than the last
+        # (0.25, 0.5, 1 s: the store's own backoff).
+        times = [t for t, _ in store.tries]
+        assert [ids for _, ids in store.tries] == [["blip"]] * 4
+        pauses = np.diff(times)
+        assert list(pauses) == sorted(pauses) and pauses[0] >= 0.2, pauses
+
+    run_engine(scenario, store)
+
+
+def test_a_write_that_reached_the_store_unanswered_is_not_counted_twice() -> None:
+    store = UnreachableFor(1, applied_first=True)
+
+    async def scenario(engine: Engine, _: Counting) -> None:
+        assert (await compute(engine, 1, request_id="late-answer")).summary["recorded"]
+        assert await engine.settle_writes(20) == 0
+        # Written again, the claim of the first try was found: counted once.
+        assert await rollouts_counted(store) == ROLLOUTS
+        assert outcomes(engine) == {"duplicate": 1.0}
+        assert len(store.tries) == 2
+
+    run_engine(scenario, store)
+
+
+def test_statistics_that_never_reach_the_store_are_lost_after_the_retry_window_and_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = VanishingStore()
+
+    async def scenario(engine: Engine, _: Counting) -> None:
+        start = time.monotonic()
+        assert (await compute(engine, 1, request_id="gone")).summary["recorded"]
+        # Without an id a write cannot be made again safely: lost at the first failure.
+        assert (await compute(engine, 2)).summary["recorded"]
+        assert await engine.settle_writes(20) == 0
+        assert 0.8 <= time.monotonic() - start < 10
+        assert outcomes(engine) == {"lost": 2.0}
+
+    with caplog.at_level("WARNING", logger="advantage_service.stats_writer"):
+        run_engine(scenario, store, stats_retry_seconds=0.8)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("not written" in line and "'gone'" in line for line in lines), lines
+    assert any("not written" in line and "(none)" in line for line in lines), lines
+
+
+def test_writes_waiting_for_the_store_do_not_hold_computations_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An outage must not stop requests that do not need the store: those waiting to be written
+    again are not the backlog that pauses the queue (here two requests' worth); at most that
+    many wait, the oldest past it is lost (counted and logged)."""
+    store = VanishingStore()
+
+    async def scenario(engine: Engine, counting: Counting) -> None:
+        for seed in range(4):
+            answer = await compute(engine, seed, request_id=f"w{seed}")
+            assert answer.summary["recorded"] is True
+            await asyncio.sleep(0.05)  # (its first write fails meanwhile)
+        assert counting.started == 4
+        assert engine.writer.backlog == 2 and not engine.writer.behind
+        assert outcomes(engine) == {"lost": 2.0}
+        assert await engine.settle_writes(0.1) == 2  # still waiting to be written again
+
+    with caplog.at_level("WARNING", logger="advantage_service.stats_writer"):
+        run_engine(
+            scenario, store, stats_max_backlog=2, queue_timeout_seconds=1.0, stats_retry_seconds=30
+        )
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("more than 2 requests wait" in line for line in lines) == 2, lines
+    assert any("'w0'" in line for line in lines) and any("'w1'" in line for line in lines)
+
+
+class GatedRedis(RedisStatsStore):
+    """A real Redis store whose first write waits until the test opens ``gate`` (so that the
+    test can stop Redis between the answer and the write)."""
+
+    def __init__(self, url: str, **options: Any) -> None:
+        super().__init__(url, **options)
+        self.gate = asyncio.Event()
+
+    async def record_write(self, write: Any) -> Any:
+        await self.gate.wait()
+        return await super().record_write(write)
+
+
+@pytest.mark.integration
+def test_a_write_to_a_stopped_redis_is_made_again_once_it_answers(
+    redis_server: RedisServer,
+) -> None:
+    """A real Redis stopped (SIGSTOP) between the answer and its write: the write misses its
+    timeout, the store backs off, and the request's statistics are written once Redis answers
+    again, counted once (whether or not the write that timed out was applied when Redis woke)."""
+
+    async def scenario() -> None:
+        metrics = Metrics(process=False)
+        store = GatedRedis(
+            redis_server.url,
+            write_timeout=0.3,
+            on_error=lambda op: metrics.stats_store_errors_total.labels(op).inc(),
+        )
+        engine, _ = engine_with(store, metrics)
+        assert redis_server.process is not None
+        try:
+            answer = await compute(engine, 1, request_id="across-a-pause", history=False)
+            assert answer.summary["recorded"] is True
+            os.kill(redis_server.process.pid, signal.SIGSTOP)
+            try:
+                store.gate.set()
+                await asyncio.sleep(1.5)
+                assert engine.writer.backlog == 1  # not given up
+            finally:
+                os.kill(redis_server.process.pid, signal.SIGCONT)
+            assert await engine.settle_writes(20) == 0
+            assert store_errors(engine).get("record", 0) >= 1  # (the write did time out)
+            assert await rollouts_counted(store) == ROLLOUTS
+            assert outcomes(engine) in ({"counted": 1.0}, {"duplicate": 1.0}), outcomes(engine)
+        finally:
+            engine.close()
+            await store.close()
+
+    asyncio.run(scenario())
 
 
 def test_shutting_down_answers_recorded_false_and_counts_what_it_could_not_write() -> None:

@@ -162,6 +162,7 @@ class Engine:
         self.writer = StatsWriter(
             self.write_options,
             settings.stats_max_backlog,
+            retry_seconds=settings.stats_retry_seconds,
             on_outcome=lambda outcome, n: self.metrics.stats_requests_total.labels(outcome).inc(n),
             on_error=lambda op: self.metrics.stats_store_errors_total.labels(op).inc(),
             on_backlog=self.metrics.stats_write_backlog.set,

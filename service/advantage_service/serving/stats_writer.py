@@ -1,15 +1,29 @@
 """The writes of the terms that keep state and of the vocabulary statistics, after the answer.
 
 What an answer promises (its summary's ``recorded``): ``true`` when the writer accepted the
-request's statistics. From then on they are written unless the store turns out to be unreachable
-or the process dies first, and both are counted (``advantage_stats_requests_total{outcome=
-"lost"}``, with the store's own errors). ``false`` only when the writer did not accept them: the
-store is known to be unreachable (``StatsStore.writable``) or the service is shutting down.
+request's statistics. From then on they are written unless the store stays unreachable for
+``retry_seconds`` or the process dies first, and both are counted (``advantage_stats_requests_
+total{outcome="lost"}``, with the store's own errors) and logged with the request ids. ``false``
+only when the writer did not accept them: the store is known to be unreachable
+(``StatsStore.writable``) or the service is shutting down.
+
+A write that does not reach the store (it is unreachable, in its backoff, or on a cluster one of
+its masters did not answer) is not given up: the requests it could not count are written again
+in the next rounds, after a pause that doubles (``RETRY_FIRST`` to ``RETRY_MAX`` seconds), for up
+to ``retry_seconds`` after their first try; only then are they counted lost. A request id makes
+this safe (a try that reached the store after all has claimed it: the next finds the claim and
+counts it once), so only requests with an id are written again; one without an id is counted
+lost at its first failure. (A replica that has just started on a busy machine can miss its 0.5 s
+Redis timeout and take the store for unreachable for a moment; such a moment costs no request
+with an id its statistics.) Requests waiting to be written again do not hold computations back
+(``behind`` counts the others: an outage must not stop requests that do not need the store),
+and at most ``max_backlog`` of them wait; past that the oldest are counted lost.
 
 Writes never wait for a place: the queue does. While the writer is behind (``max_backlog`` or
 more accepted requests not yet written) the scheduler starts no computation (``behind``), so
 requests wait in the queue and, past its limits, are answered 503 with a retry hint; the
-backlog is bounded by ``max_backlog`` plus what the computations already running hold.
+backlog is bounded by ``max_backlog`` plus what the computations already running hold, plus
+at most ``max_backlog`` waiting to be written again.
 
 The writer works in rounds, on one worker thread of its own at lower priority (building the
 writes costs CPU that must not slow the next request's computation): a round takes every
@@ -47,6 +61,7 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from ..estimators import AdvantageResult
 from ..estimators.state import WriteOptions
@@ -75,8 +90,15 @@ STATS_NICENESS = 10
 REFUSED = "refused"  # not accepted (recorded: false): the store is unreachable, or shutting down
 # (POISONED requests are counted LOST there, and in on_poisoned; CONFLICT is an outcome too.)
 Records = dict[RecordKey, bytes]
-# How much of a request id a log line repeats.
+# How much of a request id a log line repeats, and how many ids a line about many requests names.
 LOGGED_ID_CHARS = 64
+LOGGED_IDS = 5
+# Writes that did not reach the store are tried again, after RETRY_FIRST seconds, then twice as
+# long each time up to RETRY_MAX (the store's own backoff), for RETRY_SECONDS (the default of
+# ADV_STATS_RETRY_SECONDS) after their first try.
+RETRY_SECONDS = 30.0
+RETRY_FIRST = 0.25
+RETRY_MAX = 4.0
 
 
 def logged_id(request_id: str | None) -> str:
@@ -89,12 +111,35 @@ def logged_id(request_id: str | None) -> str:
     return ascii(request_id)
 
 
+def logged_ids(request_ids: list[str | None]) -> str:
+    """The first LOGGED_IDS of ``request_ids`` for a log line, and how many more there are."""
+    shown = ", ".join(logged_id(r) for r in request_ids[:LOGGED_IDS])
+    more = len(request_ids) - LOGGED_IDS
+    return f"{shown} and {more} more" if more > 0 else shown
+
+
 def _lower_priority() -> None:
     with contextlib.suppress(OSError, AttributeError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), STATS_NICENESS)
 
 
 Entry = tuple[StateSession, AdvantageResult]
+
+
+@dataclass
+class Retry:
+    """A request whose write did not reach ``store``: written again until ``deadline`` (the
+    event loop's clock)."""
+
+    store: StatsStore
+    write: PendingWrites
+    deadline: float
+
+
+# What a round hands to the store per namespace: the store, the requests' writes (those written
+# again first: they were answered first), the folded update, and each write's deadline (None:
+# its first try).
+Commit = tuple[StatsStore, list[PendingWrites], StatsUpdate, list[float | None]]
 
 
 class StatsWriter:
@@ -113,6 +158,7 @@ class StatsWriter:
         options: WriteOptions,
         max_backlog: int,
         *,
+        retry_seconds: float = RETRY_SECONDS,
         on_outcome: Callable[[str, int], None] | None = None,
         on_error: Callable[[str], None] | None = None,
         on_backlog: Callable[[int], None] | None = None,
@@ -123,6 +169,7 @@ class StatsWriter:
         self.options = options
         self.on_poisoned = on_poisoned
         self.max_backlog = max(1, max_backlog)
+        self.retry_seconds = max(0.0, retry_seconds)
         self._on_outcome = on_outcome
         self._on_error = on_error
         self._on_backlog = on_backlog
@@ -133,18 +180,25 @@ class StatsWriter:
         )
         self._waiting: list[Entry] = []
         self._backlog = 0  # accepted, not yet written (waiting or in the round being written)
+        self._retry: list[Retry] = []  # not written yet: to write again (not in _backlog)
+        self._retrying = 0  # of those, in the round being written (and not kept again yet)
+        self._retry_at = 0.0  # when to write them again (the event loop's clock)
+        self._retry_delay = RETRY_FIRST
+        self._wake: asyncio.Event | None = None  # (set when a request is accepted)
         self._task: asyncio.Task[None] | None = None
         self._accounted = 0  # requests of the round being written whose outcome is counted
         self.closing = False
 
     @property
     def backlog(self) -> int:
-        """Requests accepted whose writes have not finished."""
-        return self._backlog
+        """Requests accepted whose writes have not finished (those to write again included)."""
+        return self._backlog + len(self._retry) + self._retrying
 
     @property
     def behind(self) -> bool:
-        """True while the backlog is at ``max_backlog`` or more: start no computation."""
+        """True while ``max_backlog`` or more accepted requests wait for their first write: start
+        no computation. (Those to write again after a failure do not count: the store is what
+        they wait for, and requests that do not need it must go on.)"""
         return self._backlog >= self.max_backlog
 
     def accept(self, session: StateSession, result: AdvantageResult) -> bool:
@@ -156,6 +210,8 @@ class StatsWriter:
             return False
         self._waiting.append((session, result))
         self._set_backlog(self._backlog + 1)
+        if self._wake is not None:
+            self._wake.set()
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
         return True
@@ -163,7 +219,7 @@ class StatsWriter:
     def _set_backlog(self, count: int) -> None:
         self._backlog = count
         if self._on_backlog is not None:
-            self._on_backlog(count)
+            self._on_backlog(self.backlog)
 
     def _count(self, outcome: str, requests: int) -> None:
         if requests and self._on_outcome is not None:
@@ -188,41 +244,78 @@ class StatsWriter:
             self.on_poisoned(1)
 
     async def _run(self) -> None:
-        """Write rounds while requests wait."""
-        while self._waiting:
+        """Write rounds while requests wait (to be written for the first time, or again)."""
+        loop = asyncio.get_running_loop()
+        self._wake = wake = asyncio.Event()
+        while self._waiting or self._retry:
             entries, self._waiting = self._waiting, []
+            retries: list[Retry] = []
+            if self._retry and loop.time() >= self._retry_at:
+                retries, self._retry = self._retry, []
+            if not entries and not retries:
+                # (until the next try, or until a request is accepted: its first write is not
+                # held back by those waiting to be written again)
+                wake.clear()
+                try:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(wake.wait(), self._retry_at - loop.time())
+                except asyncio.CancelledError:
+                    self._lost_at_shutdown(0)
+                    raise
+                continue
             self._accounted = 0
+            self._retrying = len(retries)
             if self._on_round is not None:
-                self._on_round(len(entries))
+                self._on_round(len(entries) + len(retries))
             try:
-                await self._write_round(entries)
+                await self._write_round(entries, retries)
             except asyncio.CancelledError:  # (shutting down, past its timeout)
-                self._count(LOST, len(entries) - self._accounted + len(self._waiting))
-                self._waiting = []
-                self._set_backlog(0)
-                if self.on_room is not None:
-                    self.on_room()
+                self._lost_at_shutdown(len(entries) + len(retries) - self._accounted)
                 raise
             except Exception:  # statistics must never take the service down
-                log.exception("a statistics write round of %d requests failed", len(entries))
+                total = len(entries) + len(retries)
+                log.exception("a statistics write round of %d requests failed", total)
                 self._error("record")
-                self._count(LOST, len(entries) - self._accounted)
+                self._count(LOST, total - self._accounted)
+            self._retrying = 0
             self._set_backlog(self._backlog - len(entries))
             if not self.behind and self.on_room is not None:
                 self.on_room()
 
-    async def _write_round(self, entries: list[Entry]) -> None:
-        loop = asyncio.get_running_loop()
-        built = await loop.run_in_executor(self._executor, self._build, entries)
-        for store, writes, update in built:
-            await self._commit(store, writes, update)
+    def _lost_at_shutdown(self, unaccounted: int) -> None:
+        """The writer was cancelled (shutting down, past its timeout): what it still held is
+        lost, counted and logged."""
+        lost = unaccounted + len(self._waiting) + len(self._retry)
+        self._count(LOST, lost)
+        if lost:
+            log.warning("shutdown: the statistics of %d requests were not written", lost)
+        self._waiting, self._retry, self._retrying = [], [], 0
+        self._set_backlog(0)
+        if self.on_room is not None:
+            self.on_room()
 
-    def _build(
-        self, entries: list[Entry]
-    ) -> list[tuple[StatsStore, list[PendingWrites], StatsUpdate]]:
-        """Each request's writes, checked on their own, then folded per namespace (on the
-        worker thread)."""
+    async def _write_round(self, entries: list[Entry], retries: list[Retry]) -> None:
+        loop = asyncio.get_running_loop()
+        built = await loop.run_in_executor(self._executor, self._build, entries, retries)
+        for store, writes, update, deadlines in built:
+            await self._commit(store, writes, update, deadlines)
+        now = loop.time()
+        if not self._retry:
+            self._retry_delay = RETRY_FIRST
+        elif retries:  # written again, and some did not reach the store again: wait longer
+            self._retry_delay = min(self._retry_delay * 2, RETRY_MAX)
+            self._retry_at = now + self._retry_delay
+        elif self._retry_at <= now:  # the first to wait
+            self._retry_at = now + self._retry_delay
+
+    def _build(self, entries: list[Entry], retries: list[Retry]) -> list[Commit]:
+        """Each request's writes, checked on their own, then folded per namespace, those to
+        write again first (on the worker thread)."""
         by_namespace: dict[tuple[StatsStore, str], list[PendingWrites]] = {}
+        deadlines: dict[int, float] = {}
+        for retry in retries:
+            by_namespace.setdefault((retry.store, retry.write.namespace), []).append(retry.write)
+            deadlines[id(retry.write)] = retry.deadline
         for session, result in entries:
             try:
                 write = session.writes(result)
@@ -256,7 +349,7 @@ class StatsWriter:
                     self._outcome(LOST, len(unique))
                     continue
             if unique:
-                out.append((store, unique, update))
+                out.append((store, unique, update, [deadlines.get(id(w)) for w in unique]))
         return out
 
     def _foldable(self, writes: list[PendingWrites]) -> list[PendingWrites]:
@@ -299,15 +392,21 @@ class StatsWriter:
         self._outcome(CONFLICT, 1)
 
     async def _commit(
-        self, store: StatsStore, writes: list[PendingWrites], update: StatsUpdate
+        self,
+        store: StatsStore,
+        writes: list[PendingWrites],
+        update: StatsUpdate,
+        deadlines: list[float | None],
     ) -> None:
         """Hand one namespace's folded ``update`` to the store, with each request's share of it;
-        fold again the records it asks for, until it is done."""
+        fold again the records it asks for, until it is done. Requests it could not count for
+        want of the store are written again (:meth:`_again`) or, past their deadline, lost."""
         loop = asyncio.get_running_loop()
         namespace = writes[0].namespace
         requests = [
             RequestWrite(w.request_id, tuple(w.records), w.tokens, w.digest) for w in writes
         ]
+        reached = True  # (False: a fault of the store, not an outage: not written again)
         try:
             recording = await store.record_requests(namespace, requests, update)
             while recording.again:
@@ -321,13 +420,51 @@ class StatsWriter:
             log.exception("statistics write of %d requests failed", len(writes))
             self._error("record")
             outcomes = [LOST] * len(writes)
-        for write, outcome in zip(writes, outcomes, strict=True):
+            reached = False
+        lost: list[str | None] = []
+        for write, outcome, deadline in zip(writes, outcomes, deadlines, strict=True):
             if outcome == POISONED:
                 self._poisoned(write.request_id, "the store refused its write")
             elif outcome == CONFLICT:
                 self._conflict(write.request_id)
-        for outcome in (COUNTED, DUPLICATE, LOST):
+            elif outcome == LOST and not (reached and self._again(store, write, deadline)):
+                lost.append(write.request_id)
+        for outcome in (COUNTED, DUPLICATE):
             self._outcome(outcome, sum(1 for o in outcomes if o == outcome))
+        self._outcome(LOST, len(lost))
+        if lost and reached:
+            log.warning(
+                "statistics of %d requests not written (the stats store was not reached): %s",
+                len(lost),
+                logged_ids(lost),
+            )
+        elif lost:
+            log.warning("statistics of requests %s not written", logged_ids(lost))
+
+    def _again(self, store: StatsStore, write: PendingWrites, deadline: float | None) -> bool:
+        """Keep ``write``, which did not reach the store, to write again; False (lost) when it
+        cannot be: no request id (a try that reached the store after all would count it twice),
+        past its deadline, or no room (then the oldest kept is lost instead)."""
+        now = asyncio.get_running_loop().time()
+        again = deadline is not None  # (a write made again in this round)
+        if deadline is None:
+            deadline = now + self.retry_seconds
+        if write.request_id is None or deadline <= now:
+            return False
+        if again:  # (kept again: counted in _retry from now on)
+            self._retrying = max(0, self._retrying - 1)
+        self._accounted += 1  # (its outcome comes in a later round)
+        self._retry.append(Retry(store, write, deadline))
+        if len(self._retry) > self.max_backlog:
+            oldest = self._retry.pop(0)
+            self._count(LOST, 1)  # (accounted when it was kept)
+            log.warning(
+                "statistics of request %s not written: more than %d requests wait for the "
+                "stats store",
+                logged_id(oldest.write.request_id),
+                self.max_backlog,
+            )
+        return True
 
     def _fold_again(self, writes: list[PendingWrites], again: list[FoldAgain]) -> Records:
         """The records a write asks for again (on the worker thread)."""
@@ -347,17 +484,16 @@ class StatsWriter:
             if left is not None and left <= 0:
                 break
             await asyncio.wait({self._task}, timeout=left)
-        return self._backlog
+        return self.backlog
 
     async def flush(self, timeout: float | None = None) -> None:
         """Shutting down: accept nothing more, wait (up to ``timeout`` s) for what was accepted,
         then stop; what is still not written is counted lost."""
         self.closing = True
-        if self._backlog:
-            log.info("flushing the statistics of %d requests", self._backlog)
+        if self.backlog:
+            log.info("flushing the statistics of %d requests", self.backlog)
         left = await self.settle(timeout)
         if left and self._task is not None:
-            log.warning("shutdown: the statistics of %d requests were not written", left)
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
