@@ -14,7 +14,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cluster_load import NAMESPACE, REQUEST_ROLLOUTS, Load, prompts, request, send
+from cluster_load import (
+    NAMESPACE,
+    REQUEST_ROLLOUTS,
+    Load,
+    prompts,
+    request,
+    send,
+    stats_outcomes,
+)
 from process_support import ServiceProcess, free_port, poll, service_env
 from redis_cluster_support import LocalCluster
 
@@ -154,9 +162,12 @@ def test_replicas_behind_haproxy_lose_and_double_count_nothing_while_one_restart
             poll(all_counted, 60, "every request counted")
         except AssertionError:
             unrecorded = sum(a.recorded is not True for a in answers)
+            # (what each replica running now says became of its requests' statistics)
+            said = [stats_outcomes(r.process) for r in replicas if r.process is not None]
             raise AssertionError(
                 f"{last[0]} rollouts counted, {want} expected ({len(ids)} requests, "
-                f"{unrecorded} of them answered recorded: false); logs in {tmp_path}"
+                f"{unrecorded} of them answered recorded: false); the replicas' statistics "
+                f"outcomes {said}; logs in {tmp_path}"
             ) from None
         time.sleep(1)
         assert counted(url) == REQUEST_ROLLOUTS * len(ids)
