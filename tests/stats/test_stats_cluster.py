@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -542,3 +544,35 @@ def test_a_reply_the_commit_script_does_not_give_fails_its_part() -> None:
     assert reply([0, 0, 0, 2]) == [0, 0, 0, 2]
     for other in ([b"record", b"record"], [1, 0], b"OK", None, 7, [1, b"x", 0]):
         assert reply(other) is None, other
+
+
+async def test_masters_that_answered_while_the_process_was_not_running_are_up(
+    redis_cluster: LocalCluster,
+) -> None:
+    """A master answers a ping in time while this process is not running (its event loop held
+    past the read timeout): the reply is read, the cluster is not taken for unreachable (a
+    restarted replica on a loaded machine was, three times in a second)."""
+    errors: list[str] = []
+    store = RedisStatsStore(
+        redis_cluster.url, socket_timeout=0.3, backoff_initial=0.1, on_error=errors.append
+    )
+    port = next(iter(redis_cluster.masters()))
+    process = redis_cluster.nodes[port].process
+    assert process is not None
+    loop = asyncio.get_running_loop()
+
+    def starved() -> None:
+        os.kill(process.pid, signal.SIGCONT)  # the master answers now; this process sleeps
+        time.sleep(0.6)
+
+    try:
+        assert await store.ping()
+        os.kill(process.pid, signal.SIGSTOP)
+        loop.call_later(0.1, starved)
+        start = time.perf_counter()
+        assert await store.ping()
+        assert 0.6 < time.perf_counter() - start < 1.5
+        assert errors == [] and store.status == "up"
+    finally:
+        os.kill(process.pid, signal.SIGCONT)
+        await store.close()

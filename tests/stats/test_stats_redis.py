@@ -185,6 +185,39 @@ async def test_a_hung_redis_times_out_quickly(redis_server: RedisServer) -> None
         await store.close()
 
 
+async def test_a_reply_that_came_while_the_process_was_not_running_is_read(
+    redis_server: RedisServer,
+) -> None:
+    """Redis answers in time while this process is not running (its event loop held past the
+    read timeout, as on a machine short of CPU): the reply is read, Redis is not taken for
+    unreachable (it was, with a plain timer: the read was cancelled after its reply had come)."""
+    errors: list[str] = []
+    store = RedisStatsStore(
+        redis_server.url, socket_timeout=0.3, backoff_initial=0.1, on_error=errors.append
+    )
+    query = prompt_ids(parse_request(body(8, ["h"])).batch)
+    assert redis_server.process is not None
+    pid = redis_server.process.pid
+    loop = asyncio.get_running_loop()
+
+    def starved() -> None:
+        os.kill(pid, signal.SIGCONT)  # Redis answers now, and this process sleeps meanwhile
+        time.sleep(0.6)
+
+    try:
+        assert await read_history(store, NS, query) is not None
+        for read in (lambda: read_history(store, NS, query), store.ping):
+            os.kill(pid, signal.SIGSTOP)
+            loop.call_later(0.1, starved)
+            start = time.perf_counter()
+            assert await read() not in (None, False)
+            assert 0.6 < time.perf_counter() - start < 1.5
+        assert errors == [] and store.status == "up"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        await store.close()
+
+
 async def test_backoff_skips_attempts_until_it_expires(redis_server: RedisServer) -> None:
     durations: list[str] = []
     store = RedisStatsStore(

@@ -8,7 +8,9 @@ reply in place) or the failure of its node. The rules, the same for every node:
 
 - a pipeline is one write and the read of all its replies: one round trip;
 - a read (``read=True``) is bounded by the read timeout, a write by the write timeout (writes
-  carry megabytes and run after the response);
+  carry megabytes and run after the response); the read timeout counts time this process ran
+  (:func:`loop_timeout`): a reply that came in time while the process was starved of CPU is
+  read, not taken for a Redis that did not answer;
 - a connection that timed out, broke mid-reply or read something that is not RESP is closed,
   never reused (replies may be left on it); a broken pooled connection is retried once at once
   on a fresh one (a restarted Redis), nothing else is retried;
@@ -19,8 +21,10 @@ reply in place) or the failure of its node. The rules, the same for every node:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -99,16 +103,58 @@ class NodeConnections:
         self.node.release(conn)
 
 
+# A timer that runs more than LATE_SECONDS after its time found the event loop busy or the process
+# not scheduled (a replica starved of CPU): a reply may have come in time and wait unread in the
+# socket. It then gives the read LATE_SECONDS more, up to STRETCH times its timeout in all.
+LATE_SECONDS = 0.05
+STRETCH = 4
+
+
+@contextlib.asynccontextmanager
+async def loop_timeout(seconds: float | None) -> AsyncIterator[None]:
+    """``asyncio.timeout(seconds)`` (None: none) that does not fire while the event loop was
+    late. asyncio runs the callbacks of what the socket received before the timers that are due,
+    but the task they wake only after them: in a process that was not running when its timeout
+    came (a busy machine, a CPU limit), a plain timeout cancels a read whose reply arrived in
+    time, and the store takes Redis for unreachable (a replica restarted on a loaded machine
+    did so three times in a second, and lost 11 requests' statistics). A hung Redis still times
+    out on time: the loop is not late then."""
+    if seconds is None:
+        yield
+        return
+    loop = asyncio.get_running_loop()
+    limit = loop.time() + STRETCH * seconds
+    async with asyncio.timeout(None) as timer:
+
+        def due(at: float) -> None:
+            now = loop.time()
+            if now - at > LATE_SECONDS and now < limit:
+                later = now + LATE_SECONDS
+                handle[0] = loop.call_at(later, due, later)
+            else:
+                timer.reschedule(now)  # (expired: the task is cancelled, TimeoutError)
+
+        at = loop.time() + seconds
+        handle = [loop.call_at(at, due, at)]
+        try:
+            yield
+        finally:
+            handle[0].cancel()
+
+
 async def send(
     connections: Connections,
     commands: Commands,
     timeout: float | None = None,
     count: Callable[[], None] | None = None,
+    *,
+    each: bool = False,
 ) -> list[Any]:
     """``commands`` in one write, their replies (error replies in place): one round trip, all
-    its replies within ``timeout`` (else TimeoutError; None: each socket operation within the
-    client's socket timeout). Used instead of redis-py's pipeline so that megabyte records go to
-    the socket as they are, without a copy per command. ``count`` is called per pipeline sent."""
+    its replies within ``timeout`` (``each``: each reply within it, as one Redis's reads have
+    always been bounded) (else TimeoutError; None: each socket operation within the client's
+    socket timeout). Used instead of redis-py's pipeline so that megabyte records go to the
+    socket as they are, without a copy per command. ``count`` is called per pipeline sent."""
     chunks = [chunk for cmd in commands for chunk in cmd]
     for attempt in range(2):
         conn = await connections.acquire()
@@ -119,11 +165,14 @@ async def send(
             replies: list[Any] = []
             # Not read_response(timeout=...): past that timeout it returns None and leaves the
             # late reply on the connection, which the next call would read as its own. A
-            # timeout here cancels the read, and the connection is closed below.
-            async with asyncio.timeout(timeout):
+            # timeout here cancels the read, and the connection is closed below. (inf: none of
+            # the connection's own, whose timer is not patient with a late event loop.)
+            within = math.inf if timeout is not None else None
+            async with loop_timeout(None if each else timeout):
                 for _ in commands:
                     try:
-                        replies.append(await conn.read_response())
+                        async with loop_timeout(timeout if each else None):
+                            replies.append(await conn.read_response(timeout=within))
                     except ResponseError as exc:
                         replies.append(exc)
             return replies
@@ -218,13 +267,16 @@ class OneNode:
         # machine) would otherwise lose an answered request's statistics.
         write_kwargs = {**kwargs, "socket_connect_timeout": max(connect_timeout, write_timeout)}
         self.writer = redis.Redis.from_url(url, socket_timeout=write_timeout, **write_kwargs)
+        self.read_timeout = socket_timeout
         self.count = count
 
     async def run(self, parts: Sequence[Part], *, read: bool = False) -> None:
         """Every part in one pipeline (the one node holds every slot); raises when it fails."""
         client = self.reader if read else self.writer
         commands = [c for part in parts for c in part.commands]
-        replies = await send(PoolConnections(client.connection_pool), commands, None, self.count)
+        timeout = self.read_timeout if read else None
+        pool = PoolConnections(client.connection_pool)
+        replies = await send(pool, commands, timeout, self.count, each=True)
         start = 0
         for part in parts:
             part.result = replies[start : start + len(part.commands)]
@@ -240,8 +292,11 @@ class OneNode:
         return str(info.get("cluster_enabled", 0)) == "1"
 
     async def ping(self) -> bool:
-        # Both pools: reads and writes go over separate connections.
-        return bool(await self.reader.ping()) and bool(await self.writer.ping())
+        # Both pools: reads and writes go over separate connections. (The read pool's through
+        # send, whose timeout is patient with a late event loop.)
+        pool = PoolConnections(self.reader.connection_pool)
+        (pong,) = await send(pool, [command(b"PING")], self.read_timeout)
+        return pong in (True, b"PONG") and bool(await self.writer.ping())
 
     degraded = False
 
@@ -410,6 +465,7 @@ __all__ = [
     "OneNode",
     "Part",
     "failed",
+    "loop_timeout",
     "replies_of",
     "run_scripts",
     "send",
