@@ -420,6 +420,19 @@ class GatedRedis(RedisStatsStore):
         return await super().record_write(write)
 
 
+def gated_engine(url: str) -> tuple[Engine, GatedRedis]:
+    """An engine over a :class:`GatedRedis` at ``url`` whose writes time out after 0.3 s (the
+    gate closed: the test opens it)."""
+    metrics = Metrics(process=False)
+    store = GatedRedis(
+        url,
+        write_timeout=0.3,
+        on_error=lambda op: metrics.stats_store_errors_total.labels(op).inc(),
+    )
+    engine, _ = engine_with(store, metrics)
+    return engine, store
+
+
 @pytest.mark.integration
 def test_a_write_to_a_stopped_redis_is_made_again_once_it_answers(
     redis_server: RedisServer,
@@ -429,13 +442,7 @@ def test_a_write_to_a_stopped_redis_is_made_again_once_it_answers(
     again, counted once (whether or not the write that timed out was applied when Redis woke)."""
 
     async def scenario() -> None:
-        metrics = Metrics(process=False)
-        store = GatedRedis(
-            redis_server.url,
-            write_timeout=0.3,
-            on_error=lambda op: metrics.stats_store_errors_total.labels(op).inc(),
-        )
-        engine, _ = engine_with(store, metrics)
+        engine, store = gated_engine(redis_server.url)
         assert redis_server.process is not None
         try:
             answer = await compute(engine, 1, request_id="across-a-pause", history=False)

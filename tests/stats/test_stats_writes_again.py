@@ -10,14 +10,12 @@ import os
 import signal
 
 import pytest
-from advantage_service.observability.metrics import Metrics
 from redis_cluster_support import LocalCluster
 from serving.test_stats_writer import (
     NS,
     ROLLOUTS,
-    GatedRedis,
     compute,
-    engine_with,
+    gated_engine,
     outcomes,
     rollouts_counted,
     store_errors,
@@ -30,14 +28,8 @@ def test_a_cluster_write_one_master_missed_is_made_again_and_counted_once(
     redis_cluster: LocalCluster,
 ) -> None:
     async def scenario() -> None:
-        metrics = Metrics(process=False)
-        store = GatedRedis(
-            redis_cluster.url,
-            write_timeout=0.3,
-            on_error=lambda op: metrics.stats_store_errors_total.labels(op).inc(),
-        )
+        engine, store = gated_engine(redis_cluster.url)
         store.gate.set()
-        engine, _ = engine_with(store, metrics)
         try:
             # The prompts' history written first, so that the request below writes records to
             # their slots as well as its statistics to its bucket.
