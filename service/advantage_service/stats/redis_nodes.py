@@ -110,8 +110,21 @@ LATE_SECONDS = 0.05
 STRETCH = 4
 
 
+class Deadline:
+    """The deadline of :func:`loop_timeout`: :meth:`restart` gives the read its whole timeout
+    again from now (one timer for a pipeline whose every reply has the timeout)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, seconds: float) -> None:
+        self.loop, self.seconds = loop, seconds
+        self.restart()
+
+    def restart(self) -> None:
+        self.at = self.loop.time() + self.seconds
+        self.limit = self.at + (STRETCH - 1) * self.seconds
+
+
 @contextlib.asynccontextmanager
-async def loop_timeout(seconds: float | None) -> AsyncIterator[None]:
+async def loop_timeout(seconds: float | None) -> AsyncIterator[Deadline | None]:
     """``asyncio.timeout(seconds)`` (None: none) that does not fire while the event loop was
     late. asyncio runs the callbacks of what the socket received before the timers that are due,
     but the task they wake only after them: in a process that was not running when its timeout
@@ -120,24 +133,25 @@ async def loop_timeout(seconds: float | None) -> AsyncIterator[None]:
     did so three times in a second, and lost 11 requests' statistics). A hung Redis still times
     out on time: the loop is not late then."""
     if seconds is None:
-        yield
+        yield None
         return
     loop = asyncio.get_running_loop()
-    limit = loop.time() + STRETCH * seconds
+    deadline = Deadline(loop, seconds)
     async with asyncio.timeout(None) as timer:
 
-        def due(at: float) -> None:
+        def due(planned: float) -> None:
             now = loop.time()
-            if now - at > LATE_SECONDS and now < limit:
+            if now < deadline.at:  # (restarted meanwhile)
+                handle[0] = loop.call_at(deadline.at, due, deadline.at)
+            elif now - planned > LATE_SECONDS and now < deadline.limit:
                 later = now + LATE_SECONDS
                 handle[0] = loop.call_at(later, due, later)
             else:
                 timer.reschedule(now)  # (expired: the task is cancelled, TimeoutError)
 
-        at = loop.time() + seconds
-        handle = [loop.call_at(at, due, at)]
+        handle = [loop.call_at(deadline.at, due, deadline.at)]
         try:
-            yield
+            yield deadline
         finally:
             handle[0].cancel()
 
@@ -168,13 +182,14 @@ async def send(
             # timeout here cancels the read, and the connection is closed below. (inf: none of
             # the connection's own, whose timer is not patient with a late event loop.)
             within = math.inf if timeout is not None else None
-            async with loop_timeout(None if each else timeout):
+            async with loop_timeout(timeout) as deadline:
                 for _ in commands:
                     try:
-                        async with loop_timeout(timeout if each else None):
-                            replies.append(await conn.read_response(timeout=within))
+                        replies.append(await conn.read_response(timeout=within))
                     except ResponseError as exc:
                         replies.append(exc)
+                    if each and deadline is not None:
+                        deadline.restart()
             return replies
         except RedisConnectionError:
             await conn.disconnect()
