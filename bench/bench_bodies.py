@@ -39,7 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_load import start_service
+from service_process import ServiceProcess
 
 MB = 1_000_000
 
@@ -131,14 +131,13 @@ def run(case: str) -> dict[str, float | int | str]:
         raise SystemExit(f"unknown case {case!r}")
     length = sum(map(len, chunks))
     with tempfile.TemporaryDirectory(prefix="bench-bodies-") as tmp:
-        proc, url, _, _ = start_service(Path(tmp), {})
+        service = ServiceProcess(log=Path(tmp) / "service.log", log_level="info")
         try:
-            before = vm_hwm(proc.pid)
-            status, seconds = post(url, chunks, length, **options)
-            growth = vm_hwm(proc.pid) - before
+            before = vm_hwm(service.proc.pid)
+            status, seconds = post(service.url, chunks, length, **options)
+            growth = vm_hwm(service.proc.pid) - before
         finally:
-            proc.terminate()
-            proc.wait(60)
+            service.stop(60)
     return {
         "case": case,
         "body_mb": round(length / MB, 1),

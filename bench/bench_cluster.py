@@ -40,9 +40,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "stats"))
 
-from bench_recorded import start_service  # noqa: E402
 from redis_cluster_support import LocalCluster  # noqa: E402
 from redis_support import RedisServer  # noqa: E402
+from service_process import ServiceProcess  # noqa: E402
 
 ESTIMATOR = {"outcome": "grpo", "ktae": {"history": "prompt"}}
 GROUPS, ROLLOUTS, TOKENS, VOCAB = 32, 4, 48, 2000
@@ -228,9 +228,11 @@ def main() -> None:
                 ("one Redis", single.url, [single.port]),
                 ("3-master cluster", cluster.url, list(cluster.masters())),
             ):
-                proc, service_url = start_service(directory, {"redis_url": url})
-                services[name] = (proc, service_url, ports)
-                warm(service_url, pool)
+                service = ServiceProcess(
+                    settings={"redis_url": url}, log=directory / f"service-{len(services)}.log"
+                )
+                services[name] = (service, service.url, ports)
+                warm(service.url, pool)
             for round_ in range(args.rounds):
                 for name, (_, service_url, ports) in services.items():
                     before = {p: node_info(p) for p in ports}
@@ -242,9 +244,8 @@ def main() -> None:
                     results[name].append(got)
                     commands = [after[p]["commands"] - before[p]["commands"] for p in ports]
                     costs[name].append((trips / len(got), statistics.mean(commands) / len(got)))
-            for proc, _, _ in services.values():
-                proc.terminate()
-                proc.wait(60)
+            for service, _, _ in services.values():
+                service.stop(60)
             print(
                 f"\n3. {args.clients} clients, {GROUPS}-prompt KTAE requests with history, "
                 f"{args.rounds} x {args.seconds:.0f} s per store, alternating"

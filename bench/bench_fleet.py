@@ -32,8 +32,8 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_load import start_service
 from loadgen import Shape, make_request
+from service_process import ServiceProcess
 
 SHAPE = Shape(groups=4, rollouts=8, tokens=512)
 CLIENT = Path(__file__).resolve().parent / "fleet_client.py"
@@ -59,7 +59,8 @@ def run(estimator: str, merging: str, clients: int, duration: float) -> dict[str
     tokens = sum(len(r["tokens"]) for g in json.loads(body)["groups"] for r in g["rollouts"])
     settings = {} if merging == "on" else {"max_batch_tokens": 0}
     with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
-        proc, url, _, _ = start_service(Path(tmp), settings)
+        service = ServiceProcess(settings=settings, log=Path(tmp) / "service.log", log_level="info")
+        url = service.url
         try:
             # One warm-up request, then every client starts at the same instant.
             httpx.post(url + "/v1/advantages", content=body, timeout=60)
@@ -90,8 +91,7 @@ def run(estimator: str, merging: str, clients: int, duration: float) -> dict[str
             results = [json.loads(out.read_text()) for out in outs]
             late = sum(r["ready_at"] > start_at for r in results)
         finally:
-            proc.terminate()
-            proc.wait(60)
+            service.stop(60)
     answered = [len(r["latencies"]) for r in results]
     latencies = np.array([x for r in results for x in r["latencies"]])
     computations = after[1] - before[1]
