@@ -444,7 +444,7 @@ class StatsWriter:
     def _again(self, store: StatsStore, write: PendingWrites, deadline: float | None) -> bool:
         """Keep ``write``, which did not reach the store, to write again; False (lost) when it
         cannot be: no request id (a try that reached the store after all would count it twice),
-        past its deadline, or no room (then the oldest kept is lost instead)."""
+        or past its deadline. Past ``max_backlog`` kept, the oldest kept is lost instead."""
         now = asyncio.get_running_loop().time()
         again = deadline is not None  # (a write made again in this round)
         if deadline is None:

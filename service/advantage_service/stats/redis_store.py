@@ -177,8 +177,9 @@ class RedisStatsStore(StatsStore):
     ``read_history`` (a read of records: the terms' history), ``record``, ``compact`` (a
     compaction a write triggered), ``token_stats``, ``ping``. Status is ``down`` until the first
     successful operation (call :meth:`ping` at startup). ``socket_timeout`` bounds every socket
-    operation of reads and pings (a hung Redis costs a request at most that); ``write_timeout``
-    those of writes and compactions, which run after the response and may carry megabytes.
+    operation of reads and pings (a hung Redis costs a request at most that, up to 4x it while
+    this process itself runs late: :func:`.redis_nodes.loop_timeout`); ``write_timeout`` those
+    of writes and compactions, which run after the response and may carry megabytes.
     ``compact_after``: pending statistics deltas that trigger a compaction; ``lock_ms``: how
     long a compactor may hold the lock. ``merge``, ``new_id`` and ``staged`` are seams for
     tests (:class:`~.redis_common.RedisContext`). Extra keyword arguments go to
