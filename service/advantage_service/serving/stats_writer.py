@@ -77,6 +77,7 @@ from ..stats.base import (
     RequestWrite,
     unstorable,
 )
+from ..stats.redis_common import Backoff
 from .term_state import PendingWrites, StateSession, fold_records, fold_writes
 
 log = logging.getLogger("advantage_service.stats_writer")
@@ -94,7 +95,7 @@ Records = dict[RecordKey, bytes]
 LOGGED_ID_CHARS = 64
 LOGGED_IDS = 5
 # Writes that did not reach the store are tried again, after RETRY_FIRST seconds, then twice as
-# long each time up to RETRY_MAX (the store's own backoff), for RETRY_SECONDS (the default of
+# long each time up to RETRY_MAX (the stores' own Backoff rule), for RETRY_SECONDS (the default of
 # ADV_STATS_RETRY_SECONDS) after their first try.
 RETRY_SECONDS = 30.0
 RETRY_FIRST = 0.25
@@ -182,8 +183,7 @@ class StatsWriter:
         self._backlog = 0  # accepted, not yet written (waiting or in the round being written)
         self._retry: list[Retry] = []  # not written yet: to write again (not in _backlog)
         self._retrying = 0  # of those, in the round being written (and not kept again yet)
-        self._retry_at = 0.0  # when to write them again (the event loop's clock)
-        self._retry_delay = RETRY_FIRST
+        self._pause = Backoff(RETRY_FIRST, RETRY_MAX)  # before they are written again
         self._wake: asyncio.Event | None = None  # (set when a request is accepted)
         self._task: asyncio.Task[None] | None = None
         self._accounted = 0  # requests of the round being written whose outcome is counted
@@ -245,12 +245,11 @@ class StatsWriter:
 
     async def _run(self) -> None:
         """Write rounds while requests wait (to be written for the first time, or again)."""
-        loop = asyncio.get_running_loop()
         self._wake = wake = asyncio.Event()
         while self._waiting or self._retry:
             entries, self._waiting = self._waiting, []
             retries: list[Retry] = []
-            if self._retry and loop.time() >= self._retry_at:
+            if self._retry and not self._pause.waiting:
                 retries, self._retry = self._retry, []
             if not entries and not retries:
                 # (until the next try, or until a request is accepted: its first write is not
@@ -258,7 +257,7 @@ class StatsWriter:
                 wake.clear()
                 try:
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(wake.wait(), self._retry_at - loop.time())
+                        await asyncio.wait_for(wake.wait(), self._pause.left)
                 except asyncio.CancelledError:
                     self._lost_at_shutdown(0)
                     raise
@@ -299,14 +298,10 @@ class StatsWriter:
         built = await loop.run_in_executor(self._executor, self._build, entries, retries)
         for store, writes, update, deadlines in built:
             await self._commit(store, writes, update, deadlines)
-        now = loop.time()
         if not self._retry:
-            self._retry_delay = RETRY_FIRST
-        elif retries:  # written again, and some did not reach the store again: wait longer
-            self._retry_delay = min(self._retry_delay * 2, RETRY_MAX)
-            self._retry_at = now + self._retry_delay
-        elif self._retry_at <= now:  # the first to wait
-            self._retry_at = now + self._retry_delay
+            self._pause.answered()
+        elif retries or not self._pause.waiting:  # (written again and failed again, or the first)
+            self._pause.failed()
 
     def _build(self, entries: list[Entry], retries: list[Retry]) -> list[Commit]:
         """Each request's writes, checked on their own, then folded per namespace, those to

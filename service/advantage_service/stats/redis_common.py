@@ -99,6 +99,11 @@ class Backoff:
         return time.monotonic() < self.retry_at
 
     @property
+    def left(self) -> float:
+        """Seconds until the interval after a failure ends (0: none now)."""
+        return max(0.0, self.retry_at - time.monotonic())
+
+    @property
     def failing(self) -> bool:
         """True from a failure until the next answer."""
         return self.retry_at > 0.0
