@@ -22,6 +22,7 @@ from advantage_contract.padded import (
     result_from_flat,
 )
 
+from . import http11
 from .retry import Retryable, RetryPolicy, RetryStats
 
 # A JSON request or answer for a training batch is megabytes of numbers: orjson, where
@@ -245,7 +246,9 @@ class HttpClient(RemoteBackend):
 
     ``token``: the bearer token (``Authorization: Bearer``). For an ``https://`` URL,
     ``ca_file`` is the CA that signed the service's certificate (system CAs when None), and
-    ``client_cert``/``client_key`` the client's certificate for mutual TLS.
+    ``client_cert``/``client_key`` the client's certificate for mutual TLS. ``transport``: an
+    httpx transport to use; by default a plain ``http://`` URL without a proxy goes through
+    :mod:`advantage_client.http11` (one read per answer), anything else through httpx's own.
     """
 
     client_name = "the HTTP client"
@@ -276,6 +279,9 @@ class HttpClient(RemoteBackend):
         verify: ssl.SSLContext | bool = True
         if ca_file or client_cert:
             verify = tls_context(ca_file, client_cert, client_key)
+        if transport is None and http11.wanted(base_url):
+            # Plain HTTP reads a multi-megabyte answer in one read (see http11).
+            transport = http11.Http11Transport()
         self.http = httpx.Client(
             base_url=base_url,
             timeout=timeout,
