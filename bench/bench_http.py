@@ -12,6 +12,10 @@ rounds so machine noise hits every measure alike, times:
   per-token lists as numpy float32 arrays (``json, as the client``);
 - ``POST /v1/advantages`` with an Arrow IPC body and an Arrow answer.
 
+Each goes through the client's transport for plain HTTP (advantage_client/http11.py), as
+``HttpClient`` does; JSON and Arrow go through httpx's own transport as well (``..., httpx's
+transport``), which the client used before, so that the two compare in one run.
+
 End-to-end latency runs from sending an already-encoded body to holding the parsed answer
 (as above / Arrow ``read_all``) in the client. Before each measure both processes are let go
 quiet (bench/settle.py: the server writes statistics after its answer, and compute threads
@@ -52,6 +56,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from advantage_client.http11 import Http11Transport
 from advantage_client.http_client import json_response_dict
 from advantage_contract import arrow as contract_arrow
 from advantage_service import RolloutBatch, compute_batch
@@ -111,7 +116,10 @@ class Server:
                 stderr=subprocess.STDOUT,
                 env=env,
             )
-        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=300)
+        url = f"http://127.0.0.1:{self.port}"
+        # HttpClient's transport for plain HTTP, and httpx's own beside it for comparison.
+        self.client = httpx.Client(base_url=url, timeout=300, transport=Http11Transport())
+        self.httpx = httpx.Client(base_url=url, timeout=300)
         deadline = time.monotonic() + 120
         while True:
             if self.proc.poll() is not None:
@@ -126,12 +134,19 @@ class Server:
             time.sleep(0.1)
 
     def post(
-        self, body: bytes, content_type: str, accept: str, as_client: bool = False
+        self,
+        body: bytes,
+        content_type: str,
+        accept: str,
+        as_client: bool = False,
+        httpx_transport: bool = False,
     ) -> tuple[Any, float]:
         """(parsed answer, the server's compute_ms). ``as_client``: a JSON answer parsed as
         the client's ``compute`` gives it (per-token lists as numpy float32 arrays), not by
-        ``orjson.loads`` alone."""
-        response = self.client.post(
+        ``orjson.loads`` alone. ``httpx_transport``: through httpx's own transport instead of
+        the client's (advantage_client/http11.py)."""
+        client = self.httpx if httpx_transport else self.client
+        response = client.post(
             "/v1/advantages",
             content=body,
             headers={"content-type": content_type, "accept": accept},
@@ -147,6 +162,7 @@ class Server:
 
     def stop(self) -> None:
         self.client.close()
+        self.httpx.close()
         self.proc.terminate()
         self.proc.wait(30)
 
@@ -251,17 +267,27 @@ def main() -> int:
                 def via_json(body: bytes = body_json) -> float:
                     return server.post(body, "application/json", "application/json")[1]
 
+                def via_json_httpx(body: bytes = body_json) -> float:
+                    return server.post(
+                        body, "application/json", "application/json", httpx_transport=True
+                    )[1]
+
                 def via_json_client(body: bytes = body_json) -> float:
                     return server.post(body, "application/json", "application/json", True)[1]
 
                 def via_arrow(body: bytes = body_arrow) -> float:
                     return server.post(body, ARROW, ARROW)[1]
 
+                def via_arrow_httpx(body: bytes = body_arrow) -> float:
+                    return server.post(body, ARROW, ARROW, httpx_transport=True)[1]
+
                 paths = {
                     "in-process": in_process,
                     "json": via_json,
+                    "json, httpx's transport": via_json_httpx,
                     "json, as the client": via_json_client,
                     "arrow": via_arrow,
+                    "arrow, httpx's transport": via_arrow_httpx,
                 }
                 times = interleaved(
                     paths,
@@ -270,7 +296,7 @@ def main() -> int:
                 )
                 median_ref, best_ref, _ = times["in-process"]
                 for name, (median, best, server_ms) in times.items():
-                    size = len(body_arrow) if name == "arrow" else len(body_json)
+                    size = len(body_arrow) if name.startswith("arrow") else len(body_json)
                     size = None if name == "in-process" else size
                     rows.append(
                         (estimator, name, median, best, median_ref, best_ref, server_ms, size)
