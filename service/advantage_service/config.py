@@ -260,6 +260,11 @@ class Settings(BaseSettings):
         "planning tokens by strategic phrases in a request without planning_mask (needs the "
         "tokenizers package; nothing is downloaded); unset: ids only",
     )
+    event_loop: Literal["auto", "asyncio", "uvloop"] = Field(
+        default="auto",
+        description="the event loop that carries HTTP and gRPC: auto (uvloop where installed: "
+        "the service's install has it on Linux and macOS), asyncio, or uvloop",
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     log_format: Literal["json", "text"] = Field(
         default="json", description="json: one JSON object per line; text: for a terminal"
@@ -313,7 +318,7 @@ class Settings(BaseSettings):
         """What one request may hold, whatever carries it (transports/guards.py)."""
         return RequestLimits.from_settings(self)
 
-    @field_validator("log_level", "log_format", mode="before")
+    @field_validator("log_level", "log_format", "event_loop", mode="before")
     @classmethod
     def _lower(cls, value: object) -> object:
         return value.lower() if isinstance(value, str) else value
