@@ -6,6 +6,8 @@ must be what httpx's own transport reads, from several threads on one client."""
 from __future__ import annotations
 
 import json
+import os
+import resource
 import socket
 import threading
 import time
@@ -147,7 +149,29 @@ def test_a_connection_the_server_closed_while_idle_is_not_used_again() -> None:
             np.testing.assert_array_equal(answered["groups"][0]["rollouts"][0]["advantages"], 0.5)
 
 
-def test_a_connection_kept_alive_carries_the_next_call() -> None:
+@pytest.fixture
+def descriptors_past_1023() -> Iterator[None]:
+    """This process's next sockets numbered above 1023, as in a trainer holding many files
+    (``select.select`` refuses them)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"at most {hard} open files here")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        yield
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.parametrize("descriptors", ["few", "past 1023"])
+def test_a_connection_kept_alive_carries_the_next_call(
+    descriptors: str, request: pytest.FixtureRequest
+) -> None:
+    if descriptors == "past 1023":
+        request.getfixturevalue("descriptors_past_1023")
     with scripted(keep_alive) as (url, accepted):
         client = HttpClient(url, wire="json", retries=0)
         for _ in range(5):
