@@ -98,13 +98,17 @@ def keep_alive(conn: socket.socket) -> None:
             conn.sendall(answer(ANSWER))
 
 
-def one_then_close(conn: socket.socket) -> None:
+def one_then_close(closed: threading.Event) -> Callable[[socket.socket], None]:
     """Answers one request as keep-alive, then closes the connection (a server's idle
-    keep-alive timeout, uvicorn's 5 s, run out)."""
-    with conn:
-        if read_request(conn):
-            conn.sendall(answer(ANSWER))
-            time.sleep(0.05)
+    keep-alive timeout, uvicorn's 5 s, run out) and sets ``closed``."""
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            if read_request(conn):
+                conn.sendall(answer(ANSWER))
+        closed.set()
+
+    return serve
 
 
 def cut_short(conn: socket.socket) -> None:
@@ -138,10 +142,12 @@ def test_plain_http_without_a_proxy_is_carried_and_https_or_a_proxied_url_is_not
 def test_a_connection_the_server_closed_while_idle_is_not_used_again() -> None:
     # Sent over the closed connection, the second call would fail (the server gone without
     # an answer) and be retried: it must go on a new connection at once.
-    with scripted(one_then_close) as (url, accepted):
+    closed = threading.Event()
+    with scripted(one_then_close(closed)) as (url, accepted):
         client = HttpClient(url, wire="json", retries=0)
         first = client.compute(REQUEST)
-        time.sleep(0.2)  # the server has closed it
+        assert closed.wait(10)
+        time.sleep(0.05)  # (the server's FIN on its way over loopback)
         second = client.compute(REQUEST)
         assert client.retry_stats.retries == 0
         assert accepted[0] == 2
