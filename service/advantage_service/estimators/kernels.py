@@ -120,6 +120,31 @@ def amplify(advantages: np.ndarray, mask: np.ndarray, scale: float) -> None:
         advantages[t] = a + k * abs(a) * mask[t]
 
 
+@compiled
+def presence(
+    ids: np.ndarray, offsets: np.ndarray, correct: np.ndarray, size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per id below ``size``: the rollouts with ``correct`` set that contain it, and the others
+    (int64 (size,) each), a rollout counted once per id however often the id occurs in it. One
+    pass over the token ``ids`` (N,), each rollout's slice between its ``offsets`` (B + 1,),
+    marking the rollout an id was last seen in: a sort of the (rollout, id) pairs took ten
+    times as long. Raises IndexError for an id outside [0, size) (nothing written there)."""
+    seen = np.full(size, -1, np.int64)
+    in_correct = np.zeros(size, np.int64)
+    in_wrong = np.zeros(size, np.int64)
+    for r in range(offsets.shape[0] - 1):
+        row = ids[offsets[r] : offsets[r + 1]]
+        counts = in_correct if correct[r] else in_wrong
+        for j in range(row.shape[0]):
+            v = row[j]
+            if v < 0 or v >= size:
+                raise IndexError("a token id outside the counted range")
+            if seen[v] != r:
+                seen[v] = r
+                counts[v] += 1
+    return in_correct, in_wrong
+
+
 # Tables of up to this many float32 entries are kept between calls, per thread (a worker thread
 # computes one batch at a time): a fresh table's pages are faulted in on first write, which on
 # the CPU costs as much as the loop that fills it.
@@ -153,3 +178,5 @@ def compile_all() -> None:
     segment_sums_nonnegative(f32, offsets)
     broadcast_amplified(f32, offsets, f32, 0.5, np.zeros(2, np.float32))
     amplify(np.zeros(2, np.float32), f32, 0.5)
+    for ids in (np.array([0, 1], np.int32), np.array([0, 1], np.int64)):  # (ids; inverse)
+        presence(ids, offsets, np.ones(2, np.bool_), 2)

@@ -524,21 +524,13 @@ def token_statistics(
 def _presence(
     batch: RolloutBatch, ids: np.ndarray, size: int, pick: Callable[[np.ndarray], np.ndarray]
 ) -> dict[str, np.ndarray]:
-    """``correct`` and ``wrong``: per id, the rollouts with reward > 0 and <= 0 containing it,
-    from one sort of the distinct (rollout, id) pairs."""
-    rollouts = batch.num_rollouts
-    pair_dtype = np.int64 if rollouts * max(size, 1) > INT32_MAX else np.int32
-    pairs: np.ndarray = np.repeat(np.arange(rollouts, dtype=pair_dtype), batch.lengths.numpy())
-    np.multiply(pairs, max(size, 1), out=pairs)
-    np.add(pairs, ids, out=pairs, casting="unsafe")  # (ids < size: the sum fits)
-    pairs = _distinct_sorted(pairs)
-    pair_id, pair_rollout = np.divmod(pairs, max(size, 1))[::-1]
-    pair_correct = (batch.rewards.numpy() > 0)[pair_rollout]
-    correct = np.bincount(pair_id[pair_correct], minlength=size)
-    return {
-        "correct": pick(correct).astype(np.int64),
-        "wrong": pick(np.bincount(pair_id, minlength=size) - correct).astype(np.int64),
-    }
+    """``correct`` and ``wrong``: per id, the rollouts with reward > 0 and <= 0 containing it."""
+    from ..estimators import kernels  # (numba is imported when a compiled loop first runs)
+
+    correct, wrong = kernels.presence(
+        ids, batch.offsets.numpy(), batch.rewards.numpy() > 0, max(size, 1)
+    )
+    return {"correct": pick(correct), "wrong": pick(wrong)}
 
 
 __all__ = [
