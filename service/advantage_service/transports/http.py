@@ -203,8 +203,13 @@ class CloseWhenDraining:
         await self.app(scope, receive, send_closing)
 
 
-def create_app(settings: Settings | None = None, engine: Engine | None = None) -> FastAPI:
-    """The FastAPI application. Without ``engine``, the app makes one and closes it at shutdown."""
+def create_app(
+    settings: Settings | None = None,
+    engine: Engine | None = None,
+    on_ready: Callable[[], None] | None = None,
+) -> FastAPI:
+    """The FastAPI application. Without ``engine``, the app makes one and closes it at shutdown.
+    ``on_ready`` runs once the engine is warm, before the service reports ready."""
     settings = settings if settings is not None else Settings()
     owned = engine is None
     engine = engine if engine is not None else Engine(settings)
@@ -215,6 +220,8 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
             await asyncio.to_thread(engine.warm_up)
             await engine.start()
         await asyncio.to_thread(jsonio.compile_readers)  # (not at the first JSON request)
+        if on_ready is not None:
+            on_ready()
         log.info("ready on %s (max_inflight=%d)", engine.device, settings.max_inflight)
         try:
             yield
