@@ -530,7 +530,7 @@ def _presence(
     correct, wrong = kernels.presence(
         ids, batch.offsets.numpy(), batch.rewards.numpy() > 0, max(size, 1)
     )
-    return {"correct": pick(correct), "wrong": pick(wrong)}
+    return {"correct": pick(correct).astype(np.int64), "wrong": pick(wrong).astype(np.int64)}
 
 
 __all__ = [
