@@ -16,6 +16,17 @@ from ..errors import LimitExceeded, RequestError
 __all__ = ["declared_length", "discard_body", "read_body"]
 
 
+def _deadline(start: float, seconds: float, min_rate: int, grace: float) -> Callable[[int], float]:
+    """When a body that began at ``start`` is late, given the bytes it has sent: at its final
+    deadline, ``seconds`` later, or once what it has sent falls under ``min_rate`` bytes per
+    second (0: no minimum) after the first ``grace`` seconds (bytes / min_rate seconds of credit
+    after the grace period)."""
+    final = start + seconds
+    if not min_rate:
+        return lambda sent: final
+    return lambda sent: min(final, start + grace + sent / min_rate)
+
+
 def declared_length(
     request: Request, limit: int, setting: str = "ADV_MAX_BODY_BYTES"
 ) -> int | None:
@@ -62,15 +73,9 @@ async def read_body(
     received = 0
     loop = asyncio.get_running_loop()
     start = loop.time()
-    final = start + timeout
-
-    def due() -> float:
-        # When the body is late: at its final deadline, or once what it has sent falls under
-        # the minimum rate (received / min_rate seconds of credit after the grace period).
-        return final if not min_rate else min(final, start + grace + received / min_rate)
-
+    due = _deadline(start, timeout, min_rate, grace)
     try:
-        async with asyncio.timeout_at(due()) as deadline:
+        async with asyncio.timeout_at(due(received)) as deadline:
             async for chunk in request.stream():
                 received += len(chunk)
                 if received > limit:
@@ -80,7 +85,7 @@ async def read_body(
                 buffer.write(chunk)
                 if hold is not None:
                     hold(received)
-                deadline.reschedule(due())
+                deadline.reschedule(due(received))
         if received != length:  # chunked (or, which the server prevents, short of its length)
             buffer.truncate(received)
         body = buffer.getvalue()
@@ -110,15 +115,9 @@ async def discard_body(
     ``min_rate`` bytes per second after ``grace`` seconds is not waited for (a slow sender's
     refusal must not hold its connection for long either). The bytes dropped."""
     dropped = 0
-    loop = asyncio.get_running_loop()
-    start = loop.time()
-    final = start + max_seconds
-
-    def due() -> float:
-        return final if not min_rate else min(final, start + grace + dropped / min_rate)
-
+    due = _deadline(asyncio.get_running_loop().time(), max_seconds, min_rate, grace)
     with contextlib.suppress(TimeoutError, ClientDisconnect):
-        async with asyncio.timeout_at(due()) as deadline:
+        async with asyncio.timeout_at(due(dropped)) as deadline:
             while dropped < max_bytes:
                 message = await request.receive()
                 if message["type"] != "http.request":
@@ -126,5 +125,5 @@ async def discard_body(
                 dropped += len(message.get("body", b""))
                 if not message.get("more_body", False):
                     break
-                deadline.reschedule(due())
+                deadline.reschedule(due(dropped))
     return dropped
