@@ -398,12 +398,12 @@ async def main() -> None:
         cost = await writer_cost(device, args.visits, args.repeats, args.compression, args.plain)
         ms = {k: 1000.0 * v for k, v in cost.items() if not k.startswith("ratio")}
         what = "plain GRPO" if args.plain else f"history records {args.compression}"
+        goal = "" if args.plain else "; goal <= 0.5"  # (the goal is the request with history's)
         print(
             f"writer, {results['torch_threads']} torch threads, {device.type}, {what}: update "
             f"{ms['update']:.1f} ms (CPU {ms['update_cpu']:.1f}), its "
             f"computation {ms['compute']:.1f} ms (CPU {ms['compute_cpu']:.1f}): update / "
-            f"computation {cost['ratio']:.2f}x (CPU time {cost['ratio_cpu']:.2f}x"
-            f"{')' if args.plain else '; goal <= 0.5)'}"
+            f"computation {cost['ratio']:.2f}x (CPU time {cost['ratio_cpu']:.2f}x{goal})"
         )
         print(json.dumps({**results, "writer": cost}, indent=1))
         return
