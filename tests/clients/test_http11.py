@@ -9,6 +9,7 @@ import json
 import os
 import resource
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -117,6 +118,14 @@ def cut_short(conn: socket.socket) -> None:
             conn.sendall(answer(ANSWER[:10], length=len(ANSWER)))
 
 
+def reset(conn: socket.socket) -> None:
+    """Reads the request, then resets the connection (RST, not FIN: a process killed, a load
+    balancer or a listener closing with the request unread)."""
+    with conn:
+        if read_request(conn):
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
 def silent(conn: socket.socket) -> None:
     with conn:
         read_request(conn)
@@ -194,6 +203,23 @@ def test_an_answer_cut_short_is_a_lost_connection_and_retried() -> None:
         with pytest.raises(AdvantageError) as info:
             HttpClient(url, wire="json", retries=0).compute(REQUEST)
         assert info.value.code == "unavailable", info.value
+
+
+def test_a_connection_reset_before_the_answer_is_a_lost_connection_and_retried() -> None:
+    # (A reset, not a close: http.client's ConnectionResetError, httpx's ReadError through
+    # httpx's own transport; both the service's "unavailable", retried as a close is.)
+    for transport in ("ours", "httpx's"):
+        chosen = {"transport": httpx.HTTPTransport()} if transport == "httpx's" else {}
+        with scripted(reset, keep_alive) as (url, accepted):
+            client = HttpClient(url, wire="json", retries=1, backoff=0.001, **chosen)
+            client.compute(REQUEST)
+            assert client.retry_stats.retries == 1 and accepted[0] == 2, transport
+        with scripted(reset) as (url, _):
+            chosen = {"transport": httpx.HTTPTransport()} if transport == "httpx's" else {}
+            client = HttpClient(url, wire="json", retries=0, **chosen)
+            with pytest.raises(AdvantageError) as info:
+                client.compute(REQUEST)
+            assert info.value.code == "unavailable", (transport, info.value)
 
 
 def test_a_server_that_does_not_answer_is_a_timeout_in_time() -> None:

@@ -300,7 +300,10 @@ class HttpClient(RemoteBackend):
         def attempt() -> httpx.Response:
             try:
                 response = self.http.request(method, path, **kwargs)
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
+            except (httpx.NetworkError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
+                # A connection refused, closed or reset (ReadError, WriteError: a replica
+                # killed, a listener closing, a keep-alive connection the server closed as the
+                # request left) is the service unreachable for this try, whatever its TCP end.
                 error = AdvantageError("unavailable", f"cannot reach the service: {exc}")
                 raise Retryable(error) from None
             except httpx.TimeoutException as exc:
