@@ -126,6 +126,22 @@ def reset(conn: socket.socket) -> None:
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
+def gateway(status: bytes) -> Callable[[socket.socket], None]:
+    """Answers as a proxy in front of a replica that is gone does: ``status`` with its HTML
+    page (haproxy's 502 and 504), then closes."""
+
+    def serve(conn: socket.socket) -> None:
+        page = b"<html><body><h1>%s</h1>\nThe server is unavailable.\n</body></html>\n" % status
+        with conn:
+            if read_request(conn):
+                conn.sendall(
+                    b"HTTP/1.1 %s\r\ncontent-type: text/html\r\ncontent-length: %d\r\n"
+                    b"connection: close\r\n\r\n%s" % (status, len(page), page)
+                )
+
+    return serve
+
+
 def silent(conn: socket.socket) -> None:
     with conn:
         read_request(conn)
@@ -220,6 +236,20 @@ def test_a_connection_reset_before_the_answer_is_a_lost_connection_and_retried()
             with pytest.raises(AdvantageError) as info:
                 client.compute(REQUEST)
             assert info.value.code == "unavailable", (transport, info.value)
+
+
+@pytest.mark.parametrize("status", [b"502 Bad Gateway", b"504 Gateway Time-out"])
+def test_a_proxys_lost_replica_is_retried_and_named_by_its_status(status: bytes) -> None:
+    with scripted(gateway(status), keep_alive) as (url, accepted):
+        client = HttpClient(url, wire="json", retries=1, backoff=0.001)
+        client.compute(REQUEST)
+        assert client.retry_stats.retries == 1 and accepted[0] == 2
+    with scripted(gateway(status)) as (url, accepted):
+        with pytest.raises(AdvantageError) as info:
+            HttpClient(url, wire="json", retries=2, backoff=0.001).compute(REQUEST)
+        code = int(status[:3])
+        assert (info.value.code, info.value.status) == (f"http_{code}", code), info.value
+        assert "unavailable" in info.value.message and accepted[0] == 3
 
 
 def test_a_server_that_does_not_answer_is_a_timeout_in_time() -> None:

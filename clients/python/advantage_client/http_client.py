@@ -81,8 +81,11 @@ ARROW = contract_arrow.MEDIA_TYPE
 REQUEST_METADATA = contract_arrow.REQUEST_METADATA
 RESPONSE_METADATA = contract_arrow.RESPONSE_METADATA
 # Answers worth another try: overloaded or not ready (503; overloaded with Retry-After and the
-# body's retry_after_ms), and saturated (429 with Retry-After, from services before 503).
-RETRY_STATUSES = (429, 503)
+# body's retry_after_ms), saturated (429 with Retry-After, from services before 503), and a
+# proxy in front that lost its replica (502: a replica killed mid-request, whose multi-megabyte
+# body the proxy cannot send again; 504: it did not answer in the proxy's time), the statuses
+# gRPC reads as UNAVAILABLE, which GrpcClient retries.
+RETRY_STATUSES = (429, 502, 503, 504)
 
 
 def _json_default(value: Any) -> Any:
@@ -238,11 +241,12 @@ class HttpClient(RemoteBackend):
 
     ``wire="arrow"`` (default) sends and receives Arrow IPC: the flat arrays, no per-number
     text; ``"json"`` the JSON contract. ``timeout`` bounds each request (seconds). Retries
-    connection failures and 503 (overloaded, or not ready) with exponential backoff; an
-    overload refusal's wait is the body's ``retry_after_ms``, else ``Retry-After`` (see
-    :class:`RetryPolicy`), never above ``max_backoff``. 429 (saturated, from services before
-    503) is retried the same way. It gives up after ``retries`` retries, or, by default
-    (``retries=None``), once it has waited ``retry_for`` seconds (60) in all.
+    connection failures (refused, closed or reset), 503 (overloaded, or not ready) and a
+    proxy's 502 and 504 with exponential backoff; an overload refusal's wait is the body's
+    ``retry_after_ms``, else ``Retry-After`` (see :class:`RetryPolicy`), never above
+    ``max_backoff``. 429 (saturated, from services before 503) is retried the same way. It
+    gives up after ``retries`` retries, or, by default (``retries=None``), once it has waited
+    ``retry_for`` seconds (60) in all.
 
     ``token``: the bearer token (``Authorization: Bearer``). For an ``https://`` URL,
     ``ca_file`` is the CA that signed the service's certificate (system CAs when None), and
