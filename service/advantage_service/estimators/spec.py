@@ -61,7 +61,8 @@ class EstimatorSpec:
 
     @property
     def label(self) -> str:
-        """A short name for metrics and logs: the preset it equals, else 'outcome+terms'."""
+        """A short name for metrics and logs: 'outcome+terms' ('grpo+ktae' for the ktae preset),
+        the same whichever preset or object named it, and few values whatever the parameters."""
         return "+".join([self.outcome, *self.terms])
 
 
