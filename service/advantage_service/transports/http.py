@@ -42,7 +42,7 @@ from ..wire.response import build_response
 from ..wire.text import check_query
 from . import arrow
 from .connections import HeaderLimit, RequestLimit
-from .http_body import declared_length, discard_body, read_body
+from .http_body import UnreadBodies, declared_length, read_body
 from .openapi import (
     ADVANTAGE_RESPONSES,
     AUTH_RESPONSES,
@@ -157,13 +157,6 @@ def encode_json(req: ComputeRequest, result: AdvantageResult, summary: dict[str,
 # ---- the application ----------------------------------------------------------------------------
 
 
-def _declares_body(request: Request) -> bool:
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        return declared.strip() not in ("", "0")
-    return "transfer-encoding" in request.headers
-
-
 def _error_response(
     status: int, detail: dict[str, Any], headers: Mapping[str, str] | None = None
 ) -> JSONResponse:
@@ -250,6 +243,15 @@ def create_app(
     app.state.engine = engine
     app.state.settings = settings
     arrow_limits = arrow.ArrowLimits.from_settings(settings)
+    # An answer before its request's body is whole drops the rest (bounded) and closes; what
+    # the service cannot frame or decode is refused on every route (http_body.py).
+    app.add_middleware(
+        UnreadBodies,
+        max_bytes=DISCARD_MAX_BYTES,
+        max_seconds=DISCARD_MAX_SECONDS,
+        min_rate=settings.body_min_rate,
+        grace=settings.body_rate_grace_seconds,
+    )
     app.add_middleware(CloseWhenDraining, engine=engine)
     # HTTP requests handled at once (ADV_MAX_CONNECTIONS): requests, not connections, so that
     # connections still sending headers never refuse one (connections.py).
@@ -322,19 +324,7 @@ def create_app(
         headers = {"WWW-Authenticate": CHALLENGE} if exc.status == 401 else {}
         if isinstance(exc, Overloaded):
             headers = {"Retry-After": str(exc.retry_after_seconds)}
-        if _declares_body(request) and not getattr(request.state, "body_read", False):
-            # Refused before its body was read whole (401, 413 by Content-Length or over the
-            # limit, 503, 408), on any route that takes one: a client still sending must get
-            # this answer, not a reset, so the rest is discarded (bounded) and the connection
-            # closed. (Every route reads its body through read_body, which marks it read.)
-            await discard_body(
-                request,
-                DISCARD_MAX_BYTES,
-                DISCARD_MAX_SECONDS,
-                settings.body_min_rate,
-                settings.body_rate_grace_seconds,
-            )
-            headers["Connection"] = "close"
+        # (Refused before its body was whole: UnreadBodies drops the rest and closes.)
         return _error_response(exc.status, exc.to_dict(), headers)
 
     @app.exception_handler(ClientDisconnect)

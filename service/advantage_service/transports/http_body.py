@@ -1,6 +1,8 @@
 """Reading a request's body over HTTP within its limits: its size (413 before a byte is read
 when Content-Length says so), its deadline and minimum rate (408), into one buffer of its size;
-and dropping what is left of a refused body so that its client reads the answer."""
+what is left of a body its answer came before, dropped so that its client reads the answer, and
+the connection closed (:class:`UnreadBodies`, on every route); the bodies the service cannot
+frame or decode, refused."""
 
 from __future__ import annotations
 
@@ -8,12 +10,15 @@ import asyncio
 import contextlib
 import io
 from collections.abc import Callable
+from typing import Any
 
+from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse
 
 from ..errors import LimitExceeded, RequestError
 
-__all__ = ["declared_length", "discard_body", "read_body"]
+__all__ = ["UnreadBodies", "declared_length", "discard_body", "read_body"]
 
 
 def _deadline(start: float, seconds: float, min_rate: int, grace: float) -> Callable[[int], float]:
@@ -65,7 +70,7 @@ async def read_body(
     take it past ``limit`` is refused before it is copied. The buffer is an ``io.BytesIO`` over
     a ``bytes`` object it owns alone, so it is written in place, and ``getvalue()`` hands that
     same object over without a copy: decoders get immutable ``bytes``. A refused body's buffer
-    is freed before the error is answered. Sets ``request.state.body_read`` once it is whole.
+    is freed before the error is answered.
     """
     length = declared_length(request, limit, setting)
     # (bytes(n) passed straight in: the BytesIO holds the only reference, so it writes in place)
@@ -102,7 +107,6 @@ async def read_body(
         raise RequestError("body_timeout", message, field="body", status=408) from exc
     finally:
         buffer.close()  # frees a refused body's buffer now (the traceback keeps this frame)
-    request.state.body_read = True
     return body
 
 
@@ -127,3 +131,95 @@ async def discard_body(
                     break
                 deadline.reschedule(due(dropped))
     return dropped
+
+
+def declares_body(headers: Headers) -> bool:
+    """Whether a request says a body follows (a Content-Length above 0, or chunked)."""
+    declared = headers.get("content-length")
+    if declared is not None:
+        return declared.strip() not in ("", "0")
+    return "transfer-encoding" in headers
+
+
+def _closing(message: Any) -> Any:
+    """A response start with ``Connection: close`` (in place of any it had)."""
+    headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
+    return {**message, "headers": [*headers, (b"connection", b"close")]}
+
+
+class UnreadBodies:
+    """ASGI middleware: every route's answer to a request whose body is not whole yet (a refusal
+    before or while reading it, a route that takes no body, a 404) closes the connection, after
+    reading and dropping what is left (:func:`discard_body`, bounded in bytes, time and rate) so
+    that a client still sending reads the answer, not a reset. A client waiting for ``100
+    Continue`` has sent nothing and is answered at once (the server sends 100 only once the
+    body is first read). Without this, a connection whose declared body never ends stays open
+    after its answer, outside every limit (uvicorn waits for the rest before the next request).
+
+    It refuses what the service cannot frame or decode, on every route: Content-Length beside
+    Transfer-Encoding (400 ``invalid_request``, closed with the body unread: RFC 9112 6.3, the
+    shape of request smuggling through a front end that frames by the other header), and a
+    Content-Encoding other than identity (415 ``unsupported_media_type``: no body is decoded,
+    so a compressed one would be read as its compressed bytes)."""
+
+    def __init__(
+        self, app: Any, max_bytes: int, max_seconds: float, min_rate: int, grace: float
+    ) -> None:
+        self.app = app
+        self.limits = (max_bytes, max_seconds, min_rate, grace)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        headers = Headers(scope=scope) if scope["type"] == "http" else None
+        if headers is None or not declares_body(headers):
+            await self.app(scope, receive, send)
+            return
+        whole = False  # the body read to its end (or the client gone: nothing more comes)
+        asked = False  # the body asked for at least once (uvicorn's 100 Continue went out)
+
+        async def tracking() -> Any:
+            nonlocal whole, asked
+            asked = True
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                whole = True
+            return message
+
+        async def closing(message: Any) -> None:
+            if message["type"] == "http.response.start" and not whole:
+                waiting = "100-continue" in headers.get("expect", "").lower()
+                if asked or not waiting:
+                    await discard_body(Request(scope, tracking), *self.limits)
+                message = _closing(message)
+            await send(message)
+
+        if "content-length" in headers and "transfer-encoding" in headers:
+            refusal = _refusal(
+                400,
+                "invalid_request",
+                "the request has both Content-Length and Transfer-Encoding; send one",
+                "Transfer-Encoding",
+            )
+
+            async def unread(message: Any) -> None:
+                start = message["type"] == "http.response.start"
+                await send(_closing(message) if start else message)
+
+            await refusal(scope, receive, unread)
+            return
+        encoding = headers.get("content-encoding", "").strip().lower()
+        if encoding not in ("", "identity"):
+            refusal = _refusal(
+                415,
+                "unsupported_media_type",
+                f"Content-Encoding {encoding!r} is not supported; send the body uncompressed",
+                "Content-Encoding",
+            )
+            await refusal(scope, tracking, closing)
+            return
+        await self.app(scope, tracking, closing)
+
+
+def _refusal(status: int, code: str, message: str, field: str) -> JSONResponse:
+    """The error answer of the contract, for a request refused before any route."""
+    detail = {"code": code, "message": message, "group_id": None, "rollout_index": None}
+    return JSONResponse({"error": {**detail, "field": field}}, status_code=status)
