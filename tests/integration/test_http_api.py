@@ -144,6 +144,11 @@ def test_accept_prefers_arrow_only_when_ranked_higher(server: Server) -> None:
         (ARROW, ARROW),
         (f"application/json;q=0.5, {ARROW}", ARROW),
         (f"{ARROW};q=0.2, application/json", "application/json"),
+        # q=0 rules a type out, whatever a wildcard allows; a q past 1 is no q.
+        ("application/json;q=0, */*", ARROW),
+        (f"{ARROW};q=0, */*", "application/json"),
+        (f"{ARROW};q=2, application/json;q=0.5", "application/json"),
+        (f"{ARROW};q=inf, application/json;q=0.5", "application/json"),
     ]:
         headers = {} if accept is None else {"accept": accept}
         response = server.client.post("/v1/advantages", json=request, headers=headers)

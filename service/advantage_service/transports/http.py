@@ -89,10 +89,12 @@ def request_format(content_type: str | None) -> Literal["json", "arrow"]:
 
 
 def wants_arrow(accept: str | None) -> bool:
-    """True when Accept ranks Arrow above JSON (JSON wins ties and by default)."""
+    """True when Accept ranks Arrow above JSON (JSON wins ties and by default). A media type
+    named takes its own q over a wildcard's, q=0 included (RFC 9110 12.4.2: not acceptable);
+    a q outside [0, 1] or not a number counts as 0."""
     if not accept:
         return False
-    quality = {JSON: 0.0, ARROW: 0.0}
+    quality: dict[str, float] = {}
     wildcard = 0.0
     for part in accept.split(","):
         media, *params = (x.strip() for x in part.split(";"))
@@ -104,14 +106,13 @@ def wants_arrow(accept: str | None) -> bool:
                     q = float(value)
                 except ValueError:
                     q = 0.0
+                q = q if 0.0 <= q <= 1.0 else 0.0
         media = media.lower()
-        if media in quality:
-            quality[media] = max(quality[media], q)
+        if media in (JSON, ARROW):
+            quality[media] = max(quality.get(media, 0.0), q)
         elif media in ("*/*", "application/*"):
             wildcard = max(wildcard, q)
-    arrow_q = quality[ARROW] or wildcard
-    json_q = quality[JSON] or wildcard
-    return arrow_q > json_q
+    return quality.get(ARROW, wildcard) > quality.get(JSON, wildcard)
 
 
 # ---- codecs (run on the engine's workers) -------------------------------------------------------
