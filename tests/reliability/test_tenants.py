@@ -27,6 +27,7 @@ import grpc
 import httpx
 import pytest
 from advantage_client.grpc_client import options_message, rollout_message
+from advantage_client.grpc_codec import compute_request_message, from_tensor
 from advantage_contract.grpc_gen import advantage_pb2 as pb
 from advantage_contract.grpc_gen import advantage_pb2_grpc as pb_grpc
 from process_support import poll
@@ -418,4 +419,64 @@ def test_what_incomplete_stream_groups_hold_counts_in_the_byte_budget(
         assert stream.error is None
         stream.close()
     finally:
+        channel.close()
+
+
+def message_never_sent(release: threading.Event) -> Iterator[bytes]:
+    """A unary call's requests that never come: the call stays open with no message."""
+    release.wait()
+    return
+    yield b""  # (a generator)
+
+
+@pytest.mark.integration
+def test_team_a_unary_calls_that_never_send_their_message_leave_team_b_served(
+    service_factory: Callable[..., Service], tmp_path: Path
+) -> None:
+    """16 calls the service handles at once (ADV_MAX_CONNECTIONS), 8 messages being received
+    (ADV_MAX_RECEIVING): team-a opens 16 Compute calls and sends no message. Before, each held
+    its place until the client gave up (gRPC runs a unary handler only on a whole message) and
+    team-b was refused 'Concurrent RPC limit exceeded'; now team-a holds its half of the 8, the
+    rest refused at once, each ended past the body's deadline, and team-b is answered."""
+    service = service_factory(
+        auth_tokens_file=tokens_file(tmp_path / "auth"),
+        max_connections=16,
+        max_receiving=8,
+        body_timeout_seconds=3,
+    )
+    channel = service.channel()
+    compute = channel.stream_unary(
+        "/advantage.v1.AdvantageService/Compute",
+        request_serializer=lambda raw: raw,
+        response_deserializer=pb.ComputeResponse.FromString,
+    )
+    release = threading.Event()
+    try:
+        held = [
+            compute.future(message_never_sent(release), metadata=bearer("token-of-team-a").items())
+            for _ in range(16)
+        ]
+        poll(lambda: sum(call.done() for call in held) >= 12, 10, "team-a's refusals")
+        refused = [call for call in held if call.done()]
+        assert {call.code() for call in refused} == {grpc.StatusCode.UNAVAILABLE}
+        assert "team-a" in refused[0].details()
+
+        stub = pb_grpc.AdvantageServiceStub(channel)
+        team_b = json.loads(body("team-b"))
+        answer = stub.Compute(
+            compute_request_message(team_b), metadata=bearer("token-of-team-b").items(), timeout=10
+        )
+        assert len(from_tensor(answer.advantages)) == 24
+
+        # The four team-a holds end at the body's deadline, their places given back.
+        poll(lambda: all(call.done() for call in held), 10, "team-a's held calls ending")
+        late = [call for call in held if call.code() == grpc.StatusCode.DEADLINE_EXCEEDED]
+        assert len(late) == 4 and "did not arrive within 3 s" in late[0].details()
+        team_a = json.loads(body("team-a"))
+        answer = stub.Compute(
+            compute_request_message(team_a), metadata=bearer("token-of-team-a").items(), timeout=10
+        )
+        assert len(from_tensor(answer.advantages)) == 24
+    finally:
+        release.set()
         channel.close()

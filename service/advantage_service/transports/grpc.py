@@ -73,8 +73,12 @@ def add_servicer(servicer: AdvantageServicer, server: grpc.aio.Server) -> None:
     with deserializers that let a corrupt message be answered INVALID_ARGUMENT. ``Compute``
     takes the message's bytes: it checks them against the limits before protobuf parses them
     (grpc_wire), on a codec thread."""
+    # The unary methods are taken as a stream of requests (the bytes on the wire are the same):
+    # gRPC runs a unary handler only once its message is whole, so a call that never sends it
+    # would hold a place among ADV_MAX_CONNECTIONS for good, outside every limit and share;
+    # the handler runs at once and waits for the message within the body's deadline instead.
     handlers = {
-        "Compute": grpc.unary_unary_rpc_method_handler(
+        "Compute": grpc.stream_unary_rpc_method_handler(
             servicer.Compute,
             request_deserializer=None,
             response_serializer=pb.ComputeResponse.SerializeToString,
@@ -84,7 +88,7 @@ def add_servicer(servicer: AdvantageServicer, server: grpc.aio.Server) -> None:
             request_deserializer=lenient(pb.StreamRequest),
             response_serializer=pb.StreamResponse.SerializeToString,
         ),
-        "ListEstimators": grpc.unary_unary_rpc_method_handler(
+        "ListEstimators": grpc.stream_unary_rpc_method_handler(
             servicer.ListEstimators,
             request_deserializer=lenient(pb.ListEstimatorsRequest),
             response_serializer=pb.ListEstimatorsResponse.SerializeToString,
@@ -122,21 +126,52 @@ class AdvantageServicer(pb_grpc.AdvantageServiceServicer):
         call.principal = self.engine.auth.authenticate(values)
         return call.principal
 
+    async def _message(self, requests: AsyncIterator[Any]) -> Any:
+        """A unary call's one message, within the body's deadline (ADV_BODY_TIMEOUT_SECONDS,
+        else the request deadline): a 408 past it, a 422 for a call that ends without one."""
+        timeout = self.settings.body_timeout
+        try:
+            async with asyncio.timeout(timeout):
+                message = await anext(aiter(requests), None)
+        except TimeoutError:
+            raise RequestError(
+                "body_timeout",
+                f"the request message did not arrive within {timeout:g} s "
+                "(ADV_REQUEST_TIMEOUT_SECONDS or ADV_BODY_TIMEOUT_SECONDS)",
+                field="body",
+                status=408,
+            ) from None
+        if message is None:
+            raise RequestError("invalid_protobuf", "the call sent no request message")
+        return message
+
     async def Compute(
-        self, request: bytes, context: grpc.aio.ServicerContext
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> pb.ComputeResponse:
         try:
             with self.engine.call(TRANSPORT) as call:
                 principal = await self._authenticate(context, call)
-                computed = await self.engine.compute(
-                    partial(decode_compute_message, request, self.message_limits),
-                    TRANSPORT,
-                    encode=encode_compute_response,
-                    principal=principal,
-                    call=call,
-                    tenant=self.engine.tenant(principal, peer_host(context)),
-                    nbytes=len(request),
-                )
+                # A place among the messages being received, for the caller's tenant, before
+                # the message is awaited (as an HTTP body's): one tenant's calls that never
+                # send theirs hold at most its share, each until the deadline.
+                tenant = self.engine.tenant(principal, peer_host(context))
+                ticket = self.engine.admit(0, tenant, receiving=True)
+                try:
+                    request = await self._message(requests)
+                    ticket.hold(len(request))
+                    ticket.received()
+                except BaseException:
+                    ticket.release()
+                    raise
+                with ticket:
+                    computed = await self.engine.compute(
+                        partial(decode_compute_message, request, self.message_limits),
+                        TRANSPORT,
+                        encode=encode_compute_response,
+                        ticket=ticket,
+                        principal=principal,
+                        call=call,
+                    )
         except RequestError as exc:
             await abort(context, exc)
             raise  # unreachable: abort raises
@@ -192,11 +227,14 @@ class AdvantageServicer(pb_grpc.AdvantageServiceServicer):
             metrics.stream_open.dec()
 
     async def ListEstimators(
-        self, request: pb.ListEstimatorsRequest, context: grpc.aio.ServicerContext
+        self, requests: AsyncIterator[pb.ListEstimatorsRequest], context: grpc.aio.ServicerContext
     ) -> pb.ListEstimatorsResponse:
         try:
             with self.engine.call(TRANSPORT, count=False) as call:
-                await self._authenticate(context, call)
+                principal = await self._authenticate(context, call)
+                tenant = self.engine.tenant(principal, peer_host(context))
+                with self.engine.admit(0, tenant, receiving=True):
+                    request = await self._message(requests)
                 if isinstance(request, Malformed):
                     raise request.error()
         except RequestError as exc:

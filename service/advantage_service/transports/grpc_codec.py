@@ -317,6 +317,7 @@ def estimators_message() -> pb.ListEstimatorsResponse:
 STATUS_CODES = {
     401: grpc.StatusCode.UNAUTHENTICATED,
     403: grpc.StatusCode.PERMISSION_DENIED,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,  # the request message did not arrive in time
     409: grpc.StatusCode.ALREADY_EXISTS,  # a request id counted before for another request
     413: grpc.StatusCode.RESOURCE_EXHAUSTED,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -327,7 +328,7 @@ STATUS_CODES = {
 
 def status_code(exc: RequestError) -> grpc.StatusCode:
     """422 -> INVALID_ARGUMENT; 413 -> RESOURCE_EXHAUSTED; 503 (overloaded) -> UNAVAILABLE;
-    401 -> UNAUTHENTICATED; 403 -> PERMISSION_DENIED; 504 -> DEADLINE_EXCEEDED."""
+    401 -> UNAUTHENTICATED; 403 -> PERMISSION_DENIED; 408 and 504 -> DEADLINE_EXCEEDED."""
     return STATUS_CODES.get(exc.status, grpc.StatusCode.INVALID_ARGUMENT)
 
 
