@@ -26,6 +26,7 @@ from typing import Any
 import grpc
 import httpx
 import pytest
+from advantage_client import GrpcClient
 from advantage_client.grpc_client import options_message, rollout_message
 from advantage_client.grpc_codec import compute_request_message, from_tensor
 from advantage_contract.grpc_gen import advantage_pb2 as pb
@@ -477,6 +478,36 @@ def test_team_a_unary_calls_that_never_send_their_message_leave_team_b_served(
             compute_request_message(team_a), metadata=bearer("token-of-team-a").items(), timeout=10
         )
         assert len(from_tensor(answer.advantages)) == 24
+    finally:
+        release.set()
+        channel.close()
+
+
+@pytest.mark.integration
+def test_grpc_client_retries_the_servers_call_limit_until_a_place_frees(
+    service_factory: Callable[..., Service],
+) -> None:
+    """One call at once (ADV_MAX_CONNECTIONS 1), held by a call that sends no message: gRPC
+    refuses the client's call RESOURCE_EXHAUSTED 'Concurrent RPC limit exceeded', which HTTP
+    answers 503 for the same limit. GrpcClient retries it (it raised it at once) and is answered
+    once the held call ends at the body's deadline (2 s)."""
+    service = service_factory(max_connections=1, body_timeout_seconds=2)
+    channel = service.channel()
+    compute = channel.stream_unary(
+        "/advantage.v1.AdvantageService/Compute",
+        request_serializer=lambda raw: raw,
+        response_deserializer=pb.ComputeResponse.FromString,
+    )
+    release = threading.Event()
+    try:
+        held = compute.future(message_never_sent(release))
+        time.sleep(0.5)
+        assert not held.done()
+        with GrpcClient(service.target, backoff=0.2, max_backoff=0.5, timeout=10) as client:
+            answer = client.compute(json.loads(body("default")))
+            assert client.retry_stats.retries >= 1
+        assert len(answer["groups"]) == 4
+        assert held.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     finally:
         release.set()
         channel.close()

@@ -338,8 +338,17 @@ def error_from_rpc(exc: grpc.RpcError) -> AdvantageError:
     return error_from_metadata(code.name, call.details(), metadata)
 
 
+# gRPC's own refusal of a call past the server's limit of calls at once (ADV_MAX_CONNECTIONS),
+# RESOURCE_EXHAUSTED without the service's error code: HTTP answers the same limit 503.
+CALL_LIMIT = "concurrent rpc limit exceeded"
+
+
 def is_retryable(error: AdvantageError) -> bool:
     """UNAVAILABLE (overloaded, no server yet, a restart), and overload under any status:
-    ``overloaded``, or ``saturated`` (RESOURCE_EXHAUSTED, HTTP's 429, from services before
-    UNAVAILABLE)."""
-    return error.grpc_code == "UNAVAILABLE" or error.code in ("overloaded", "saturated")
+    ``overloaded``, ``saturated`` (RESOURCE_EXHAUSTED, HTTP's 429, from services before
+    UNAVAILABLE), or gRPC's refusal past the server's calls at once (:data:`CALL_LIMIT`)."""
+    return (
+        error.grpc_code == "UNAVAILABLE"
+        or error.code in ("overloaded", "saturated")
+        or (error.code == "resource_exhausted" and CALL_LIMIT in str(error.message).lower())
+    )
