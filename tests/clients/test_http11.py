@@ -46,9 +46,12 @@ def read_request(conn: socket.socket) -> bool:
         data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
     length = next(
-        int(line.split(b":", 1)[1])
-        for line in head.split(b"\r\n")
-        if line.lower().startswith(b"content-length:")
+        (
+            int(line.split(b":", 1)[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        ),
+        0,  # (a GET)
     )
     while len(body) < length:
         body += conn.recv(65536)
@@ -317,3 +320,56 @@ def test_the_services_answers_are_what_httpxs_transport_reads_from_several_threa
                 np.testing.assert_array_equal(ra["advantages"], rb["advantages"])
     ours.close()
     theirs.close()
+
+
+def answering(body: bytes) -> Callable[[socket.socket], None]:
+    """Answers every request 200 with ``body`` (a proxy's page, a cut or foreign answer)."""
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            while read_request(conn):
+                conn.sendall(answer(body))
+
+    return serve
+
+
+def arrow_stream_without_metadata() -> bytes:
+    import pyarrow as pa
+
+    table = pa.table({"advantages": pa.array([[0.5]], pa.list_(pa.float32()))})
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return bytes(sink.getvalue().to_pybytes())
+
+
+@pytest.mark.parametrize(
+    ("wire", "body"),
+    [
+        ("arrow", b""),
+        ("arrow", b"<html>502</html>"),
+        ("arrow", arrow_stream_without_metadata()),
+        ("arrow", arrow_stream_without_metadata()[:40]),
+        ("json", b"<html>502</html>"),
+        ("json", ANSWER[: len(ANSWER) // 2]),
+        ("json", b"{}"),
+        ("json", b"[]"),
+        ("json", b'"text"'),
+    ],
+)
+def test_a_200_that_is_not_the_services_answer_is_an_invalid_response(
+    wire: str, body: bytes
+) -> None:
+    # (Before: pyarrow's ArrowInvalid or OSError, orjson's JSONDecodeError, a KeyError or a
+    # TypeError reached the caller.)
+    with scripted(answering(body)) as (url, accepted), pytest.raises(AdvantageError) as info:
+        HttpClient(url, wire=wire, retries=0).compute(REQUEST)  # type: ignore[arg-type]
+    assert info.value.code == "invalid_response", info.value
+    assert accepted[0] == 1
+
+
+@pytest.mark.parametrize("body", [b"<html>502</html>", b"[]", b"{"])
+def test_an_estimator_listing_that_is_not_one_is_an_invalid_response(body: bytes) -> None:
+    with scripted(answering(body)) as (url, _), pytest.raises(AdvantageError) as info:
+        HttpClient(url, retries=0).list_estimators()
+    assert info.value.code == "invalid_response", info.value

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import ssl
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import httpx
 import numpy as np
@@ -196,6 +196,31 @@ def json_response_dict(body: bytes) -> dict[str, Any]:
     return response
 
 
+T = TypeVar("T")
+
+
+def _answer(parse: Callable[[bytes], T], body: bytes, form: str) -> T:
+    """``parse(body)`` of a 200 answer; an answer it cannot read (cut short, not the contract:
+    a proxy's page, a service of another version) is an AdvantageError, not the parser's."""
+    try:
+        return parse(body)
+    # (pyarrow's errors are these too: ArrowInvalid a ValueError, ArrowIOError an OSError, ...)
+    except (
+        ValueError,
+        KeyError,
+        TypeError,
+        IndexError,
+        AttributeError,
+        OSError,
+        NotImplementedError,
+    ) as exc:
+        raise AdvantageError(
+            "invalid_response",
+            f"the answer ({len(body)} bytes) is not the service's {form} answer: "
+            f"{type(exc).__name__}: {str(exc)[:200]}",
+        ) from exc
+
+
 def _retry_after_ms(value: Any) -> int | None:
     """The body's ``retry_after_ms`` when it is a whole number of milliseconds, else None."""
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
@@ -326,13 +351,15 @@ class HttpClient(RemoteBackend):
         """The JSON request in (lists or numpy arrays inside), the JSON response out with numpy
         float32 arrays for the per-token lists. Raises :class:`AdvantageError`."""
         if self.wire == "arrow":
-            return arrow_response_dict(self._post(arrow_request_body(request), ARROW))
-        return json_response_dict(self._post(dumps_request(request), JSON))
+            body = self._post(arrow_request_body(request), ARROW)
+            return _answer(arrow_response_dict, body, "Arrow")
+        return _answer(json_response_dict, self._post(dumps_request(request), JSON), "JSON")
 
     def _compute_flat(self, req: FlatRequest) -> PaddedResult:
         """A padded call's flat arrays as Arrow columns, whatever ``wire`` says: the padded
         path has no per-rollout dicts to send as JSON."""
-        return arrow_flat_result(self._post(arrow_flat_body(req), ARROW), req)
+        body = self._post(arrow_flat_body(req), ARROW)
+        return _answer(lambda answer: arrow_flat_result(answer, req), body, "Arrow")
 
     def _post(self, body: bytes, media_type: str) -> bytes:
         """``POST /v1/advantages`` of ``body``, answered in the same media type."""
@@ -342,6 +369,8 @@ class HttpClient(RemoteBackend):
     def list_estimators(self) -> dict[str, Any]:
         """The service's ``GET /v1/estimators`` (a warning when its contract version differs
         from this client's)."""
-        listing: dict[str, Any] = self._send("GET", "/v1/estimators").json()
+        listing = _answer(json.loads, self._send("GET", "/v1/estimators").content, "JSON")
+        if not isinstance(listing, dict):
+            raise AdvantageError("invalid_response", "the estimator listing is not a JSON object")
         check_contract(listing, f"the service at {self.http.base_url}")
         return listing
