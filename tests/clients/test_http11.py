@@ -16,11 +16,12 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
 import pytest
-from advantage_client import AdvantageError, HttpClient
+from advantage_client import AdvantageError, GrpcClient, HttpClient
 from advantage_client.http11 import Http11Transport, wanted
 from service_support import Service
 
@@ -373,3 +374,37 @@ def test_an_estimator_listing_that_is_not_one_is_an_invalid_response(body: bytes
     with scripted(answering(body)) as (url, _), pytest.raises(AdvantageError) as info:
         HttpClient(url, retries=0).list_estimators()
     assert info.value.code == "invalid_response", info.value
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"return": "scalar"},  # (gRPC sent 's', 'c', ... before)
+        {"return": ["scalar", 3]},
+        {"vocab_size": 3.5},  # (gRPC sent 3 before)
+        {"vocab_size": True},
+        {"vocab_size": 0},
+        {"ignore_token_ids": ["x"]},
+        {"ignore_token_ids": [1.5]},
+        {"namespace": 5},
+        {"request_id": 5},
+    ],
+    ids=str,
+)
+def test_a_wrong_option_is_the_same_error_from_both_clients(
+    service: Service, options: dict[str, Any]
+) -> None:
+    """The JSON request's options as the gRPC client encodes them: a value the message would
+    coerce or refuse is the error the service answers the JSON request (protobuf's TypeError
+    or a silent truncation before)."""
+    request = {**REQUEST, **options}
+    errors = []
+    for client in (
+        HttpClient(service.url, wire="json", retries=0),
+        GrpcClient(service.target, retries=0),
+    ):
+        with client, pytest.raises(AdvantageError) as info:
+            client.compute(request)
+        errors.append((info.value.code, info.value.field))
+    assert errors[0] == errors[1], errors
+    assert errors[0][1] == next(iter(options)), errors

@@ -68,19 +68,53 @@ def options_message(
     vocab_size: int | None = None,
     returns: Sequence[str] | None = None,
 ) -> pb.ComputeOptions:
-    """The JSON request's options: ``estimator`` a preset name or an estimator object."""
-    options = pb.ComputeOptions(namespace=namespace or "")
+    """The JSON request's options: ``estimator`` a preset name or an estimator object. A value
+    the message's field would change or refuse (a float vocab_size truncated, a string
+    ``return`` split into letters) is the error the service answers the JSON request, with its
+    code and field, not a coercion or protobuf's TypeError."""
+    options = pb.ComputeOptions(namespace=_text(namespace, "namespace"))
     if isinstance(estimator, str):
         options.preset = estimator
     elif estimator is not None:
-        options.estimator_json = json.dumps(estimator)
+        try:
+            options.estimator_json = json.dumps(estimator)
+        except (TypeError, ValueError) as exc:
+            raise AdvantageError("invalid_type", f"estimator: {exc}", field="estimator") from None
     if ignore_token_ids:
-        options.ignore_token_ids.extend(int(t) for t in ignore_token_ids)
+        options.ignore_token_ids.extend(_integers(ignore_token_ids, "ignore_token_ids"))
     if vocab_size is not None:
-        options.vocab_size = int(vocab_size)
+        (options.vocab_size,) = _integers([vocab_size], "vocab_size", positive=True)
     if returns:
+        if isinstance(returns, str) or not all(isinstance(n, str) for n in returns):
+            raise AdvantageError("invalid_type", "return must be a list of names", field="return")
         options.returns.extend(returns)
     return options
+
+
+def _text(value: Any, field: str) -> str:
+    """An optional string option ('' for none)."""
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise AdvantageError("invalid_type", f"{field} must be a string", field=field)
+    return value
+
+
+def _integers(values: Any, field: str, *, positive: bool = False) -> list[int]:
+    """Integers an int64 field carries (no bool, no float: the service refuses them in JSON),
+    refused as the service words it (``invalid_type`` naming ``field``)."""
+    kind = "a positive integer" if positive else "a list of 64-bit integers"
+    out = []
+    for value in values:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | np.integer)
+            or not -(2**63) <= value < 2**63
+            or (positive and value <= 0)
+        ):
+            raise AdvantageError("invalid_type", f"{field} must be {kind}", field=field)
+        out.append(int(value))
+    return out
 
 
 def compute_request_message(request: Mapping[str, Any]) -> pb.ComputeRequest:
@@ -97,7 +131,7 @@ def request_message(wire: WireRequest) -> pb.ComputeRequest:
     """A request's flat arrays as a ``ComputeRequest`` of raw tensors."""
     rows, options = wire.rows, wire.options
     message = pb.ComputeRequest(
-        request_id=options.get("request_id") or "",
+        request_id=_text(options.get("request_id"), "request_id"),
         options=options_message(
             namespace=options.get("namespace"),
             estimator=options.get("estimator"),
