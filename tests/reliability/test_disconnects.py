@@ -8,6 +8,7 @@ import json
 import queue
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -198,3 +199,30 @@ def test_metric_labels_stay_bounded_whatever_the_namespaces_and_request_ids(
     # One more distinct namespace adds no series: the first request may add its own label set.
     service.http.post("/v1/advantages", json={**SMALL, "namespace": "team-new"})
     assert len(service.metrics()) == len(samples) >= before
+
+
+def test_streams_cancelled_with_their_answers_unread_write_no_error_to_the_log(
+    service_factory: Callable[..., Service],
+) -> None:
+    """A client that cancels a stream before reading its answers is no error of the service's:
+    gRPC's core logged one at ERROR with a traceback for each (any client could fill the log
+    with them); the service still serves and returns to idle."""
+    service = service_factory()
+    tokens = list(range(1, 200_000))  # (answers of 800 KB: flow control holds the writes)
+    for _ in range(3):
+        outgoing: queue.Queue[pb.StreamRequest | None] = queue.Queue()
+        for g in range(40):
+            message = rollout_message(
+                {"group_id": f"g{g}", "group_size": 1, "tokens": tokens, "reward": 1.0}
+            )
+            outgoing.put(pb.StreamRequest(rollout=message))
+        with grpc.insecure_channel(service.target) as channel:
+            call = pb_grpc.AdvantageServiceStub(channel).StreamCompute(
+                iter(outgoing.get, None), timeout=60
+            )
+            time.sleep(2)  # (answers computed and being written; none read)
+            call.cancel()
+            outgoing.put(None)
+    assert_returns_to_idle_and_serves(service)
+    errors = [line for line in service.output().splitlines() if '"level":"error"' in line]
+    assert errors == [], errors[:2]

@@ -94,6 +94,24 @@ class TextFormatter(logging.Formatter):
         return escaped(line)  # (a stream that encodes strictly would drop the line otherwise)
 
 
+# What gRPC's core logs at ERROR, with a traceback, for what a client does and the service
+# answers as it should: a metadata value that is not UTF-8 (twice per call, the call served),
+# and a stream's answer written after its client cancelled. Any client could fill the log with
+# them and hide the errors that matter; at DEBUG they are still written.
+CLIENT_NOISE_LOGGER = "grpc._cython.cygrpc"
+CLIENT_NOISE = ("Invalid encoding on ", "ExecuteBatchError raised in core by servicer method")
+
+
+class ClientNoise(logging.Filter):
+    """Lets gRPC core's records of :data:`CLIENT_NOISE` through only at DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.msg if isinstance(record.msg, str) else ""
+        if not message.startswith(CLIENT_NOISE):
+            return True
+        return logging.getLogger().isEnabledFor(logging.DEBUG)
+
+
 def configure(level: str, fmt: str) -> None:
     """Send every logger (uvicorn's included) to stderr in ``fmt`` (json or text), at ``level``;
     access lines at INFO whatever ``level`` is."""
@@ -110,6 +128,9 @@ def configure(level: str, fmt: str) -> None:
         logger.propagate = True
     # Access lines are the record of what was served: written whatever the level of the rest.
     access_log.setLevel(logging.INFO)
+    noisy = logging.getLogger(CLIENT_NOISE_LOGGER)
+    if not any(isinstance(f, ClientNoise) for f in noisy.filters):
+        noisy.addFilter(ClientNoise())
 
 
 def access(**fields: Any) -> None:
