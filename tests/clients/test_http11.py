@@ -408,3 +408,26 @@ def test_a_wrong_option_is_the_same_error_from_both_clients(
         errors.append((info.value.code, info.value.field))
     assert errors[0] == errors[1], errors
     assert errors[0][1] == next(iter(options)), errors
+
+
+def test_a_message_over_the_body_limit_is_the_same_error_from_both_clients(
+    tmp_path: Path,
+) -> None:
+    # (gRPC refuses it before the service sees it, RESOURCE_EXHAUSTED without the service's
+    # code: the client called it 'resource_exhausted' where HTTP says limit_exceeded on body.)
+    small = Service.start(tmp_path, max_body_bytes=100_000)
+    try:
+        request = {
+            "groups": [{"id": "g", "rollouts": [{"tokens": list(range(1, 50_000)), "reward": 1.0}]}]
+        }
+        errors = []
+        for client in (
+            HttpClient(small.url, retries=0),
+            GrpcClient(small.target, retries=0),
+        ):
+            with client, pytest.raises(AdvantageError) as info:
+                client.compute(request)
+            errors.append((info.value.code, info.value.field))
+        assert errors == [("limit_exceeded", "body")] * 2, errors
+    finally:
+        small.stop()

@@ -369,7 +369,21 @@ def error_from_rpc(exc: grpc.RpcError) -> AdvantageError:
     call: Any = exc
     code = call.code()
     metadata = (call.trailing_metadata() or ()) if hasattr(call, "trailing_metadata") else ()
-    return error_from_metadata(code.name, call.details(), metadata)
+    error = error_from_metadata(code.name, call.details(), metadata)
+    if error.code == "resource_exhausted" and TOO_LARGE in str(error.message).lower():
+        # gRPC's own refusal of a message over the server's limit, before the service sees it:
+        # the error HTTP answers for a body over the same limit (ADV_MAX_BODY_BYTES).
+        return AdvantageError(
+            "limit_exceeded",
+            f"{error.message} (the service's ADV_MAX_BODY_BYTES)",
+            field="body",
+            grpc_code=error.grpc_code,
+        )
+    return error
+
+
+# gRPC's refusal of a message over the server's max_receive_message_length.
+TOO_LARGE = "received message larger than max"
 
 
 # gRPC's own refusal of a call past the server's limit of calls at once (ADV_MAX_CONNECTIONS),
