@@ -430,6 +430,15 @@ def message_never_sent(release: threading.Event) -> Iterator[bytes]:
     yield b""  # (a generator)
 
 
+def raw_compute(channel: grpc.Channel) -> Any:
+    """``Compute`` called with its requests as raw bytes, so a call can send none."""
+    return channel.stream_unary(
+        "/advantage.v1.AdvantageService/Compute",
+        request_serializer=lambda raw: raw,
+        response_deserializer=pb.ComputeResponse.FromString,
+    )
+
+
 @pytest.mark.integration
 def test_team_a_unary_calls_that_never_send_their_message_leave_team_b_served(
     service_factory: Callable[..., Service], tmp_path: Path
@@ -446,11 +455,7 @@ def test_team_a_unary_calls_that_never_send_their_message_leave_team_b_served(
         body_timeout_seconds=3,
     )
     channel = service.channel()
-    compute = channel.stream_unary(
-        "/advantage.v1.AdvantageService/Compute",
-        request_serializer=lambda raw: raw,
-        response_deserializer=pb.ComputeResponse.FromString,
-    )
+    compute = raw_compute(channel)
     release = threading.Event()
     try:
         held = [
@@ -493,11 +498,7 @@ def test_grpc_client_retries_the_servers_call_limit_until_a_place_frees(
     once the held call ends at the body's deadline (2 s)."""
     service = service_factory(max_connections=1, body_timeout_seconds=2)
     channel = service.channel()
-    compute = channel.stream_unary(
-        "/advantage.v1.AdvantageService/Compute",
-        request_serializer=lambda raw: raw,
-        response_deserializer=pb.ComputeResponse.FromString,
-    )
+    compute = raw_compute(channel)
     release = threading.Event()
     try:
         held = compute.future(message_never_sent(release))
