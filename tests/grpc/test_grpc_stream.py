@@ -310,3 +310,29 @@ def test_closing_the_client_generator_cancels_the_call(service: Service) -> None
         poll(lambda: service.gauge(OPEN) == 0, 20, "no open stream")
     finally:
         release.set()
+
+
+def test_a_message_that_ends_the_stream_is_answered_after_the_groups_before_it(
+    service: Service,
+) -> None:
+    """A complete group computing and an incomplete one, then a message that ends the stream
+    (no options, no rollout): the complete group's result and the incomplete one's
+    incomplete_group come first, then INVALID_ARGUMENT. Before, the stream ended at once and
+    neither group was answered."""
+    answers: list[pb.StreamResponse] = []
+    messages = [rollout("done", 1, n=10_000), rollout("open", 2), pb.StreamRequest()]
+    with grpc.insecure_channel(service.target) as channel:
+        call = pb_grpc.AdvantageServiceStub(channel).StreamCompute(iter(messages), timeout=30)
+        with pytest.raises(grpc.RpcError) as info:
+            answers.extend(call)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    meta = dict(info.value.trailing_metadata())  # type: ignore[attr-defined]
+    assert meta["advantage-error-code"] == "invalid_stream"
+    kinds = {
+        (a.result.group_id if a.WhichOneof("kind") == "result" else a.error.group_id): (
+            a.WhichOneof("kind"),
+            a.error.error.code if a.WhichOneof("kind") == "error" else "",
+        )
+        for a in answers
+    }
+    assert kinds == {"done": ("result", ""), "open": ("error", "incomplete_group")}, kinds

@@ -368,10 +368,11 @@ class StreamSession:
             await self._finish(idle.error)
         except AuthError as exc:  # revoked mid-stream, or its namespace not allowed
             await self.end(exc)
-        except RequestError as exc:
+        except RequestError as exc:  # a message that ends the stream (malformed, misplaced)
+            # The groups read before it are answered first, as at a half-close: those computing
+            # with their results, the incomplete as incomplete.
             self.ending = True
-            self._reject(exc)
-            self.out.put_nowait(StreamEnd(exc))
+            await self._finish(exc, "the stream ended on an error")
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -412,12 +413,15 @@ class StreamSession:
         await self.outstanding.acquire()
         self.out.put_nowait(response)
 
-    async def _finish(self, error: RequestError | None = None) -> None:
-        """The client half-closed (or, with ``error``, went idle): let computing groups
-        finish, then answer the incomplete, then end the stream (with ``error``)."""
+    async def _finish(
+        self, error: RequestError | None = None, why: str = "the stream went idle"
+    ) -> None:
+        """The client half-closed (or, with ``error``, went idle or sent what ends the stream):
+        let computing groups finish, then answer the incomplete, then end the stream (with
+        ``error``)."""
         if self.tasks:
             await asyncio.gather(*self.tasks)
-        why = "the stream closed" if error is None else "the stream went idle"
+        why = "the stream closed" if error is None else why
         for failed in self.groups.incomplete(why):
             await self._fail(failed)
         if error is not None:
