@@ -363,6 +363,10 @@ def stream_result_dict(response: pb.StreamResponse) -> dict[str, Any]:
     }
 
 
+# gRPC's refusal of a message over the server's max_receive_message_length.
+TOO_LARGE = "received message larger than max"
+
+
 def error_from_rpc(exc: grpc.RpcError) -> AdvantageError:
     """The service's error (status details + trailing metadata) as an AdvantageError, with its
     retry hints: ``retry-after`` (seconds) and ``retry-after-ms``."""
@@ -380,10 +384,6 @@ def error_from_rpc(exc: grpc.RpcError) -> AdvantageError:
             grpc_code=error.grpc_code,
         )
     return error
-
-
-# gRPC's refusal of a message over the server's max_receive_message_length.
-TOO_LARGE = "received message larger than max"
 
 
 # gRPC's own refusal of a call past the server's limit of calls at once (ADV_MAX_CONNECTIONS),

@@ -325,6 +325,24 @@ class Engine:
         the tenant is at its limit."""
         return self.scheduler.admit(nbytes, tenant, receiving=receiving)
 
+    async def receive(
+        self, tenant: Tenant, read: Callable[[Ticket], Awaitable[T]], declared: int = 0
+    ) -> tuple[Ticket, T]:
+        """The admission of every request whose body still has to arrive (an HTTP body, a
+        gRPC call's message): a place among the bodies being received for ``tenant``
+        (``declared`` bytes, when the transport knows them), the body from ``read(ticket)``
+        (which tells ``ticket.hold`` what has arrived), then a place among the requests
+        admitted. The place is released when any step fails; else the caller releases it
+        (``with ticket:``) once it has answered."""
+        ticket = self.admit(declared, tenant, receiving=True)
+        try:
+            body = await read(ticket)
+            ticket.received()
+        except BaseException:
+            ticket.release()
+            raise
+        return ticket, body
+
     # ---- limits ---------------------------------------------------------------------------------
 
     def check_limits(self, req: ComputeRequest) -> None:

@@ -34,6 +34,7 @@ from ..errors import Overloaded, RequestError
 from ..serving.accounting import Call
 from ..serving.auth import Principal
 from ..serving.engine import Engine
+from ..serving.scheduler import Ticket
 from ..serving.stream_groups import StreamLimits
 from ..serving.tenancy import Refusal
 from .grpc_codec import (
@@ -155,14 +156,13 @@ class AdvantageServicer(pb_grpc.AdvantageServiceServicer):
                 # the message is awaited (as an HTTP body's): one tenant's calls that never
                 # send theirs hold at most its share, each until the deadline.
                 tenant = self.engine.tenant(principal, peer_host(context))
-                ticket = self.engine.admit(0, tenant, receiving=True)
-                try:
-                    request = await self._message(requests)
+
+                async def read(ticket: Ticket) -> bytes:
+                    request: bytes = await self._message(requests)
                     ticket.hold(len(request))
-                    ticket.received()
-                except BaseException:
-                    ticket.release()
-                    raise
+                    return request
+
+                ticket, request = await self.engine.receive(tenant, read)
                 with ticket:
                     computed = await self.engine.compute(
                         partial(decode_compute_message, request, self.message_limits),

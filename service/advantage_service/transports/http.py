@@ -42,7 +42,7 @@ from ..wire.response import build_response
 from ..wire.text import check_query
 from . import arrow
 from .connections import HeaderLimit, RequestLimit
-from .http_body import UnreadBodies, declared_length, read_body
+from .http_body import UnreadBodies, closing, declared_length, read_body
 from .openapi import (
     ADVANTAGE_RESPONSES,
     AUTH_RESPONSES,
@@ -190,8 +190,7 @@ class CloseWhenDraining:
 
         async def send_closing(message: Any) -> None:
             if message["type"] == "http.response.start" and self.engine.draining:
-                headers = [(k, v) for k, v in message.get("headers", []) if k != b"connection"]
-                message = {**message, "headers": [*headers, (b"connection", b"close")]}
+                message = closing(message)
             await send(message)
 
         await self.app(scope, receive, send_closing)
@@ -279,9 +278,9 @@ def create_app(
         if principal is None:
             principal = engine.auth.authenticate(request.headers.getlist("authorization"))
         tenant = engine.tenant(principal, request.client.host if request.client else None)
-        ticket = engine.admit(declared_length(request, limit, setting) or 0, tenant, receiving=True)
-        try:
-            body = await read_body(
+        return await engine.receive(
+            tenant,
+            lambda ticket: read_body(
                 request,
                 limit,
                 settings.body_timeout,
@@ -289,12 +288,9 @@ def create_app(
                 setting=setting,
                 min_rate=settings.body_min_rate,
                 grace=settings.body_rate_grace_seconds,
-            )
-            ticket.received()
-        except BaseException:
-            ticket.release()
-            raise
-        return ticket, body
+            ),
+            declared_length(request, limit, setting) or 0,
+        )
 
     app.state.viewer = mount_viewer(app, settings, engine, receive_body)
 

@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse
 
 from ..errors import LimitExceeded, RequestError
 
-__all__ = ["UnreadBodies", "declared_length", "discard_body", "read_body"]
+__all__ = ["UnreadBodies", "closing", "declared_length", "discard_body", "read_body"]
 
 
 def _deadline(start: float, seconds: float, min_rate: int, grace: float) -> Callable[[int], float]:
@@ -141,7 +141,7 @@ def declares_body(headers: Headers) -> bool:
     return "transfer-encoding" in headers
 
 
-def _closing(message: Any) -> Any:
+def closing(message: Any) -> Any:
     """A response start with ``Connection: close`` (in place of any it had)."""
     headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
     return {**message, "headers": [*headers, (b"connection", b"close")]}
@@ -184,12 +184,12 @@ class UnreadBodies:
                 whole = True
             return message
 
-        async def closing(message: Any) -> None:
+        async def finishing(message: Any) -> None:
             if message["type"] == "http.response.start" and not whole:
                 waiting = "100-continue" in headers.get("expect", "").lower()
                 if asked or not waiting:
                     await discard_body(Request(scope, tracking), *self.limits)
-                message = _closing(message)
+                message = closing(message)
             await send(message)
 
         if "content-length" in headers and "transfer-encoding" in headers:
@@ -202,7 +202,7 @@ class UnreadBodies:
 
             async def unread(message: Any) -> None:
                 start = message["type"] == "http.response.start"
-                await send(_closing(message) if start else message)
+                await send(closing(message) if start else message)
 
             await refusal(scope, receive, unread)
             return
@@ -214,12 +214,12 @@ class UnreadBodies:
                 f"Content-Encoding {encoding!r} is not supported; send the body uncompressed",
                 "Content-Encoding",
             )
-            await refusal(scope, tracking, closing)
+            await refusal(scope, tracking, finishing)
             return
-        await self.app(scope, tracking, closing)
+        await self.app(scope, tracking, finishing)
 
 
 def _refusal(status: int, code: str, message: str, field: str) -> JSONResponse:
     """The error answer of the contract, for a request refused before any route."""
-    detail = {"code": code, "message": message, "group_id": None, "rollout_index": None}
-    return JSONResponse({"error": {**detail, "field": field}}, status_code=status)
+    error = RequestError(code, message, field=field, status=status)
+    return JSONResponse({"error": error.to_dict()}, status_code=status)
